@@ -1,0 +1,72 @@
+"""nixl_async: an asyncio-native transfer engine over NVIDIA NIXL.
+
+Four rooms: `layout` (pure descriptor math), `engine` (the sole owner of the loop and the NIXL
+agent), `sync` (a thin facade for threads) and `adapters/vllm` (translation for vLLM).
+"""
+
+from __future__ import annotations
+
+from .config import EngineConfig, PollConfig
+from .engine import Peer, TransferEngine
+from .exceptions import (
+    EngineClosedError,
+    EngineIdMismatch,
+    HandshakeError,
+    HandshakeRejected,
+    HandshakeTimeout,
+    IncompatiblePeerError,
+    LayoutError,
+    NixlAsyncError,
+    NotificationTimeout,
+    PeerUnknownError,
+    ProtocolError,
+    TransferCancelled,
+    TransferError,
+    TransferFailed,
+    TransferTimeout,
+    WrongThreadError,
+)
+from .layout import BlockLayout, BlockView, LayoutKind, MemType, ViewSpec
+from .notifications import Notification
+from .stats import StatsSnapshot
+from .sync import FinishedRequests, PeerInfo, SyncEngine
+from .transfer import Transfer, TransferResult, TransferState
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BlockLayout",
+    "BlockView",
+    "EngineClosedError",
+    "EngineConfig",
+    "EngineIdMismatch",
+    "FinishedRequests",
+    "HandshakeError",
+    "HandshakeRejected",
+    "HandshakeTimeout",
+    "IncompatiblePeerError",
+    "LayoutError",
+    "LayoutKind",
+    "MemType",
+    "NixlAsyncError",
+    "Notification",
+    "NotificationTimeout",
+    "Peer",
+    "PeerInfo",
+    "PeerUnknownError",
+    "PollConfig",
+    "ProtocolError",
+    "StatsSnapshot",
+    "SyncEngine",
+    "Transfer",
+    "TransferCancelled",
+    "TransferEngine",
+    "TransferError",
+    "TransferFailed",
+    "TransferResult",
+    "TransferState",
+    "TransferTimeout",
+    "ViewSpec",
+    "WrongThreadError",
+    "__version__",
+]

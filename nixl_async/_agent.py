@@ -1,0 +1,160 @@
+"""The only module that imports NIXL.
+
+`OwnedAgent` wraps one `nixl_agent` created with its progress thread off (the engine's loop
+progresses it through its own calls) and refuses every call from a thread other than the one
+that created it: NIXL agents are not thread-safe. It also counts every live handle (transfer
+requests, prepared descriptor lists, remote agents, registrations) so leaks show in tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from .exceptions import WrongThreadError
+from .layout import BlockView, DescArray, IdArray, MemType
+
+__all__ = ["NIXL_ERRORS", "OwnedAgent", "RegisteredMemory"]
+
+from nixl._api import nixl_agent, nixl_agent_config
+
+if not os.environ.get("NIXL_LOG_LEVEL"):  # NIXL logs every agent at INFO; keep it quiet by default
+    logging.getLogger("nixl").setLevel(logging.WARNING)
+
+log = logging.getLogger(__name__)
+
+# NIXL's bindings raise their own exception classes; they all derive from Exception.
+NIXL_ERRORS: tuple[type[BaseException], ...] = (Exception,)
+
+XferHandle = Any
+DlistHandle = Any
+
+
+class RegisteredMemory:
+    """Memory registered with the agent; `deregister()` it (the engine does on close)."""
+
+    __slots__ = ("descs", "mem_type", "reg_list")
+
+    def __init__(self, reg_list: Any, descs: DescArray, mem_type: MemType) -> None:
+        self.reg_list = reg_list
+        self.descs = descs
+        self.mem_type = mem_type
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.descs[:, 1].sum())
+
+
+class OwnedAgent:
+    """A NIXL agent that only its creating thread may call."""
+
+    def __init__(self, name: str, backends: tuple[str, ...], backend_params: Mapping[str, str]) -> None:
+        self._owner = threading.get_ident()
+        self.name = name
+        config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=[])
+        self._agent = nixl_agent(name, config)
+        for backend in backends:
+            self._agent.create_backend(backend, dict(backend_params))
+        self.live: Counter[str] = Counter()
+
+    def _check(self) -> None:
+        if threading.get_ident() != self._owner:
+            raise WrongThreadError(
+                f"NIXL agent {self.name!r} is owned by thread {self._owner}; "
+                f"called from {threading.get_ident()}. Hand the work to the engine's loop instead."
+            )
+
+    # -- memory ---------------------------------------------------------------------------
+    def register(self, descs: DescArray, mem_type: MemType) -> RegisteredMemory:
+        self._check()
+        reg = self._agent.register_memory(np.ascontiguousarray(descs, dtype=np.uint64), str(mem_type))
+        self.live["registrations"] += 1
+        return RegisteredMemory(reg, descs, mem_type)
+
+    def deregister(self, mem: RegisteredMemory) -> None:
+        self._check()
+        self._agent.deregister_memory(mem.reg_list)
+        self.live["registrations"] -= 1
+
+    def metadata(self) -> bytes:
+        self._check()
+        return bytes(self._agent.get_agent_metadata())
+
+    # -- remote agents --------------------------------------------------------------------
+    def add_remote(self, metadata: bytes) -> str:
+        self._check()
+        name = self._agent.add_remote_agent(metadata)
+        self.live["remote_agents"] += 1
+        return name.decode() if isinstance(name, bytes) else str(name)
+
+    def remove_remote(self, agent_name: str) -> None:
+        self._check()
+        self.live["remote_agents"] -= 1
+        self._agent.remove_remote_agent(agent_name)
+
+    # -- descriptor lists -----------------------------------------------------------------
+    def prep_view(self, agent_name: str, view: BlockView) -> DlistHandle:
+        """Prepare a view's descriptors, local (`agent_name` "") or of a remote agent."""
+        self._check()
+        handle = self._agent.prep_xfer_dlist(agent_name, view.strided_rows(), str(view.layout.mem_type))
+        self.live["dlists"] += 1
+        return handle
+
+    def release_dlist(self, handle: DlistHandle) -> None:
+        self._check()
+        self.live["dlists"] -= 1
+        self._agent.release_dlist_handle(handle)
+
+    # -- transfers ------------------------------------------------------------------------
+    def make_xfer(
+        self,
+        op: str,
+        local: DlistHandle,
+        local_ids: IdArray,
+        remote: DlistHandle,
+        remote_ids: IdArray,
+        notif: bytes = b"",
+    ) -> XferHandle:
+        self._check()
+        handle = self._agent.make_prepped_xfer(op, local, local_ids, remote, remote_ids, notif)
+        self.live["xfers"] += 1
+        return handle
+
+    def post(self, handle: XferHandle) -> str:
+        """Post a transfer: "DONE" (finished inside the call), "PROC" or "ERR"."""
+        self._check()
+        return self._agent.transfer(handle)
+
+    def state(self, handle: XferHandle) -> str:
+        self._check()
+        return self._agent.check_xfer_state(handle)
+
+    def release_xfer(self, handle: XferHandle) -> bool:
+        """Release (cancelling if in flight). False when NIXL could not release it yet."""
+        self._check()
+        try:
+            self._agent.release_xfer_handle(handle)
+        except NIXL_ERRORS as exc:
+            log.debug("xfer handle release deferred: %s", exc)
+            return False
+        self.live["xfers"] -= 1
+        return True
+
+    # -- notifications --------------------------------------------------------------------
+    def notifications(self) -> dict[str, list[bytes]]:
+        """Drain new notifications (this also progresses the UCX worker)."""
+        self._check()
+        return self._agent.get_new_notifs()
+
+    def send_notification(self, agent_name: str, message: bytes) -> None:
+        self._check()
+        self._agent.send_notif(agent_name, message)
+
+    def live_handles(self) -> dict[str, int]:
+        return {k: v for k, v in self.live.items() if v}

@@ -1,0 +1,93 @@
+"""One frozen configuration for an engine. Every knob lives here, so nothing reads the
+environment behind the caller's back; adapters translate their own settings into it."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+__all__ = ["EngineConfig", "PollConfig"]
+
+
+@dataclass(frozen=True)
+class PollConfig:
+    """How the poller paces itself (see `_poller.py` for why these defaults).
+
+    While transfers are in flight it checks them on every loop iteration (a spin that yields
+    to other coroutines); after the last activity it keeps spinning for `linger_s`, then backs
+    off from `backoff_start_s` doubling up to `idle_interval_s`. While someone awaits a
+    notification the interval never exceeds `waiting_interval_s`.
+    """
+
+    linger_s: float = 0.002
+    backoff_start_s: float = 0.001
+    idle_interval_s: float = 0.05
+    waiting_interval_s: float = 0.002
+
+    def __post_init__(self) -> None:
+        for name in ("linger_s", "backoff_start_s", "idle_interval_s", "waiting_interval_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"PollConfig.{name} must be >= 0")
+        if self.backoff_start_s > self.idle_interval_s:
+            raise ValueError("PollConfig.backoff_start_s must not exceed idle_interval_s")
+
+
+def _default_engine_id() -> str:
+    return f"engine-{uuid.uuid4().hex[:12]}"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Settings of one `TransferEngine`.
+
+    `compat` holds whatever must agree between two engines before their memory can be mixed
+    (model, dtype, cache layout...); its hash is exchanged in the handshake and a peer whose
+    hash differs is refused with `IncompatiblePeerError`.
+    """
+
+    engine_id: str = field(default_factory=_default_engine_id)
+    compat: Mapping[str, str] = field(default_factory=dict)
+    backends: tuple[str, ...] = ("UCX",)
+    backend_params: Mapping[str, str] = field(default_factory=dict)
+    # Backpressure: a submit beyond either limit waits for room.
+    max_inflight_transfers: int = 4096
+    max_inflight_bytes: int = 4 << 30
+    # A post over CMA is a synchronous copy inside `transfer()`; slicing bounds the loop stall.
+    max_post_bytes: int = 8 << 20
+    max_post_descriptors: int = 8192
+    slices_in_flight: int = 2
+    # Handshake side channel.
+    handshake_timeout_s: float = 5.0
+    max_request_bytes: int = 64 << 10
+    max_frame_bytes: int = 4 << 20
+    # Notifications nobody has claimed yet are kept up to this many (oldest dropped first).
+    max_unclaimed_notifications: int = 65536
+    poll: PollConfig = field(default_factory=PollConfig)
+
+    def __post_init__(self) -> None:
+        if not self.engine_id or not isinstance(self.engine_id, str):
+            raise ValueError("EngineConfig.engine_id must be a non-empty string")
+        positive = (
+            "max_inflight_transfers",
+            "max_inflight_bytes",
+            "max_post_bytes",
+            "max_post_descriptors",
+            "slices_in_flight",
+            "max_request_bytes",
+            "max_frame_bytes",
+            "max_unclaimed_notifications",
+        )
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"EngineConfig.{name} must be > 0")
+        if self.handshake_timeout_s <= 0:
+            raise ValueError("EngineConfig.handshake_timeout_s must be > 0")
+        # Freeze the mappings so the config stays hashable-in-spirit and immutable.
+        object.__setattr__(self, "compat", dict(self.compat))
+        object.__setattr__(self, "backend_params", dict(self.backend_params))
+
+    def replace(self, **changes: object) -> EngineConfig:
+        """A copy with some fields changed."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

@@ -1,0 +1,914 @@
+"""The asyncio transfer engine: sole owner of one NIXL agent, on one event loop.
+
+Everything that touches NIXL runs on the loop that started the engine: registration, the
+handshake server and client, posting, the poller that checks transfers and drains
+notifications. There is no thread pool. Other threads use `nixl_async.sync.SyncEngine`.
+
+Life cycle::
+
+    async with TransferEngine(EngineConfig(engine_id="decode-0")) as engine:
+        layout = engine.register("kv", kv_tensors, num_blocks=1024)
+        await engine.serve("127.0.0.1", 5600)          # let peers handshake with us
+        peer = await engine.connect("10.0.0.2", 5600)  # handshake with a peer
+        await engine.read(peer, local_blocks=[0, 1], remote_blocks=[7, 9], notify=b"req-1")
+
+One poller coroutine drives all in-flight transfers (see `_poller.py` for its pacing) and posts
+large transfers slice by slice (see `transfer.py`), so no coroutine on the loop stalls for more
+than one slice's copy. Backpressure: a submit beyond `max_inflight_transfers` or
+`max_inflight_bytes` waits for room.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Self
+
+import numpy as np
+import numpy.typing as npt
+import zmq
+import zmq.asyncio
+
+from . import messages
+from ._agent import NIXL_ERRORS, OwnedAgent, RegisteredMemory
+from ._poller import AdaptivePacer
+from .config import EngineConfig
+from .exceptions import (
+    EngineClosedError,
+    EngineIdMismatch,
+    IncompatiblePeerError,
+    LayoutError,
+    PeerUnknownError,
+    TransferCancelled,
+    TransferFailed,
+    TransferTimeout,
+)
+from .handshake import HandshakeServer, fetch_metadata
+from .layout import (
+    BlockLayout,
+    BlockView,
+    LayoutKind,
+    MemType,
+    ViewSpec,
+    as_block_ids,
+    pair_descriptor_ids,
+)
+from .notifications import Notification, NotificationBox
+from .stats import EngineStats, StatsSnapshot
+from .transfer import Transfer, TransferResult, TransferState, plan_slices
+
+__all__ = ["Peer", "TransferEngine"]
+
+log = logging.getLogger(__name__)
+
+BlockIds = Sequence[int] | npt.ArrayLike
+ViewLike = BlockView | ViewSpec | str | None
+# After serving a handshake, poll briskly this long: the asker's first transfer needs our UCX
+# worker progressed to finish connection wire-up.
+_WIREUP_BRISK_S = 2.0
+# A post slower than this ends the poller's sweep early so other coroutines get the loop.
+_SWEEP_BUDGET_S = 0.001
+
+
+class Peer:
+    """A remote engine we completed a handshake with."""
+
+    __slots__ = ("address", "agent_name", "compat_hash", "connected", "engine_id", "extra", "layouts")
+
+    def __init__(self, reply: messages.MetadataReply, address: tuple[str, int]) -> None:
+        self.engine_id = reply.engine_id
+        self.agent_name = reply.agent_name
+        self.compat_hash = reply.compat_hash
+        self.layouts = {lay.name: lay for lay in reply.layouts}
+        self.extra = dict(reply.extra)
+        self.address = address
+        self.connected = True
+
+    def __repr__(self) -> str:
+        return f"<Peer {self.engine_id} at {self.address[0]}:{self.address[1]} agent={self.agent_name}>"
+
+    def layout(self, name: str | None = None) -> BlockLayout:
+        """The peer's layout called `name` (or its only one)."""
+        return _pick_layout(self.layouts, name, f"peer {self.engine_id}")
+
+
+def _engine_id_of(agent_name: str) -> str:
+    """Our agents are named "<engine id>/<start time>"; other agents keep their own name."""
+    engine_id, sep, stamp = agent_name.rpartition("/")
+    return engine_id if sep and stamp.isalnum() else agent_name
+
+
+def _pick_layout(layouts: dict[str, BlockLayout], name: str | None, owner: str) -> BlockLayout:
+    if name is None:
+        if len(layouts) != 1:
+            raise LayoutError(f"{owner} has {len(layouts)} layouts {sorted(layouts)}: name one")
+        return next(iter(layouts.values()))
+    try:
+        return layouts[name]
+    except KeyError:
+        raise LayoutError(f"{owner} has no layout {name!r} (has {sorted(layouts)})") from None
+
+
+def _memory_regions(memory: Any) -> tuple[list[int], int, MemType, int, list[Any]]:
+    """(addresses, bytes per region, mem type, device id, objects to keep alive) of tensors/arrays."""
+    items = list(memory) if isinstance(memory, list | tuple) else [memory]
+    if not items:
+        raise LayoutError("no memory given")
+    addrs: list[int] = []
+    sizes: set[int] = set()
+    kinds: set[tuple[MemType, int]] = set()
+    for item in items:
+        if isinstance(item, np.ndarray):
+            if not item.flags.c_contiguous:
+                raise LayoutError("numpy arrays must be C-contiguous to be registered")
+            addrs.append(item.ctypes.data)
+            sizes.add(item.nbytes)
+            kinds.add((MemType.DRAM, 0))
+        elif hasattr(item, "data_ptr") and hasattr(item, "is_contiguous"):  # torch.Tensor
+            if not item.is_contiguous():
+                raise LayoutError("tensors must be contiguous to be registered")
+            addrs.append(item.data_ptr())
+            sizes.add(item.numel() * item.element_size())
+            if item.device.type == "cuda":
+                kinds.add((MemType.VRAM, item.device.index or 0))
+            elif item.device.type == "cpu":
+                kinds.add((MemType.DRAM, 0))
+            else:
+                raise LayoutError(f"cannot register memory on device {item.device}")
+        else:
+            raise LayoutError(f"cannot register {type(item).__name__}: pass tensors, arrays or a BlockLayout")
+    if len(sizes) != 1:
+        raise LayoutError(f"every region must have the same size, got {sorted(sizes)}")
+    if len(kinds) != 1:
+        raise LayoutError(f"every region must be on the same device, got {sorted(kinds)}")
+    ((mem_type, device),) = kinds
+    return addrs, sizes.pop(), mem_type, device, items
+
+
+class _LocalLayout:
+    __slots__ = ("keepalive", "layout", "memory")
+
+    def __init__(self, layout: BlockLayout, memory: RegisteredMemory, keepalive: list[Any]) -> None:
+        self.layout = layout
+        self.memory = memory
+        self.keepalive = keepalive
+
+
+class TransferEngine:
+    """The engine. Create it, then `start()` it (or use ``async with``) on the loop that owns it."""
+
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.stats = EngineStats()
+        self._agent: OwnedAgent | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._zmq: zmq.asyncio.Context | None = None
+        self._server: HandshakeServer | None = None
+        self._poller: asyncio.Task[None] | None = None
+        self._closing = False
+        self._compat_hash = messages.compat_hash(self.config.compat)
+        self._reply_cache: bytes | None = None
+        self.extra: dict[str, str] = {}
+        self._layouts: dict[str, _LocalLayout] = {}
+        self._local_dlists: dict[tuple[str, int, int, int], Any] = {}
+        self._remote_dlists: dict[tuple[str, tuple[str, int, int, int]], Any] = {}
+        self._peers: dict[str, Peer] = {}  # by engine id
+        self._peers_by_agent: dict[str, Peer] = {}
+        self._peers_by_address: dict[tuple[str, int], Peer] = {}
+        self._connecting: dict[tuple[str, int], asyncio.Task[Peer]] = {}
+        self._active: dict[int, Transfer] = {}
+        self._zombies: list[Any] = []  # handles NIXL would not release yet
+        self._ids = itertools.count(1)
+        self._inflight_bytes = 0
+        self._room_waiters: list[asyncio.Future[None]] = []
+        self._notifications = NotificationBox(self.config.max_unclaimed_notifications)
+        self._pacer = AdaptivePacer(self.config.poll)
+        self._wake: asyncio.Future[None] | None = None
+
+    # -- life cycle -----------------------------------------------------------------------
+    @property
+    def engine_id(self) -> str:
+        return self.config.engine_id
+
+    @property
+    def agent_name(self) -> str:
+        return self._require_agent().name
+
+    @property
+    def running(self) -> bool:
+        return self._agent is not None and not self._closing
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        """Where our handshake server listens, once `serve()` was called."""
+        return (self._server.host, self._server.port) if self._server else None
+
+    async def start(self) -> Self:
+        """Create the NIXL agent (progress thread off) and the poller on the running loop."""
+        if self._agent is not None:
+            raise RuntimeError("engine already started")
+        self._loop = asyncio.get_running_loop()
+        agent_name = f"{self.engine_id}/{time.time_ns():x}"
+        self._agent = OwnedAgent(agent_name, self.config.backends, self.config.backend_params)
+        self._zmq = zmq.asyncio.Context()
+        self._poller = self._loop.create_task(self._poll_forever(), name=f"nixl-poller:{self.engine_id}")
+        return self
+
+    async def __aenter__(self) -> Self:
+        return await self.start()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Stop serving, fail what is in flight, release every handle and deregister memory."""
+        if self._agent is None or self._closing:
+            return
+        self._closing = True
+        agent = self._agent
+        if self._server is not None:
+            await self._server.close()
+        connecting = list(self._connecting.values())
+        for task in connecting:
+            task.cancel()
+        await asyncio.gather(*connecting, return_exceptions=True)
+        closed = EngineClosedError("the engine was closed")
+        for transfer in list(self._active.values()):
+            self._end(transfer, TransferCancelled("the engine was closed", transfer_id=transfer.id, peer=transfer.peer))
+        self._notifications.close(closed)
+        # In-flight handles NIXL refused to cancel: give them a moment to finish, then move on.
+        deadline = time.monotonic() + 1.0
+        while self._zombies and time.monotonic() < deadline:
+            self._reap_zombies()
+            agent.notifications()
+            await asyncio.sleep(0.001)
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+        for handle in self._local_dlists.values():
+            agent.release_dlist(handle)
+        self._local_dlists.clear()
+        for peer in list(self._peers.values()):
+            self._forget_peer(peer)
+        for local in self._layouts.values():
+            agent.deregister(local.memory)
+        self._layouts.clear()
+        self._wake_room_waiters()
+        if self._zmq is not None:
+            self._zmq.destroy(linger=0)
+        if self._zombies:
+            log.warning("%d transfer handles could not be released at close", len(self._zombies))
+
+    def _require_agent(self) -> OwnedAgent:
+        if self._agent is None or self._closing:
+            raise EngineClosedError("the engine is not running: start() it first (and do not use it after close())")
+        return self._agent
+
+    def live_handles(self) -> dict[str, int]:
+        """Live NIXL handles by kind; all zero (empty) after `close()`."""
+        return self._agent.live_handles() if self._agent is not None else {}
+
+    def snapshot(self) -> StatsSnapshot:
+        """Counters, latency histograms and live handles, as a plain value."""
+        return self.stats.snapshot(self.live_handles())
+
+    # -- memory ---------------------------------------------------------------------------
+    def register(
+        self,
+        name: str,
+        memory: Any,
+        *,
+        num_blocks: int | None = None,
+        block_len: int | None = None,
+        kind: LayoutKind = LayoutKind.REGIONS,
+        block_size: int = 0,
+    ) -> BlockLayout:
+        """Register tensors or arrays (one region each, equal sizes) as layout `name`.
+
+        Give `num_blocks` or `block_len`; the other is derived from the region size. Memory on a
+        CUDA device registers as VRAM. The engine keeps the objects alive until it closes.
+        """
+        addrs, region_bytes, mem_type, device, keepalive = _memory_regions(memory)
+        if (num_blocks is None) == (block_len is None):
+            raise LayoutError("give exactly one of num_blocks and block_len")
+        if num_blocks is not None:
+            if num_blocks <= 0 or region_bytes % num_blocks:
+                raise LayoutError(f"a {region_bytes}-byte region does not hold {num_blocks} equal blocks")
+            block_len = region_bytes // num_blocks
+        assert block_len is not None
+        if block_len <= 0 or region_bytes % block_len:
+            raise LayoutError(f"a {region_bytes}-byte region is not a whole number of {block_len}-byte blocks")
+        layout = BlockLayout.from_regions(
+            name,
+            addrs,
+            num_blocks=region_bytes // block_len,
+            block_len=block_len,
+            kind=kind,
+            mem_type=mem_type,
+            device_id=device,
+            block_size=block_size,
+        )
+        return self.register_layout(layout, keepalive=keepalive)
+
+    def register_layout(self, layout: BlockLayout, *, keepalive: list[Any] | None = None) -> BlockLayout:
+        """Register raw memory described by `layout` (the caller keeps that memory alive)."""
+        agent = self._require_agent()
+        if layout.name in self._layouts:
+            raise LayoutError(f"a layout named {layout.name!r} is already registered")
+        memory = agent.register(layout.region_descriptors(), layout.mem_type)
+        self._layouts[layout.name] = _LocalLayout(layout, memory, keepalive or [])
+        self._reply_cache = None
+        self.stats.counters["registered_bytes"] += layout.total_bytes
+        return layout
+
+    def deregister(self, name: str) -> None:
+        """Deregister a layout. Transfers using it must have finished."""
+        agent = self._require_agent()
+        local = self._layouts.get(name)
+        if local is None:
+            raise LayoutError(f"no layout named {name!r} is registered")
+        handles = [self._local_dlists[k] for k in self._keys_of(name)]
+        if any(t.local_dlist is h for t in self._active.values() for h in handles):
+            raise LayoutError(f"layout {name!r} has transfers in flight")
+        for key in self._keys_of(name):
+            agent.release_dlist(self._local_dlists.pop(key))
+        agent.deregister(local.memory)
+        del self._layouts[name]
+        self._reply_cache = None
+
+    def _keys_of(self, name: str) -> list[tuple[str, int, int, int]]:
+        return [k for k in self._local_dlists if k[0] == name]
+
+    def layout(self, name: str | None = None) -> BlockLayout:
+        """Our registered layout called `name` (or our only one)."""
+        return _pick_layout({k: v.layout for k, v in self._layouts.items()}, name, "this engine")
+
+    # -- handshake ------------------------------------------------------------------------
+    async def serve(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
+        """Answer handshakes on host:port (port 0 picks a free one); returns the address."""
+        self._require_agent()
+        if self._server is not None:
+            raise RuntimeError(f"already serving on {self._server.host}:{self._server.port}")
+        assert self._zmq is not None
+        server = HandshakeServer(
+            self._zmq,
+            self._reply_for,
+            max_request_bytes=self.config.max_request_bytes,
+            max_frame_bytes=self.config.max_frame_bytes,
+            on_request=self._on_handshake_request,
+        )
+        address = await server.start(host, port)
+        self._server = server
+        return address
+
+    def _on_handshake_request(self) -> None:
+        self.stats.counters["handshakes_served"] += 1
+        assert self._loop is not None
+        self._pacer.stay_brisk(self._loop.time() + _WIREUP_BRISK_S)
+        self._wakeup()
+
+    def _reply_for(self, request: messages.MetadataRequest) -> bytes:
+        if request.expected_engine_id not in (None, self.engine_id):
+            return messages.encode(
+                messages.ErrorReply(
+                    code="engine_id_mismatch",
+                    message=f"this is engine {self.engine_id!r}, not {request.expected_engine_id!r}",
+                )
+            )
+        if self._reply_cache is None:
+            agent = self._require_agent()
+            self._reply_cache = messages.encode(
+                messages.MetadataReply(
+                    version=messages.PROTOCOL_VERSION,
+                    engine_id=self.engine_id,
+                    agent_name=agent.name,
+                    agent_metadata=agent.metadata(),
+                    compat_hash=self._compat_hash,
+                    layouts=[local.layout for local in self._layouts.values()],
+                    extra=self.extra,
+                )
+            )
+        return self._reply_cache
+
+    def set_extra(self, **extra: str) -> None:
+        """Free-form strings sent to peers in the handshake (adapters put TP rank etc. here)."""
+        self.extra.update({k: str(v) for k, v in extra.items()})
+        self._reply_cache = None
+
+    async def connect(
+        self,
+        host: str,
+        port: int,
+        *,
+        expected_engine_id: str | None = None,
+        timeout: float | None = None,
+        refresh: bool = False,
+    ) -> Peer:
+        """Handshake with the engine at host:port and return it as a `Peer`.
+
+        A peer already connected at that address is returned without a new handshake unless
+        `refresh` is set (e.g. after its process restarted). Concurrent connects to one address
+        share one handshake; connects to different addresses run concurrently.
+
+        Raises `HandshakeTimeout`, `HandshakeRejected`, `ProtocolError`, `IncompatiblePeerError`
+        or `EngineIdMismatch`.
+        """
+        self._require_agent()
+        key = (host, port)
+        peer = self._peers_by_address.get(key)
+        if peer is None or refresh or not peer.connected:
+            task = self._connecting.get(key)
+            if task is None:
+                assert self._loop is not None
+                task = self._loop.create_task(
+                    self._handshake(host, port, timeout or self.config.handshake_timeout_s),
+                    name=f"handshake:{host}:{port}",
+                )
+                self._connecting[key] = task
+                task.add_done_callback(lambda t, key=key: self._connecting.pop(key, None))
+            peer = await asyncio.shield(task)
+        if expected_engine_id is not None and peer.engine_id != expected_engine_id:
+            raise EngineIdMismatch(
+                f"{host}:{port} is engine {peer.engine_id!r}, expected {expected_engine_id!r}",
+                address=f"{host}:{port}",
+            )
+        return peer
+
+    async def _handshake(self, host: str, port: int, timeout: float) -> Peer:
+        assert self._zmq is not None and self._loop is not None
+        started = self._loop.time()
+        try:
+            reply = await fetch_metadata(
+                self._zmq,
+                host,
+                port,
+                messages.MetadataRequest(engine_id=self.engine_id),
+                timeout=timeout,
+                max_frame_bytes=self.config.max_frame_bytes,
+            )
+            if reply.compat_hash != self._compat_hash:
+                raise IncompatiblePeerError(
+                    f"{host}:{port} (engine {reply.engine_id!r}) has compatibility hash {reply.compat_hash}, "
+                    f"ours is {self._compat_hash}: its memory cannot be used with ours",
+                    address=f"{host}:{port}",
+                )
+            agent = self._require_agent()
+            old = self._peers.get(reply.engine_id)
+            if old is not None:
+                self._forget_peer(old)  # restarted peer (new agent) or explicit refresh
+            name = agent.add_remote(reply.agent_metadata)
+        except BaseException:
+            self.stats.counters["handshake_failures"] += 1
+            raise
+        peer = Peer(reply, (host, port))
+        peer.agent_name = name
+        self._peers[peer.engine_id] = peer
+        self._peers_by_agent[name] = peer
+        self._peers_by_address[(host, port)] = peer
+        self.stats.counters["handshakes"] += 1
+        self.stats.histograms["handshake_us"].record(self._loop.time() - started)
+        return peer
+
+    def peer(self, engine_id: str) -> Peer:
+        """The connected peer with that engine id (raises `PeerUnknownError`)."""
+        try:
+            return self._peers[engine_id]
+        except KeyError:
+            raise PeerUnknownError(engine_id) from None
+
+    @property
+    def peers(self) -> list[Peer]:
+        return list(self._peers.values())
+
+    def disconnect(self, peer: Peer) -> None:
+        """Forget a peer: fail its transfers, release its descriptor lists and remote agent."""
+        self._require_agent()
+        self._forget_peer(peer)
+
+    def _forget_peer(self, peer: Peer) -> None:
+        if not peer.connected:
+            return
+        agent = self._agent
+        assert agent is not None
+        for transfer in list(self._active.values()):
+            if transfer.remote_agent == peer.agent_name:
+                self._end(
+                    transfer, TransferCancelled("peer disconnected", transfer_id=transfer.id, peer=peer.engine_id)
+                )
+        for key in [k for k in self._remote_dlists if k[0] == peer.agent_name]:
+            agent.release_dlist(self._remote_dlists.pop(key))
+        agent.remove_remote(peer.agent_name)
+        peer.connected = False
+        self._peers.pop(peer.engine_id, None)
+        self._peers_by_agent.pop(peer.agent_name, None)
+        if self._peers_by_address.get(peer.address) is peer:
+            del self._peers_by_address[peer.address]
+
+    # -- transfers ------------------------------------------------------------------------
+    async def start_read(
+        self,
+        peer: Peer,
+        local_blocks: BlockIds,
+        remote_blocks: BlockIds,
+        *,
+        local: ViewLike = None,
+        remote: ViewLike = None,
+        notify: bytes | None = None,
+        timeout: float | None = None,
+    ) -> Transfer:
+        """Submit a READ of the peer's `remote_blocks` into our `local_blocks`.
+
+        Waits only for admission (backpressure), then returns the `Transfer`; await it for the
+        result. `local`/`remote` choose layouts or views (default: the only layout on each
+        side). `notify` is delivered to the peer once all data has moved. With empty block lists
+        only the notification is sent (a full prefix-cache hit). `timeout` sets a deadline
+        counted from now, enforced even if nobody awaits the transfer.
+
+        Raises `LayoutError` (a `ValueError`) for bad ids or views before anything is posted.
+        """
+        return await self._submit("READ", peer, local_blocks, remote_blocks, local, remote, notify, timeout)
+
+    async def start_write(
+        self,
+        peer: Peer,
+        local_blocks: BlockIds,
+        remote_blocks: BlockIds,
+        *,
+        local: ViewLike = None,
+        remote: ViewLike = None,
+        notify: bytes | None = None,
+        timeout: float | None = None,
+    ) -> Transfer:
+        """Submit a WRITE of our `local_blocks` into the peer's `remote_blocks` (see `start_read`)."""
+        return await self._submit("WRITE", peer, local_blocks, remote_blocks, local, remote, notify, timeout)
+
+    async def read(self, peer: Peer, local_blocks: BlockIds, remote_blocks: BlockIds, **kwargs: Any) -> TransferResult:
+        """`start_read` and wait for it."""
+        return await (await self.start_read(peer, local_blocks, remote_blocks, **kwargs))
+
+    async def write(self, peer: Peer, local_blocks: BlockIds, remote_blocks: BlockIds, **kwargs: Any) -> TransferResult:
+        """`start_write` and wait for it."""
+        return await (await self.start_write(peer, local_blocks, remote_blocks, **kwargs))
+
+    def _view(self, spec: ViewLike, layouts: dict[str, BlockLayout], owner: str) -> BlockView:
+        if isinstance(spec, ViewSpec):
+            return spec.resolve(_pick_layout(layouts, spec.layout, owner))
+        if isinstance(spec, BlockView):
+            known = layouts.get(spec.layout.name)
+            if known != spec.layout:
+                raise LayoutError(f"view of layout {spec.layout.name!r} does not belong to {owner}")
+            return spec
+        return _pick_layout(layouts, spec, owner).view()
+
+    async def _submit(
+        self,
+        op: str,
+        peer: Peer,
+        local_blocks: BlockIds,
+        remote_blocks: BlockIds,
+        local: ViewLike,
+        remote: ViewLike,
+        notify: bytes | None,
+        timeout: float | None,
+    ) -> Transfer:
+        agent = self._require_agent()
+        assert self._loop is not None
+        if not peer.connected or self._peers.get(peer.engine_id) is not peer:
+            raise PeerUnknownError(f"peer {peer.engine_id!r} is not connected (connect again)")
+        if notify is not None and not isinstance(notify, bytes):
+            raise TypeError("notify must be bytes")
+        local_view = self._view(local, {k: v.layout for k, v in self._layouts.items()}, "this engine")
+        remote_view = self._view(remote, peer.layouts, f"peer {peer.engine_id}")
+        lids = as_block_ids(local_blocks, local_view.layout.num_blocks, what="local", unique=op == "READ")
+        rids = as_block_ids(remote_blocks, remote_view.layout.num_blocks, what="remote", unique=op == "WRITE")
+        now = self._loop.time()
+        if len(lids) == 0 and len(rids) == 0:
+            return self._notify_only(op, peer, notify, now)
+        lidx, ridx = pair_descriptor_ids(local_view, lids, remote_view, rids)
+        nbytes = len(lidx) * local_view.piece_len
+        deadline = None if timeout is None else now + timeout
+
+        await self._admit(nbytes, deadline)
+        agent = self._require_agent()  # the engine may have closed while we waited
+        transfer = Transfer(
+            transfer_id=next(self._ids),
+            op=op,
+            peer=peer.engine_id,
+            remote_agent=peer.agent_name,
+            local_dlist=self._local_dlist(agent, local_view),
+            remote_dlist=self._remote_dlist(agent, peer, remote_view),
+            slices=plan_slices(
+                lidx, ridx, local_view.piece_len, self.config.max_post_bytes, self.config.max_post_descriptors
+            ),
+            notify=notify,
+            nbytes=nbytes,
+            deadline=deadline,
+            submitted_at=now,
+            future=self._loop.create_future(),
+            cancel_cb=self._end,
+        )
+        self._active[transfer.id] = transfer
+        self._inflight_bytes += nbytes
+        self.stats.counters["transfers_submitted"] += 1
+        self._pump(agent, transfer, max_posts=1)  # the fast path: small transfers finish here
+        if transfer.state is TransferState.POSTING:
+            self._pacer.activity(self._loop.time())
+            self._wakeup()
+        return transfer
+
+    def _notify_only(self, op: str, peer: Peer, notify: bytes | None, now: float) -> Transfer:
+        assert self._loop is not None
+        transfer = Transfer(
+            transfer_id=next(self._ids),
+            op=op,
+            peer=peer.engine_id,
+            remote_agent=peer.agent_name,
+            local_dlist=None,
+            remote_dlist=None,
+            slices=[],
+            notify=notify,
+            nbytes=0,
+            deadline=None,
+            submitted_at=now,
+            future=self._loop.create_future(),
+            cancel_cb=self._end,
+        )
+        try:
+            if notify is not None:
+                self._require_agent().send_notification(peer.agent_name, notify)
+                self.stats.counters["notifications_sent"] += 1
+        except NIXL_ERRORS as exc:
+            transfer.state = TransferState.FAILED
+            transfer.finish(
+                TransferFailed(
+                    f"notification to {peer.engine_id} failed: {exc}", transfer_id=transfer.id, peer=peer.engine_id
+                )
+            )
+            return transfer
+        transfer.state = TransferState.DONE
+        transfer.finish(TransferResult(transfer.id, op, peer.engine_id, 0, 0, 0, 0.0, notify is not None))
+        return transfer
+
+    async def _admit(self, nbytes: int, deadline: float | None) -> None:
+        assert self._loop is not None
+        cfg = self.config
+
+        def has_room() -> bool:
+            if self._closing:
+                return True
+            if not self._active:
+                return True  # an oversized transfer alone still goes
+            return (
+                len(self._active) < cfg.max_inflight_transfers
+                and self._inflight_bytes + nbytes <= cfg.max_inflight_bytes
+            )
+
+        if has_room():
+            return
+        self.stats.counters["backpressure_waits"] += 1
+        while not has_room():
+            room = self._loop.create_future()
+            self._room_waiters.append(room)
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await room
+            except TimeoutError:
+                raise TransferTimeout("deadline passed while waiting for room to submit") from None
+            finally:
+                if room in self._room_waiters:
+                    self._room_waiters.remove(room)
+
+    def _local_dlist(self, agent: OwnedAgent, view: BlockView) -> Any:
+        handle = self._local_dlists.get(view.key)
+        if handle is None:
+            handle = self._local_dlists[view.key] = agent.prep_view("", view)
+        return handle
+
+    def _remote_dlist(self, agent: OwnedAgent, peer: Peer, view: BlockView) -> Any:
+        key = (peer.agent_name, view.key)
+        handle = self._remote_dlists.get(key)
+        if handle is None:
+            handle = self._remote_dlists[key] = agent.prep_view(peer.agent_name, view)
+        return handle
+
+    # -- the pump: posting slices and checking them ----------------------------------------
+    def _pump(self, agent: OwnedAgent, transfer: Transfer, max_posts: int) -> None:
+        """Advance one transfer: reap finished slices, post new ones (at most `max_posts`)."""
+        try:
+            pending: list[Any] = []
+            failed_state = None
+            for handle in transfer.posted:
+                state = agent.state(handle)
+                if state == "DONE":
+                    self._release(agent, handle)
+                    transfer.slices_done += 1
+                else:
+                    pending.append(handle)
+                    if state != "PROC":
+                        failed_state = state
+            transfer.posted = pending
+            if failed_state is not None:
+                raise TransferFailed(
+                    f"{transfer.op} with {transfer.peer} failed (NIXL state {failed_state})",
+                    transfer_id=transfer.id,
+                    peer=transfer.peer,
+                )
+            posts = 0
+            while (
+                posts < max_posts
+                and transfer.next_slice < len(transfer.slices)
+                and len(transfer.posted) < self.config.slices_in_flight
+            ):
+                last = transfer.is_last_slice_next
+                if last and len(transfer.slices) > 1 and transfer.notify is not None and transfer.posted:
+                    break  # the notification goes only after every other slice is done
+                lidx, ridx = transfer.slices[transfer.next_slice]
+                notif = transfer.notify if (last and transfer.notify is not None) else b""
+                started = time.perf_counter()
+                handle = agent.make_xfer(transfer.op, transfer.local_dlist, lidx, transfer.remote_dlist, ridx, notif)
+                transfer.next_slice += 1
+                transfer.posted.append(handle)
+                state = agent.post(handle)
+                self.stats.histograms["post_us"].record(time.perf_counter() - started)
+                posts += 1
+                if state == "DONE":
+                    transfer.posted.pop()
+                    self._release(agent, handle)
+                    transfer.slices_done += 1
+                elif state != "PROC":
+                    raise TransferFailed(
+                        f"posting {transfer.op} to {transfer.peer} failed (NIXL state {state})",
+                        transfer_id=transfer.id,
+                        peer=transfer.peer,
+                    )
+        except TransferFailed as exc:
+            self._end(transfer, exc)
+            return
+        except NIXL_ERRORS as exc:
+            self._end(
+                transfer,
+                TransferFailed(
+                    f"{transfer.op} with {transfer.peer} failed: {exc}", transfer_id=transfer.id, peer=transfer.peer
+                ),
+            )
+            return
+        if transfer.slices_done == len(transfer.slices):
+            self._complete(transfer)
+
+    def _release(self, agent: OwnedAgent, handle: Any) -> None:
+        if not agent.release_xfer(handle):
+            self._zombies.append(handle)
+
+    def _reap_zombies(self) -> None:
+        agent = self._agent
+        assert agent is not None
+        self._zombies = [h for h in self._zombies if not agent.release_xfer(h)]
+
+    def _complete(self, transfer: Transfer) -> None:
+        assert self._loop is not None
+        elapsed = self._loop.time() - transfer.submitted_at
+        transfer.state = TransferState.DONE
+        self._retire(transfer)
+        counters = self.stats.counters
+        counters["transfers_done"] += 1
+        counters["bytes_" + transfer.op.lower()] += transfer.nbytes
+        if transfer.notify is not None:
+            counters["notifications_sent"] += 1
+        self.stats.histograms["transfer_us"].record(elapsed)
+        transfer.finish(
+            TransferResult(
+                transfer.id,
+                transfer.op,
+                transfer.peer,
+                transfer.nbytes,
+                transfer.descriptors,
+                len(transfer.slices),
+                elapsed,
+                transfer.notify is not None,
+            )
+        )
+
+    def _end(self, transfer: Transfer, error: BaseException) -> None:
+        """Finish a transfer with an error, releasing (cancelling) whatever it has in flight."""
+        if transfer.done():
+            return
+        agent = self._agent
+        assert agent is not None
+        for handle in transfer.posted:
+            self._release(agent, handle)
+        transfer.posted = []
+        transfer.state = {
+            TransferCancelled: TransferState.CANCELLED,
+            TransferTimeout: TransferState.TIMED_OUT,
+        }.get(type(error), TransferState.FAILED)
+        self._retire(transfer)
+        kind = {TransferState.CANCELLED: "cancelled", TransferState.TIMED_OUT: "timeouts"}.get(
+            transfer.state, "failures"
+        )
+        self.stats.counters["transfers_" + kind] += 1
+        transfer.finish(error)
+
+    def _retire(self, transfer: Transfer) -> None:
+        if self._active.pop(transfer.id, None) is not None:
+            self._inflight_bytes -= transfer.nbytes
+            self._wake_room_waiters()
+
+    def _wake_room_waiters(self) -> None:
+        waiters, self._room_waiters = self._room_waiters, []
+        for room in waiters:
+            if not room.done():
+                room.set_result(None)
+
+    # -- notifications --------------------------------------------------------------------
+    async def notify(self, peer: Peer, message: bytes) -> None:
+        """Send a notification to a peer (not tied to any transfer)."""
+        (await self._submit("WRITE", peer, [], [], None, None, message, None)).result()
+
+    async def wait_notifications(self, message: bytes, count: int = 1, *, timeout: float | None = None) -> list[str]:
+        """Wait until `count` notifications carrying `message` have arrived; return the senders.
+
+        Notifications that arrived before the call count. Raises `NotificationTimeout`.
+        """
+        self._require_agent()
+        self._wakeup()
+        return await self._notifications.wait(message, count, timeout)
+
+    def notifications(self) -> AsyncIterator[Notification]:
+        """An async iterator over every notification arriving from now on."""
+        self._require_agent()
+        return self._notifications.subscribe()
+
+    # -- the poller -----------------------------------------------------------------------
+    def _wakeup(self) -> None:
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
+    async def _sleep(self, delay: float) -> None:
+        assert self._loop is not None
+        self._wake = self._loop.create_future()
+        timer = self._loop.call_later(delay, self._wakeup)
+        try:
+            await self._wake
+        finally:
+            timer.cancel()
+            self._wake = None
+
+    def _drain_notifications(self, agent: OwnedAgent) -> bool:
+        batch = agent.notifications()
+        if not batch:
+            return False
+        for agent_name, msgs in batch.items():
+            peer = self._peers_by_agent.get(agent_name)
+            sender = peer.engine_id if peer is not None else _engine_id_of(agent_name)
+            for msg in msgs:
+                self._notifications.deliver(sender, bytes(msg))
+        self.stats.counters["notifications_received"] += sum(len(m) for m in batch.values())
+        return True
+
+    def _expire(self, now: float) -> None:
+        for transfer in [t for t in self._active.values() if t.deadline is not None and now >= t.deadline]:
+            self._end(
+                transfer,
+                TransferTimeout(
+                    f"{transfer.op} with {transfer.peer} missed its deadline",
+                    transfer_id=transfer.id,
+                    peer=transfer.peer,
+                ),
+            )
+
+    async def _poll_forever(self) -> None:
+        loop = self._loop
+        assert loop is not None
+        counters = self.stats.counters
+        while True:
+            agent = self._agent
+            assert agent is not None
+            counters["polls"] += 1
+            activity = self._drain_notifications(agent)
+            if self._active:
+                swept = time.perf_counter()
+                for transfer in list(self._active.values()):
+                    before = (transfer.slices_done, transfer.next_slice)
+                    self._pump(agent, transfer, max_posts=1)
+                    if (transfer.slices_done, transfer.next_slice) != before or transfer.done():
+                        activity = True
+                    if time.perf_counter() - swept > _SWEEP_BUDGET_S:
+                        await asyncio.sleep(0)  # a long post: let other coroutines run
+                        swept = time.perf_counter()
+                self._expire(loop.time())
+            if self._zombies:
+                self._reap_zombies()
+            now = loop.time()
+            if activity:
+                self._pacer.activity(now)
+            delay = self._pacer.delay(now, busy=bool(self._active), waiting=self._notifications.has_waiters)
+            if delay == 0.0:
+                await asyncio.sleep(0)
+            else:
+                counters["poller_sleeps"] += 1
+                await self._sleep(delay)

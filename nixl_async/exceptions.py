@@ -1,0 +1,115 @@
+"""The error tree. Local faults (the caller's input, the caller's thread) are kept apart from
+remote ones (what a peer said or failed to say), so a caller can tell "fix my call" from
+"retry or give up on that peer".
+
+    NixlAsyncError
+    ├── EngineClosedError            the engine is not running (not started, or closed)
+    ├── WrongThreadError             a NIXL call from a thread that does not own the agent
+    ├── LayoutError (ValueError)     bad layout, block ids or memory given by the caller
+    ├── HandshakeError               connecting to a peer failed
+    │   ├── HandshakeTimeout         nobody answered within the timeout
+    │   ├── HandshakeRejected        the peer answered with an error reply
+    │   ├── IncompatiblePeerError    the peer's compatibility hash differs from ours
+    │   ├── EngineIdMismatch         the peer is not the engine the caller expected
+    │   └── ProtocolError            the reply was malformed or of an unknown version
+    ├── TransferError                a transfer did not complete
+    │   ├── TransferFailed           NIXL reported an error (dead peer, cut link, ...)
+    │   ├── TransferTimeout          the transfer's deadline passed first
+    │   └── TransferCancelled        the transfer was cancelled
+    ├── NotificationTimeout          awaited notifications did not all arrive in time
+    └── PeerUnknownError (KeyError)  no peer with that engine id is connected
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "EngineClosedError",
+    "EngineIdMismatch",
+    "HandshakeError",
+    "HandshakeRejected",
+    "HandshakeTimeout",
+    "IncompatiblePeerError",
+    "LayoutError",
+    "NixlAsyncError",
+    "NotificationTimeout",
+    "PeerUnknownError",
+    "ProtocolError",
+    "TransferCancelled",
+    "TransferError",
+    "TransferFailed",
+    "TransferTimeout",
+    "WrongThreadError",
+]
+
+
+class NixlAsyncError(Exception):
+    """Base of every error this library raises on purpose."""
+
+
+class EngineClosedError(NixlAsyncError):
+    """The engine was used before `start()` or after `close()`."""
+
+
+class WrongThreadError(NixlAsyncError, RuntimeError):
+    """A NIXL call came from a thread other than the one that owns the agent."""
+
+
+class LayoutError(NixlAsyncError, ValueError):
+    """The caller's layout, memory or block ids are invalid; nothing was posted."""
+
+
+class HandshakeError(NixlAsyncError):
+    """Connecting to a peer failed. `address` says which one."""
+
+    def __init__(self, message: str, *, address: str | None = None) -> None:
+        super().__init__(message)
+        self.address = address
+
+
+class HandshakeTimeout(HandshakeError, TimeoutError):
+    """The peer did not answer the metadata query within the timeout."""
+
+
+class HandshakeRejected(HandshakeError):
+    """The peer answered with an error reply (bad request, authentication, ...)."""
+
+
+class IncompatiblePeerError(HandshakeError):
+    """The peer's compatibility hash differs: its KV cache cannot be mixed with ours."""
+
+
+class EngineIdMismatch(HandshakeError):
+    """The engine answering at that address is not the one the caller expected."""
+
+
+class ProtocolError(HandshakeError):
+    """The peer's reply could not be decoded, or speaks an unknown protocol version."""
+
+
+class TransferError(NixlAsyncError):
+    """A transfer did not complete. `transfer_id` and `peer` say which one."""
+
+    def __init__(self, message: str, *, transfer_id: int | None = None, peer: str | None = None) -> None:
+        super().__init__(message)
+        self.transfer_id = transfer_id
+        self.peer = peer
+
+
+class TransferFailed(TransferError):
+    """NIXL reported an error for the transfer (dead peer, cut link, bad remote memory)."""
+
+
+class TransferTimeout(TransferError, TimeoutError):
+    """The transfer's deadline passed before it completed; its handles were released."""
+
+
+class TransferCancelled(TransferError):
+    """The transfer was cancelled; its handles were released."""
+
+
+class NotificationTimeout(NixlAsyncError, TimeoutError):
+    """Fewer notifications than expected arrived before the deadline."""
+
+
+class PeerUnknownError(NixlAsyncError, KeyError):
+    """No connected peer has that engine id."""

@@ -1,0 +1,187 @@
+"""The handshake side channel: a zmq.asyncio ROUTER that answers metadata queries, and the
+client coroutine that asks.
+
+The server runs as one coroutine on the engine's loop. Replies are prepared bytes (the engine
+rebuilds them when its registrations change), so serving a query is one decode and one send:
+many concurrent queries cost nothing, and a malformed or oversized one gets an `ErrorReply`
+and the server carries on. ZMQ's own frame limit (`max_frame_bytes`) drops abusive senders.
+
+The client opens a DEALER per handshake and bounds the whole exchange by one timeout: ZMQ
+cannot tell "nobody listens" from "slow", so the timeout is what keeps a dead peer from
+hanging the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from . import messages
+from .exceptions import HandshakeRejected, HandshakeTimeout, ProtocolError
+
+__all__ = ["HandshakeServer", "fetch_metadata"]
+
+log = logging.getLogger(__name__)
+
+ReplyFor = Callable[[messages.MetadataRequest], bytes]
+
+
+def _error(code: str, message: str) -> bytes:
+    return messages.encode(messages.ErrorReply(code=code, message=message))
+
+
+class HandshakeServer:
+    """Answers `MetadataRequest`s on ``tcp://host:port`` until closed.
+
+    `reply_for` turns a decoded request into reply bytes; it runs on the loop thread, so it may
+    touch the engine's state.
+    """
+
+    def __init__(
+        self,
+        context: zmq.asyncio.Context,
+        reply_for: ReplyFor,
+        *,
+        max_request_bytes: int,
+        max_frame_bytes: int,
+        on_request: Callable[[], None] | None = None,
+    ) -> None:
+        self._context = context
+        self._reply_for = reply_for
+        self._max_request_bytes = max_request_bytes
+        self._max_frame_bytes = max_frame_bytes
+        self._on_request = on_request
+        self._socket: zmq.asyncio.Socket | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.host = ""
+        self.port = 0
+        self.served = 0
+        self.rejected = 0
+
+    async def start(self, host: str, port: int) -> tuple[str, int]:
+        sock = self._context.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self._max_frame_bytes)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        try:
+            if port:
+                sock.bind(f"tcp://{host}:{port}")
+            else:
+                port = sock.bind_to_random_port(f"tcp://{host}")
+        except zmq.ZMQError:
+            sock.close(0)
+            raise
+        self._socket, self.host, self.port = sock, host, port
+        self._task = asyncio.get_running_loop().create_task(self._serve(), name=f"handshake-server:{port}")
+        return host, port
+
+    async def _serve(self) -> None:
+        sock = self._socket
+        assert sock is not None
+        while True:
+            frames = await sock.recv_multipart(copy=True)
+            if self._on_request is not None:
+                self._on_request()
+            reply = self._answer(frames)
+            if reply is None:
+                continue
+            identity, delimiter, payload = reply
+            try:
+                await sock.send_multipart([identity, *delimiter, payload])
+            except zmq.ZMQError as exc:  # the asker went away; nothing to do
+                log.debug("handshake reply not sent: %s", exc)
+
+    def _answer(self, frames: list[bytes]) -> tuple[bytes, list[bytes], bytes] | None:
+        if len(frames) < 2:
+            return None  # no routing identity: cannot answer
+        identity, rest = frames[0], frames[1:]
+        delimiter = [b""] if len(rest) > 1 and rest[0] == b"" else []  # REQ clients add one
+        body = rest[len(delimiter) :]
+        if len(body) != 1:
+            self.rejected += 1
+            return identity, delimiter, _error("bad_request", f"expected 1 payload frame, got {len(body)}")
+        payload = body[0]
+        if len(payload) > self._max_request_bytes:
+            self.rejected += 1
+            return (
+                identity,
+                delimiter,
+                _error("too_large", f"request of {len(payload)} bytes exceeds {self._max_request_bytes}"),
+            )
+        try:
+            request = messages.decode_request(payload)
+        except msgspec.DecodeError as exc:
+            self.rejected += 1
+            return identity, delimiter, _error("bad_request", f"undecodable request: {exc}")
+        if request.version != messages.PROTOCOL_VERSION:
+            self.rejected += 1
+            return (
+                identity,
+                delimiter,
+                _error("version", f"protocol version {request.version} unsupported (want {messages.PROTOCOL_VERSION})"),
+            )
+        try:
+            reply = self._reply_for(request)
+        except Exception as exc:  # never let one request take the server down
+            log.exception("handshake reply failed")
+            self.rejected += 1
+            return identity, delimiter, _error("internal", type(exc).__name__)
+        self.served += 1
+        return identity, delimiter, reply
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._socket is not None:
+            self._socket.close(0)
+            self._socket = None
+
+
+async def fetch_metadata(
+    context: zmq.asyncio.Context,
+    host: str,
+    port: int,
+    request: messages.MetadataRequest,
+    *,
+    timeout: float,
+    max_frame_bytes: int,
+) -> messages.MetadataReply:
+    """Ask the engine at host:port for its metadata.
+
+    Raises `HandshakeTimeout` when no reply comes within `timeout`, `HandshakeRejected` for an
+    error reply and `ProtocolError` for a reply that cannot be decoded.
+    """
+    address = f"{host}:{port}"
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+    try:
+        sock.connect(f"tcp://{address}")
+        try:
+            async with asyncio.timeout(timeout):
+                await sock.send(messages.encode(request))
+                frames = await sock.recv_multipart()
+        except TimeoutError:
+            raise HandshakeTimeout(f"no handshake reply from {address} within {timeout}s", address=address) from None
+    finally:
+        sock.close(0)
+    if len(frames) != 1:
+        raise ProtocolError(f"{address} replied with {len(frames)} frames, expected 1", address=address)
+    try:
+        reply = messages.decode_reply(frames[0])
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"undecodable handshake reply from {address}: {exc}", address=address) from None
+    if isinstance(reply, messages.ErrorReply):
+        raise HandshakeRejected(f"{address} refused the handshake ({reply.code}): {reply.message}", address=address)
+    if reply.version != messages.PROTOCOL_VERSION:
+        raise ProtocolError(f"{address} speaks protocol version {reply.version}", address=address)
+    return reply

@@ -1,0 +1,295 @@
+"""Block layouts and descriptor math: pure numpy, no NIXL, no I/O.
+
+A KV cache is a set of *regions* (one per layer, or one per layer and K/V), each holding
+`num_blocks` blocks of `block_len` bytes laid out back to back. Two kinds exist:
+
+- ``REGIONS``: a block is one opaque run of bytes (K and V live in separate regions);
+- ``BLOCKS_FIRST_KV``: each block holds its K half then its V half, so a head slice of a block
+  is two runs of bytes, one per half.
+
+Each half (or the whole block) is a *part*. A `BlockView` selects, within every part, a byte
+window ``[chunk_offset, chunk_offset + chunk_len)`` and cuts it into `split` equal pieces. Views
+express the cases vLLM needs without per-block Python loops:
+
+- heterogeneous TP, reader has more ranks: the remote view takes this rank's head window;
+- heterogeneous TP, reader has fewer ranks: the local view takes the window a remote rank fills;
+- smaller remote blocks: the local view is split into `ratio` pieces, one per remote block.
+
+Descriptor *i* of a view is ordered (region, part, piece, block), which lets NIXL prepare the
+whole view from one strided row per (region, part, piece) instead of one row per block.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Annotated
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from .exceptions import LayoutError
+
+__all__ = [
+    "BlockLayout",
+    "BlockView",
+    "LayoutKind",
+    "MemType",
+    "ViewSpec",
+    "as_block_ids",
+    "pair_descriptor_ids",
+]
+
+IdArray = npt.NDArray[np.int64]
+DescArray = npt.NDArray[np.uint64]
+
+
+class MemType(enum.StrEnum):
+    DRAM = "DRAM"
+    VRAM = "VRAM"
+
+
+class LayoutKind(enum.StrEnum):
+    REGIONS = "regions"
+    BLOCKS_FIRST_KV = "blocks_first_kv"
+
+
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+Positive = Annotated[int, msgspec.Meta(gt=0)]
+
+
+class BlockLayout(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a set of equally sized blocks lives in memory.
+
+    It is also the wire form of a layout in the handshake, so validation runs on decode too.
+    """
+
+    name: str
+    region_addrs: tuple[NonNegative, ...]
+    num_blocks: Positive
+    block_len: Positive
+    kind: LayoutKind = LayoutKind.REGIONS
+    mem_type: MemType = MemType.DRAM
+    device_id: NonNegative = 0
+    block_size: NonNegative = 0  # tokens per block; informational, used by adapters
+
+    def __post_init__(self) -> None:
+        if not self.region_addrs:
+            raise LayoutError(f"layout {self.name!r} has no regions")
+        if self.block_len % self.num_parts:
+            raise LayoutError(f"layout {self.name!r}: block_len {self.block_len} has no K/V halves")
+
+    @property
+    def num_regions(self) -> int:
+        return len(self.region_addrs)
+
+    @property
+    def num_parts(self) -> int:
+        return 2 if self.kind is LayoutKind.BLOCKS_FIRST_KV else 1
+
+    @property
+    def part_len(self) -> int:
+        return self.block_len // self.num_parts
+
+    @property
+    def region_len(self) -> int:
+        return self.num_blocks * self.block_len
+
+    @property
+    def total_bytes(self) -> int:
+        return self.region_len * self.num_regions
+
+    def region_descriptors(self) -> DescArray:
+        """(addr, len, device) rows, one per region: what gets registered with NIXL."""
+        out = np.empty((self.num_regions, 3), dtype=np.uint64)
+        out[:, 0] = self.region_addrs
+        out[:, 1] = self.region_len
+        out[:, 2] = self.device_id
+        return out
+
+    def view(self, chunk_offset: int = 0, chunk_len: int | None = None, split: int = 1) -> BlockView:
+        """A view of this layout (see the module docstring); the default is whole blocks."""
+        return BlockView(self, chunk_offset, self.part_len - chunk_offset if chunk_len is None else chunk_len, split)
+
+    @classmethod
+    def from_regions(
+        cls,
+        name: str,
+        region_addrs: Sequence[int],
+        *,
+        num_blocks: int,
+        block_len: int,
+        kind: LayoutKind = LayoutKind.REGIONS,
+        mem_type: MemType = MemType.DRAM,
+        device_id: int = 0,
+        block_size: int = 0,
+    ) -> BlockLayout:
+        """Build and validate a layout from plain Python values (raising `LayoutError`)."""
+        try:
+            return msgspec.convert(
+                {
+                    "name": name,
+                    "region_addrs": [int(a) for a in region_addrs],
+                    "num_blocks": num_blocks,
+                    "block_len": block_len,
+                    "kind": kind,
+                    "mem_type": mem_type,
+                    "device_id": device_id,
+                    "block_size": block_size,
+                },
+                cls,
+            )
+        except msgspec.ValidationError as exc:
+            raise LayoutError(f"invalid layout {name!r}: {exc}") from None
+
+
+class BlockView:
+    """A byte window of every part of every block of a layout, cut into `split` pieces."""
+
+    __slots__ = ("chunk_len", "chunk_offset", "layout", "split")
+
+    def __init__(self, layout: BlockLayout, chunk_offset: int, chunk_len: int, split: int) -> None:
+        if split <= 0:
+            raise LayoutError(f"split must be > 0, got {split}")
+        if chunk_offset < 0 or chunk_len <= 0 or chunk_offset + chunk_len > layout.part_len:
+            raise LayoutError(
+                f"window [{chunk_offset}, {chunk_offset + chunk_len}) does not fit in a "
+                f"{layout.part_len}-byte part of layout {layout.name!r}"
+            )
+        if chunk_len % split:
+            raise LayoutError(f"a {chunk_len}-byte window cannot be split into {split} equal pieces")
+        self.layout = layout
+        self.chunk_offset = chunk_offset
+        self.chunk_len = chunk_len
+        self.split = split
+
+    @property
+    def key(self) -> tuple[str, int, int, int]:
+        """Identifies the view; prepared descriptor lists are cached under it."""
+        return (self.layout.name, self.chunk_offset, self.chunk_len, self.split)
+
+    @property
+    def piece_len(self) -> int:
+        return self.chunk_len // self.split
+
+    @property
+    def rows(self) -> int:
+        """Number of (region, part, piece) rows; each row covers every block."""
+        return self.layout.num_regions * self.layout.num_parts * self.split
+
+    @property
+    def num_descriptors(self) -> int:
+        return self.rows * self.layout.num_blocks
+
+    def _row_addrs(self) -> DescArray:
+        lay = self.layout
+        base = np.asarray(lay.region_addrs, dtype=np.uint64)[:, None, None]
+        part = (np.arange(lay.num_parts, dtype=np.uint64) * np.uint64(lay.part_len))[None, :, None]
+        piece = (np.arange(self.split, dtype=np.uint64) * np.uint64(self.piece_len))[None, None, :]
+        return (base + part + piece + np.uint64(self.chunk_offset)).reshape(-1)
+
+    def strided_rows(self) -> DescArray:
+        """(addr, len, device, stride, count) rows: NIXL's compact form of `descriptors()`."""
+        out = np.empty((self.rows, 5), dtype=np.uint64)
+        out[:, 0] = self._row_addrs()
+        out[:, 1] = self.piece_len
+        out[:, 2] = self.layout.device_id
+        out[:, 3] = self.layout.block_len
+        out[:, 4] = self.layout.num_blocks
+        return out
+
+    def descriptors(self) -> DescArray:
+        """Every descriptor as an (addr, len, device) row, in (region, part, piece, block) order."""
+        lay = self.layout
+        blocks = np.arange(lay.num_blocks, dtype=np.uint64) * np.uint64(lay.block_len)
+        out = np.empty((self.num_descriptors, 3), dtype=np.uint64)
+        out[:, 0] = (self._row_addrs()[:, None] + blocks[None, :]).reshape(-1)
+        out[:, 1] = self.piece_len
+        out[:, 2] = lay.device_id
+        return out
+
+    def descriptor_ids(self, block_ids: IdArray, pieces: IdArray | None = None) -> IdArray:
+        """Descriptor indices for `block_ids`, grouped by (region, part).
+
+        Without `pieces`, every piece of each block is taken (unit order: block, then piece);
+        with `pieces` (same length as `block_ids`) unit *u* takes piece ``pieces[u]``.
+        """
+        lay = self.layout
+        if pieces is None:
+            units_block = np.repeat(block_ids, self.split)
+            units_piece = np.tile(np.arange(self.split, dtype=np.int64), len(block_ids))
+        else:
+            units_block, units_piece = block_ids, pieces
+        rp = np.arange(lay.num_regions * lay.num_parts, dtype=np.int64)[:, None]
+        ids = (rp * self.split + units_piece[None, :]) * lay.num_blocks + units_block[None, :]
+        return ids.reshape(-1)
+
+
+class ViewSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """A view described by value (layout name and window), resolved against a layout later.
+
+    Lets code that cannot hold layouts (another thread, another process) name a view.
+    """
+
+    layout: str | None = None
+    chunk_offset: int = 0
+    chunk_len: int | None = None
+    split: int = 1
+
+    def resolve(self, layout: BlockLayout) -> BlockView:
+        return layout.view(self.chunk_offset, self.chunk_len, self.split)
+
+
+def as_block_ids(
+    block_ids: Sequence[int] | npt.ArrayLike, num_blocks: int, *, what: str, unique: bool = False
+) -> IdArray:
+    """Validate block ids against a layout's block count and return them as int64.
+
+    Raises `LayoutError` for non-integer, multi-dimensional or out-of-range ids, and with
+    `unique` for repeated ids (a destination block written twice by one transfer is a race).
+    """
+    arr = np.asarray(block_ids)
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.ndim != 1:
+        raise LayoutError(f"{what} block ids must be a flat sequence, got shape {arr.shape}")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise LayoutError(f"{what} block ids must be integers, got dtype {arr.dtype}")
+    arr = arr.astype(np.int64, copy=False)
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi >= num_blocks:
+        bad = lo if lo < 0 else hi
+        raise LayoutError(f"{what} block id {bad} is out of range: the layout has {num_blocks} blocks")
+    if unique and len(np.unique(arr)) != len(arr):
+        raise LayoutError(f"{what} block ids name a destination block more than once")
+    return arr
+
+
+def pair_descriptor_ids(
+    local: BlockView, local_ids: IdArray, remote: BlockView, remote_ids: IdArray
+) -> tuple[IdArray, IdArray]:
+    """Match local and remote descriptors one to one for a transfer.
+
+    Both sides are cut into equal units: ``len(local_ids) * local.split`` must equal
+    ``len(remote_ids) * remote.split``; unit *u* of one side pairs with unit *u* of the other.
+    Raises `LayoutError` when the views cannot be paired.
+    """
+    if local.piece_len != remote.piece_len:
+        raise LayoutError(
+            f"descriptor sizes differ: local pieces are {local.piece_len} bytes, remote {remote.piece_len}"
+        )
+    lrp = local.layout.num_regions * local.layout.num_parts
+    rrp = remote.layout.num_regions * remote.layout.num_parts
+    if lrp != rrp:
+        raise LayoutError(f"layouts differ in regions x parts: local {lrp}, remote {rrp}")
+    units = len(local_ids) * local.split
+    if units != len(remote_ids) * remote.split:
+        raise LayoutError(
+            f"block counts do not pair: {len(local_ids)} local blocks x {local.split} pieces "
+            f"!= {len(remote_ids)} remote blocks x {remote.split} pieces"
+        )
+    u = np.arange(units, dtype=np.int64)
+    local_idx = local.descriptor_ids(local_ids[u // local.split], u % local.split)
+    remote_idx = remote.descriptor_ids(remote_ids[u // remote.split], u % remote.split)
+    return local_idx, remote_idx

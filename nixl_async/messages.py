@@ -1,0 +1,84 @@
+"""Side-channel messages: tagged msgspec Structs, one shared encoder and typed decoders.
+
+A handshake is one request and one reply. The request says who asks and (optionally) whom it
+expects; the reply carries what the asker needs to reach our memory: NIXL agent metadata, our
+layouts and the compatibility hash. Any request that cannot be decoded gets an `ErrorReply`.
+New fields go last, with defaults, so older peers still decode newer messages.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+
+import msgspec
+
+from .layout import BlockLayout
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "ErrorReply",
+    "MetadataReply",
+    "MetadataRequest",
+    "Reply",
+    "compat_hash",
+    "decode_reply",
+    "decode_request",
+    "encode",
+]
+
+PROTOCOL_VERSION = 1
+
+
+class MetadataRequest(msgspec.Struct, tag="metadata_request", frozen=True, kw_only=True):
+    """Asks a peer for what is needed to transfer with it."""
+
+    version: int = PROTOCOL_VERSION
+    engine_id: str = ""
+    expected_engine_id: str | None = None
+
+
+class MetadataReply(msgspec.Struct, tag="metadata", frozen=True, kw_only=True):
+    """Everything a reader needs to reach the replying engine's memory."""
+
+    version: int
+    engine_id: str
+    agent_name: str
+    agent_metadata: bytes
+    compat_hash: str
+    layouts: list[BlockLayout]
+    extra: dict[str, str] = {}
+
+
+class ErrorReply(msgspec.Struct, tag="error", frozen=True, kw_only=True):
+    """The request was refused; `code` is machine-readable, `message` for humans."""
+
+    code: str
+    message: str
+
+
+Reply = MetadataReply | ErrorReply
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(MetadataRequest)
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+
+
+def encode(message: MetadataRequest | MetadataReply | ErrorReply) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_request(data: bytes) -> MetadataRequest:
+    """Decode a request; raises `msgspec.DecodeError` (incl. `ValidationError`) on bad input."""
+    return _request_decoder.decode(data)
+
+
+def decode_reply(data: bytes) -> MetadataReply | ErrorReply:
+    """Decode a reply; raises `msgspec.DecodeError` (incl. `ValidationError`) on bad input."""
+    return _reply_decoder.decode(data)
+
+
+def compat_hash(compat: Mapping[str, str]) -> str:
+    """A stable digest of what must agree between two engines (order-insensitive)."""
+    canonical = _encoder.encode([PROTOCOL_VERSION, sorted((str(k), str(v)) for k, v in compat.items())])
+    return hashlib.sha256(canonical).hexdigest()[:32]

@@ -1,0 +1,151 @@
+"""The notification mailbox: delivery, counted waits and subscriptions, without I/O.
+
+NIXL hands us notifications in batches as ``{agent: [message, ...]}``. A caller may await a
+message before or after it arrives, and may need the same message from several senders
+(fan-in: a decode rank waits until every prefill rank it read from has said "done"). So:
+
+- a delivered message first feeds the oldest waiter for that message;
+- otherwise it is kept, unclaimed, until a waiter takes it (bounded: the oldest is dropped);
+- every delivery is also copied to each live subscription (the async iterator).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator
+
+import msgspec
+
+from .exceptions import NotificationTimeout
+
+__all__ = ["Notification", "NotificationBox"]
+
+
+class Notification(msgspec.Struct, frozen=True):
+    """One notification: who sent it (engine id when known, else NIXL agent name) and what."""
+
+    sender: str
+    message: bytes
+
+
+class _Waiter:
+    __slots__ = ("count", "future", "senders")
+
+    def __init__(self, count: int, future: asyncio.Future[list[str]]) -> None:
+        self.count = count
+        self.senders: list[str] = []
+        self.future = future
+
+
+class NotificationBox:
+    def __init__(self, max_unclaimed: int) -> None:
+        self._max_unclaimed = max_unclaimed
+        self._unclaimed: OrderedDict[bytes, deque[str]] = OrderedDict()
+        self._unclaimed_total = 0
+        self._waiters: dict[bytes, deque[_Waiter]] = {}
+        self._subscribers: set[asyncio.Queue[Notification | None]] = set()
+        self.dropped = 0
+        self.delivered = 0
+
+    @property
+    def has_waiters(self) -> bool:
+        return bool(self._waiters)
+
+    @property
+    def unclaimed(self) -> int:
+        return self._unclaimed_total
+
+    def deliver(self, sender: str, message: bytes) -> None:
+        self.delivered += 1
+        for queue in self._subscribers:
+            queue.put_nowait(Notification(sender, message))
+        waiters = self._waiters.get(message)
+        while waiters:
+            waiter = waiters[0]
+            if waiter.future.done():  # timed out or cancelled meanwhile
+                waiters.popleft()
+                continue
+            waiter.senders.append(sender)
+            if len(waiter.senders) == waiter.count:
+                waiters.popleft()
+                waiter.future.set_result(waiter.senders)
+            if not waiters:
+                del self._waiters[message]
+            return
+        self._waiters.pop(message, None)
+        self._keep(message, [sender])
+
+    def _keep(self, message: bytes, senders: list[str]) -> None:
+        box = self._unclaimed.setdefault(message, deque())
+        box.extend(senders)
+        self._unclaimed.move_to_end(message)
+        self._unclaimed_total += len(senders)
+        while self._unclaimed_total > self._max_unclaimed:
+            oldest, box = next(iter(self._unclaimed.items()))
+            box.popleft()
+            self._unclaimed_total -= 1
+            self.dropped += 1
+            if not box:
+                del self._unclaimed[oldest]
+
+    async def wait(self, message: bytes, count: int = 1, timeout: float | None = None) -> list[str]:
+        """Wait until `count` notifications carrying `message` have arrived; return senders.
+
+        Messages that arrived earlier count. On timeout or cancellation the ones collected so far
+        are put back, so nothing is lost; timeout raises `NotificationTimeout`.
+        """
+        if count <= 0:
+            raise ValueError(f"count must be > 0, got {count}")
+        taken: list[str] = []
+        box = self._unclaimed.get(message)
+        while box and len(taken) < count:
+            taken.append(box.popleft())
+            self._unclaimed_total -= 1
+        if box is not None and not box:
+            del self._unclaimed[message]
+        if len(taken) == count:
+            return taken
+        waiter = _Waiter(count, asyncio.get_running_loop().create_future())
+        waiter.senders = taken
+        self._waiters.setdefault(message, deque()).append(waiter)
+        try:
+            async with asyncio.timeout(timeout):
+                return await waiter.future
+        except TimeoutError:
+            raise NotificationTimeout(
+                f"{len(waiter.senders)} of {count} notifications {message!r} arrived in {timeout}s"
+            ) from None
+        finally:
+            if not waiter.future.done() or waiter.future.cancelled():
+                waiter.future.cancel()
+                self._forget(message, waiter)
+                if waiter.senders:
+                    self._keep(message, waiter.senders)
+
+    def _forget(self, message: bytes, waiter: _Waiter) -> None:
+        waiters = self._waiters.get(message)
+        if waiters is not None and waiter in waiters:
+            waiters.remove(waiter)
+            if not waiters:
+                del self._waiters[message]
+
+    async def subscribe(self) -> AsyncIterator[Notification]:
+        """Every notification delivered from now on, in order, until the iterator is closed."""
+        queue: asyncio.Queue[Notification | None] = asyncio.Queue()
+        self._subscribers.add(queue)
+        try:
+            while (item := await queue.get()) is not None:
+                yield item
+        finally:
+            self._subscribers.discard(queue)
+
+    def close(self, exc: BaseException) -> None:
+        """Fail every waiter and end every subscription (the engine is closing)."""
+        for queue in self._subscribers:
+            queue.put_nowait(None)
+        for waiters in self._waiters.values():
+            for waiter in waiters:
+                if not waiter.future.done():
+                    waiter.future.set_exception(exc)
+        self._waiters.clear()

@@ -1,0 +1,415 @@
+"""A peer engine in its own process, for tests, the demo and benchmarks.
+
+``python -m nixl_async.peer SPEC_JSON`` starts an engine whose layout is filled with a
+deterministic pattern, serves handshakes, and obeys commands on a control socket (msgspec
+Structs over ZMQ): verify blocks, read, write, notify, wait for notifications, report stats.
+It prints one JSON line with its addresses when ready. `PeerProcess` is the parent's handle:
+start, command, pause (SIGSTOP), kill (SIGKILL), stop.
+
+The fill pattern is a function of (seed, region, byte offset), so either side can check any
+block without shipping data: see `pattern_block` and `verify_blocks`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from collections.abc import Sequence
+from typing import Any, Self
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+import zmq
+import zmq.asyncio
+
+from .layout import LayoutKind
+
+__all__ = [
+    "PeerCommandError",
+    "PeerProcess",
+    "PeerSpec",
+    "fill_pattern",
+    "pattern_block",
+    "verify_blocks",
+]
+
+_READY = "NIXL_ASYNC_PEER_READY"
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX = np.uint64(0xBF58476D1CE4E5B9)
+
+
+def _pattern_words(seed: int, region: int, start_word: int, count: int) -> npt.NDArray[np.uint64]:
+    x = np.arange(start_word, start_word + count, dtype=np.uint64) * _GOLDEN
+    x += np.uint64((seed * 1_000_003 + region * 7_919 + 1) & 0xFFFFFFFFFFFFFFFF)
+    x ^= x >> np.uint64(31)
+    x *= _MIX
+    x ^= x >> np.uint64(29)
+    return x
+
+
+def pattern_block(seed: int, region: int, block: int, block_len: int) -> npt.NDArray[np.uint8]:
+    """The bytes block `block` of region `region` holds when filled with `seed`."""
+    if block_len % 8:
+        raise ValueError("pattern blocks must be a multiple of 8 bytes")
+    words = block_len // 8
+    return _pattern_words(seed, region, block * words, words).view(np.uint8)
+
+
+def fill_pattern(regions: Sequence[npt.NDArray[Any]], seed: int) -> None:
+    """Fill each region (a flat uint8 array or tensor-backed view) with the pattern."""
+    for r, region in enumerate(regions):
+        flat = np.asarray(region).reshape(-1).view(np.uint8)
+        if flat.nbytes % 8:
+            raise ValueError("pattern regions must be a multiple of 8 bytes")
+        flat.view(np.uint64)[:] = _pattern_words(seed, r, 0, flat.nbytes // 8)
+
+
+def verify_blocks(
+    regions: Sequence[npt.NDArray[Any]],
+    block_len: int,
+    blocks: Sequence[int],
+    source_blocks: Sequence[int],
+    seed: int,
+) -> list[int]:
+    """Blocks (of `blocks`) whose bytes differ from the pattern of the paired source block."""
+    bad: list[int] = []
+    for r, region in enumerate(regions):
+        flat = np.asarray(region).reshape(-1).view(np.uint8)
+        for block, source in zip(blocks, source_blocks, strict=True):
+            got = flat[block * block_len : (block + 1) * block_len]
+            if not np.array_equal(got, pattern_block(seed, r, source, block_len)):
+                bad.append(int(block))
+    return sorted(set(bad))
+
+
+# -- control protocol ---------------------------------------------------------------------
+class PeerSpec(msgspec.Struct, kw_only=True):
+    """What the peer process builds."""
+
+    engine_id: str
+    num_regions: int = 2
+    num_blocks: int = 64
+    block_len: int = 4096
+    kind: LayoutKind = LayoutKind.REGIONS
+    layout_name: str = "kv"
+    seed: int | None = 1  # None: zero-filled
+    host: str = "127.0.0.1"
+    port: int = 0
+    compat: dict[str, str] = {}
+    handshake_timeout_s: float = 5.0
+
+
+class Verify(msgspec.Struct, tag="verify", kw_only=True):
+    blocks: list[int]
+    source_blocks: list[int]
+    seed: int
+
+
+class Fill(msgspec.Struct, tag="fill", kw_only=True):
+    seed: int | None
+
+
+class Checksums(msgspec.Struct, tag="checksums", kw_only=True):
+    blocks: list[int]
+
+
+class Transfer(msgspec.Struct, tag="transfer", kw_only=True):
+    op: str
+    host: str
+    port: int
+    local_blocks: list[int]
+    remote_blocks: list[int]
+    notify: bytes | None = None
+    timeout: float | None = None
+
+
+class Notify(msgspec.Struct, tag="notify", kw_only=True):
+    host: str
+    port: int
+    message: bytes
+
+
+class WaitNotifications(msgspec.Struct, tag="wait_notifications", kw_only=True):
+    message: bytes
+    count: int = 1
+    timeout: float | None = None
+
+
+class Stats(msgspec.Struct, tag="stats"):
+    pass
+
+
+class Exit(msgspec.Struct, tag="exit"):
+    pass
+
+
+Command = Verify | Fill | Checksums | Transfer | Notify | WaitNotifications | Stats | Exit
+
+
+class Ok(msgspec.Struct, tag="ok"):
+    value: Any = None
+
+
+class Err(msgspec.Struct, tag="err"):
+    error_type: str
+    message: str
+
+
+Answer = Ok | Err
+_command_decoder = msgspec.msgpack.Decoder(Command)
+_answer_decoder = msgspec.msgpack.Decoder(Answer)
+_encoder = msgspec.msgpack.Encoder()
+
+
+class PeerCommandError(RuntimeError):
+    """The peer ran a command and it raised; `type` names the peer-side exception class."""
+
+    def __init__(self, type_name: str, message: str) -> None:
+        super().__init__(f"{type_name}: {message}")
+        self.type = type_name
+
+
+# -- the child ----------------------------------------------------------------------------
+class _PeerServer:
+    def __init__(self, spec: PeerSpec) -> None:
+        from .config import EngineConfig
+        from .engine import TransferEngine
+
+        self.spec = spec
+        self.engine = TransferEngine(
+            EngineConfig(engine_id=spec.engine_id, compat=spec.compat, handshake_timeout_s=spec.handshake_timeout_s)
+        )
+        region_len = spec.num_blocks * spec.block_len
+        self.regions = [np.zeros(region_len, dtype=np.uint8) for _ in range(spec.num_regions)]
+        self.done = asyncio.Event()
+
+    async def run(self) -> None:
+        spec = self.spec
+        async with self.engine:
+            self.engine.register(spec.layout_name, self.regions, block_len=spec.block_len, kind=spec.kind)
+            self.fill(spec.seed)
+            host, port = await self.engine.serve(spec.host, spec.port)
+            ctx = zmq.asyncio.Context()
+            control = ctx.socket(zmq.ROUTER)
+            control.setsockopt(zmq.LINGER, 0)
+            control_port = control.bind_to_random_port("tcp://127.0.0.1")
+            ready = {"engine_id": spec.engine_id, "host": host, "port": port, "control_port": control_port}
+            print(_READY, json.dumps(ready), flush=True)
+            tasks: set[asyncio.Task[None]] = set()
+            receiver = asyncio.ensure_future(control.recv_multipart())
+            stopper = asyncio.ensure_future(self.done.wait())
+            while not self.done.is_set():
+                await asyncio.wait({receiver, stopper}, return_when=asyncio.FIRST_COMPLETED)
+                if receiver.done():
+                    identity, payload = receiver.result()
+                    task = asyncio.create_task(self.answer(control, identity, payload))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                    receiver = asyncio.ensure_future(control.recv_multipart())
+            receiver.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            control.close(0)
+            ctx.destroy(0)
+
+    def fill(self, seed: int | None) -> None:
+        if seed is None:
+            for region in self.regions:
+                region[:] = 0
+        else:
+            fill_pattern(self.regions, seed)
+
+    async def answer(self, sock: zmq.asyncio.Socket, identity: bytes, payload: bytes) -> None:
+        try:
+            answer: Answer = Ok(await self.execute(_command_decoder.decode(payload)))
+        except Exception as exc:
+            answer = Err(type(exc).__name__, str(exc))
+        await sock.send_multipart([identity, _encoder.encode(answer)])
+
+    async def execute(self, cmd: Any) -> Any:
+        engine, spec = self.engine, self.spec
+        match cmd:
+            case Verify(blocks=blocks, source_blocks=sources, seed=seed):
+                return verify_blocks(self.regions, spec.block_len, blocks, sources, seed)
+            case Fill(seed=seed):
+                self.fill(seed)
+                return None
+            case Checksums(blocks=blocks):
+                bl = spec.block_len
+                return [[zlib.crc32(r[b * bl : (b + 1) * bl]) for b in blocks] for r in self.regions]
+            case Transfer(op=op, host=host, port=port, local_blocks=lb, remote_blocks=rb, notify=notify, timeout=t):
+                peer = await engine.connect(host, port)
+                start = engine.start_read if op == "READ" else engine.start_write
+                result = await (await start(peer, lb, rb, notify=notify, timeout=t))
+                return msgspec.to_builtins(result)
+            case Notify(host=host, port=port, message=message):
+                await engine.notify(await engine.connect(host, port), message)
+                return None
+            case WaitNotifications(message=message, count=count, timeout=timeout):
+                return await engine.wait_notifications(message, count, timeout=timeout)
+            case Stats():
+                return msgspec.to_builtins(engine.snapshot())
+            case Exit():
+                self.done.set()
+                return None
+        raise TypeError(f"unknown command {cmd!r}")  # pragma: no cover
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    spec = msgspec.json.decode(argv[0], type=PeerSpec)
+    try:
+        import uvloop
+
+        runner: Any = uvloop.run
+    except ImportError:  # pragma: no cover
+        runner = asyncio.run
+    runner(_PeerServer(spec).run())
+
+
+# -- the parent's handle ------------------------------------------------------------------
+class PeerProcess:
+    """Start and command a peer process. Usable from sync code and from coroutines."""
+
+    def __init__(self, spec: PeerSpec, *, env: dict[str, str] | None = None, startup_timeout: float = 60.0) -> None:
+        self.spec = spec
+        self.env = dict(env or {})
+        self.startup_timeout = startup_timeout
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.host = ""
+        self.port = 0
+        self.control_port = 0
+        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the peer
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.host, self.port
+
+    @property
+    def engine_id(self) -> str:
+        return self.spec.engine_id
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def start(self) -> Self:
+        env = {**os.environ, **self.env}
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "nixl_async.peer", msgspec.json.encode(self.spec).decode()],
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            stdin=subprocess.DEVNULL,
+            env=env,
+        )
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + self.startup_timeout
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            while True:  # NIXL may log to stdout first: skip to our ready line
+                if not sel.select(max(0.0, deadline - time.monotonic())):
+                    self.kill()
+                    raise RuntimeError(
+                        f"peer {self.engine_id} did not start in {self.startup_timeout}s: {self.stderr()}"
+                    )
+                line = self.proc.stdout.readline().decode(errors="replace")
+                if not line:
+                    self.proc.wait()
+                    raise RuntimeError(f"peer {self.engine_id} exited ({self.proc.returncode}): {self.stderr()}")
+                if line.startswith(_READY):
+                    break
+        ready = json.loads(line[len(_READY) :])
+        self.host, self.port, self.control_port = ready["host"], ready["port"], ready["control_port"]
+        return self
+
+    def stderr(self) -> str:
+        self._stderr.seek(0)
+        return self._stderr.read().decode(errors="replace")[-4000:]
+
+    async def request(self, cmd: Any, timeout: float = 60.0) -> Any:
+        """Send a command and await its answer (raises `PeerCommandError`, `TimeoutError`)."""
+        ctx = zmq.asyncio.Context.instance()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(f"tcp://127.0.0.1:{self.control_port}")
+            async with asyncio.timeout(timeout):
+                await sock.send(_encoder.encode(cmd))
+                payload = await sock.recv()
+        finally:
+            sock.close(0)
+        return self._unwrap(payload)
+
+    def request_sync(self, cmd: Any, timeout: float = 60.0) -> Any:
+        """`request` for threads without a loop."""
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(f"tcp://127.0.0.1:{self.control_port}")
+            sock.send(_encoder.encode(cmd))
+            if not sock.poll(int(timeout * 1000)):
+                raise TimeoutError(f"peer {self.engine_id} did not answer {type(cmd).__name__} in {timeout}s")
+            payload = sock.recv()
+        finally:
+            sock.close(0)
+        return self._unwrap(payload)
+
+    @staticmethod
+    def _unwrap(payload: bytes) -> Any:
+        answer = _answer_decoder.decode(payload)
+        if isinstance(answer, Err):
+            raise PeerCommandError(answer.error_type, answer.message)
+        return answer.value
+
+    # -- fault knobs ----------------------------------------------------------------------
+    def kill(self) -> None:
+        """SIGKILL: the peer dies without any goodbye."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def pause(self) -> None:
+        """SIGSTOP: the peer stops answering but its sockets stay open."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """Ask the peer to exit; kill it if it does not. Returns its exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.resume()
+            try:
+                self.request_sync(Exit(), timeout=timeout)
+                self.proc.wait(timeout)
+            except (TimeoutError, subprocess.TimeoutExpired, PeerCommandError, zmq.ZMQError):
+                self.kill()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self._stderr.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+if __name__ == "__main__":
+    main()

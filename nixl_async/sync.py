@@ -1,0 +1,317 @@
+"""The sync facade: an engine on its own loop thread, driven from plain threads.
+
+This is what vLLM's worker needs: `start_load_kv` hands work over and returns at once,
+`get_finished` collects finished request ids without waiting on the loop. The caller's thread
+never touches the NIXL agent.
+
+- The loop thread and its life come from anyio's `start_blocking_portal` (uvloop where
+  available); blocking calls (`register`, `serve`, `connect`, `stats`, `close`) go through
+  `BlockingPortal.call`, which re-raises the engine's typed exceptions in the caller.
+- Submissions use `asyncio.run_coroutine_threadsafe`, which returns at once. (The portal's
+  `start_task_soon` waits until the loop has picked the task up, which can be a whole slice
+  post when the loop is busy; a vLLM step should not wait for that.)
+- Each finished submission puts ``(request_id, error)`` on a `queue.SimpleQueue` from the
+  loop thread; `get_finished` drains it without locks or waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import queue
+import threading
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from anyio.from_thread import BlockingPortal, start_blocking_portal
+
+from .config import EngineConfig
+from .engine import BlockIds, TransferEngine
+from .exceptions import EngineClosedError
+from .layout import BlockLayout, ViewSpec
+from .stats import StatsSnapshot
+
+__all__ = ["FinishedRequests", "PeerInfo", "SyncEngine"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """What a thread learns about a connected peer (the `Peer` itself stays on the loop)."""
+
+    engine_id: str
+    agent_name: str
+    address: tuple[str, int]
+    layouts: dict[str, BlockLayout]
+    extra: dict[str, str]
+
+
+@dataclass
+class FinishedRequests:
+    """Request ids whose work ended since the last `get_finished()`."""
+
+    done: set[str] = field(default_factory=set)
+    failed: dict[str, BaseException] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.done or self.failed)
+
+
+def _uvloop_available() -> bool:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class SyncEngine:
+    """A `TransferEngine` running on a dedicated loop thread, with thread-safe calls."""
+
+    def __init__(self, config: EngineConfig | None = None, *, use_uvloop: bool | None = None) -> None:
+        if use_uvloop is None:
+            use_uvloop = _uvloop_available()
+        self._portal_cm = start_blocking_portal("asyncio", {"use_uvloop": use_uvloop}, name="nixl-async-loop")
+        self._portal: BlockingPortal = self._portal_cm.__enter__()
+        try:
+            self._loop: asyncio.AbstractEventLoop = self._portal.call(asyncio.get_running_loop)
+            self.engine = TransferEngine(config)
+            self._portal.call(self.engine.start)
+        except BaseException:
+            self._portal_cm.__exit__(None, None, None)
+            raise
+        self._finished: queue.SimpleQueue[tuple[str, BaseException | None]] = queue.SimpleQueue()
+        self._inflight: dict[str, concurrent.futures.Future[Any]] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # -- blocking calls -------------------------------------------------------------------
+    def call(self, func: Any, *args: Any) -> Any:
+        """Run `func(*args)` (sync or async) on the loop thread and return its result."""
+        if self._closed:
+            raise EngineClosedError("the sync engine is closed")
+        return self._portal.call(func, *args)
+
+    @property
+    def engine_id(self) -> str:
+        return self.engine.engine_id
+
+    def register(self, name: str, memory: Any, **kwargs: Any) -> BlockLayout:
+        """Register tensors/arrays as layout `name` (see `TransferEngine.register`)."""
+        return self.call(lambda: self.engine.register(name, memory, **kwargs))
+
+    def register_layout(self, layout: BlockLayout) -> BlockLayout:
+        return self.call(self.engine.register_layout, layout)
+
+    def set_extra(self, **extra: str) -> None:
+        self.call(lambda: self.engine.set_extra(**extra))
+
+    def serve(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
+        return self.call(self.engine.serve, host, port)
+
+    def connect(
+        self, host: str, port: int, *, expected_engine_id: str | None = None, timeout: float | None = None
+    ) -> PeerInfo:
+        """Handshake now (blocking) and describe the peer."""
+
+        async def run() -> PeerInfo:
+            peer = await self.engine.connect(host, port, expected_engine_id=expected_engine_id, timeout=timeout)
+            return PeerInfo(peer.engine_id, peer.agent_name, peer.address, dict(peer.layouts), dict(peer.extra))
+
+        return self.call(run)
+
+    def stats(self) -> StatsSnapshot:
+        return self.call(self.engine.snapshot)
+
+    def live_handles(self) -> dict[str, int]:
+        return self.call(self.engine.live_handles)
+
+    def wait_notifications(self, message: bytes, count: int = 1, *, timeout: float | None = None) -> list[str]:
+        return self.call(lambda: self.engine.wait_notifications(message, count, timeout=timeout))
+
+    # -- non-blocking submissions ----------------------------------------------------------
+    def _submit(self, request_id: str, coro: Coroutine[Any, Any, Any]) -> None:
+        if self._closed:
+            coro.close()
+            raise EngineClosedError("the sync engine is closed")
+        with self._lock:
+            if request_id in self._inflight:
+                coro.close()
+                raise ValueError(f"request {request_id!r} already has work in flight")
+            future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+            self._inflight[request_id] = future
+        future.add_done_callback(lambda f, rid=request_id: self._on_done(rid, f))
+
+    def _on_done(self, request_id: str, future: concurrent.futures.Future[Any]) -> None:
+        with self._lock:
+            self._inflight.pop(request_id, None)
+        if future.cancelled():
+            error: BaseException | None = asyncio.CancelledError(f"request {request_id} was cancelled")
+        else:
+            error = future.exception()
+        self._finished.put((request_id, error))
+
+    def submit_read(
+        self,
+        request_id: str,
+        host: str,
+        port: int,
+        local_blocks: BlockIds,
+        remote_blocks: BlockIds,
+        *,
+        expected_engine_id: str | None = None,
+        local: ViewSpec | str | None = None,
+        remote: ViewSpec | str | None = None,
+        notify: bytes | None = None,
+        timeout: float | None = None,
+        handshake_timeout: float | None = None,
+    ) -> None:
+        """Connect (if needed) and read; returns at once. The outcome shows in `get_finished()`."""
+        self._submit(
+            request_id,
+            self._transfer(
+                "READ", host, port, local_blocks, remote_blocks, expected_engine_id,
+                local, remote, notify, timeout, handshake_timeout,
+            ),
+        )  # fmt: skip
+
+    def submit_write(
+        self,
+        request_id: str,
+        host: str,
+        port: int,
+        local_blocks: BlockIds,
+        remote_blocks: BlockIds,
+        *,
+        expected_engine_id: str | None = None,
+        local: ViewSpec | str | None = None,
+        remote: ViewSpec | str | None = None,
+        notify: bytes | None = None,
+        timeout: float | None = None,
+        handshake_timeout: float | None = None,
+    ) -> None:
+        """Connect (if needed) and write; returns at once. The outcome shows in `get_finished()`."""
+        self._submit(
+            request_id,
+            self._transfer(
+                "WRITE", host, port, local_blocks, remote_blocks, expected_engine_id,
+                local, remote, notify, timeout, handshake_timeout,
+            ),
+        )  # fmt: skip
+
+    def submit_transfers(
+        self, request_id: str, parts: Sequence[dict[str, Any]], *, timeout: float | None = None
+    ) -> None:
+        """Several reads/writes (e.g. one per remote TP rank) finishing as one request.
+
+        Each part is a dict of `submit_read`'s keyword arguments plus ``op`` ("READ"/"WRITE").
+        The request fails if any part fails; the other parts are cancelled.
+        """
+
+        async def run() -> None:
+            async with asyncio.TaskGroup() as group:
+                for part in parts:
+                    p = dict(part)
+                    group.create_task(
+                        self._transfer(
+                            p.pop("op", "READ"), p.pop("host"), p.pop("port"), p.pop("local_blocks"),
+                            p.pop("remote_blocks"), p.pop("expected_engine_id", None), p.pop("local", None),
+                            p.pop("remote", None), p.pop("notify", None), timeout, p.pop("handshake_timeout", None),
+                        )
+                    )  # fmt: skip
+
+        self._submit(request_id, _unwrap_group(run()))
+
+    def submit_wait_notifications(
+        self, request_id: str, message: bytes, count: int = 1, *, timeout: float | None = None
+    ) -> None:
+        """Finish `request_id` once `count` notifications `message` arrived (or fail on timeout)."""
+        self._submit(request_id, self.engine.wait_notifications(message, count, timeout=timeout))
+
+    def submit_notify(self, request_id: str, host: str, port: int, message: bytes) -> None:
+        """Connect (if needed) and send a notification; returns at once."""
+
+        async def run() -> None:
+            peer = await self.engine.connect(host, port)
+            await self.engine.notify(peer, message)
+
+        self._submit(request_id, run())
+
+    async def _transfer(
+        self,
+        op: str,
+        host: str,
+        port: int,
+        local_blocks: BlockIds,
+        remote_blocks: BlockIds,
+        expected_engine_id: str | None,
+        local: ViewSpec | str | None,
+        remote: ViewSpec | str | None,
+        notify: bytes | None,
+        timeout: float | None,
+        handshake_timeout: float | None,
+    ) -> None:
+        engine = self.engine
+        peer = await engine.connect(host, port, expected_engine_id=expected_engine_id, timeout=handshake_timeout)
+        start = engine.start_read if op == "READ" else engine.start_write
+        transfer = await start(
+            peer, local_blocks, remote_blocks, local=local, remote=remote, notify=notify, timeout=timeout
+        )
+        await transfer
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel a request's work; it then shows as failed in `get_finished()`."""
+        with self._lock:
+            future = self._inflight.get(request_id)
+        return future.cancel() if future is not None else False
+
+    def get_finished(self) -> FinishedRequests:
+        """Requests finished since the last call. Never waits on the loop."""
+        out = FinishedRequests()
+        while True:
+            try:
+                request_id, error = self._finished.get_nowait()
+            except queue.Empty:
+                return out
+            if error is None:
+                out.done.add(request_id)
+            else:
+                out.failed[request_id] = error
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._inflight)
+
+    # -- shutdown -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Cancel outstanding work, close the engine (releasing every handle), stop the thread."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            pending = list(self._inflight.values())
+        for future in pending:
+            future.cancel()
+        try:
+            self._portal.call(self.engine.close)
+        finally:
+            with contextlib.suppress(Exception):
+                self._portal_cm.__exit__(None, None, None)
+
+    def __enter__(self) -> SyncEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+async def _unwrap_group(coro: Coroutine[Any, Any, None]) -> None:
+    """Re-raise the first error of a TaskGroup instead of an ExceptionGroup."""
+    try:
+        await coro
+    except BaseExceptionGroup as group:
+        raise group.exceptions[0] from None

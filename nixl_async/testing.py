@@ -1,0 +1,114 @@
+"""A pytest plugin for asyncio integration tests against real NIXL peers.
+
+Registered through the ``pytest11`` entry point, so installing nixl-async gives a test suite:
+
+- ``nixl_engine``: a started `TransferEngine` on the test's running loop, serving handshakes
+  on 127.0.0.1; at teardown it is closed and the test fails if any NIXL handle stayed live;
+- ``nixl_peer_factory``: ``spawn(engine_id=..., num_blocks=..., block_len=..., seed=..., tcp=...)``
+  starts a peer engine in another process (see `nixl_async.peer`), filled with a deterministic
+  pattern; ``tcp=True`` makes its transfers go over UCX's TCP transport so they are genuinely
+  in flight. Peers are stopped at teardown (killed if they do not exit);
+- ``nixl_peer``: one default peer from that factory;
+- `PeerProcess` fault knobs (``kill()``, ``pause()``, ``resume()``) and the pattern helpers
+  (`fill_pattern`, `pattern_block`, `verify_blocks`) re-exported here.
+
+Example::
+
+    async def test_read(nixl_engine, nixl_peer):
+        regions = [np.zeros(64 * 4096, np.uint8) for _ in range(2)]
+        nixl_engine.register("kv", regions, block_len=4096)
+        peer = await nixl_engine.connect(*nixl_peer.address)
+        await nixl_engine.read(peer, [0, 1], [5, 6])
+        assert verify_blocks(regions, 4096, [0, 1], [5, 6], seed=nixl_peer.spec.seed) == []
+
+Heavy imports (NIXL, the engine) happen inside the fixtures, so merely having the plugin
+installed costs a pytest run nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from .peer import PeerCommandError, PeerProcess, PeerSpec, fill_pattern, pattern_block, verify_blocks
+
+if TYPE_CHECKING:
+    from .engine import TransferEngine
+
+__all__ = [
+    "PeerCommandError",
+    "PeerProcess",
+    "PeerSpec",
+    "assert_no_live_handles",
+    "fill_pattern",
+    "pattern_block",
+    "verify_blocks",
+]
+
+TCP_ENV = {"UCX_TLS": "tcp"}
+_names = itertools.count()
+
+try:
+    import pytest_asyncio
+
+    _async_fixture: Any = pytest_asyncio.fixture
+except ImportError:  # pragma: no cover - without pytest-asyncio only the sync fixtures exist
+    _async_fixture = None
+
+
+def assert_no_live_handles(engine: TransferEngine) -> None:
+    """Fail the test if the (closed) engine still holds NIXL handles."""
+    live = engine.live_handles()
+    if live:
+        pytest.fail(f"NIXL handles still live after close: {live}")
+
+
+@pytest.fixture
+def nixl_peer_factory(request: pytest.FixtureRequest) -> Iterator[Callable[..., PeerProcess]]:
+    """``spawn(**PeerSpec fields, tcp=False, env=None)`` -> a started `PeerProcess`."""
+    spawned: list[PeerProcess] = []
+
+    def spawn(*, tcp: bool = False, env: dict[str, str] | None = None, **spec: Any) -> PeerProcess:
+        spec.setdefault("engine_id", f"peer-{request.node.name[:40]}-{next(_names)}")
+        merged = {**(TCP_ENV if tcp else {}), **(env or {})}
+        peer = PeerProcess(PeerSpec(**spec), env=merged)
+        spawned.append(peer)
+        return peer.start()
+
+    yield spawn
+    for peer in spawned:
+        peer.stop(timeout=5.0)
+
+
+@pytest.fixture
+def nixl_peer(nixl_peer_factory: Callable[..., PeerProcess]) -> PeerProcess:
+    """A peer process with 2 regions x 64 blocks x 4 KiB, pattern seed 1."""
+    return nixl_peer_factory()
+
+
+if _async_fixture is not None:
+
+    @_async_fixture
+    async def nixl_engine(request: pytest.FixtureRequest) -> AsyncIterator[TransferEngine]:
+        """A started engine serving on 127.0.0.1; closed and leak-checked at teardown."""
+        from .config import EngineConfig
+        from .engine import TransferEngine
+
+        marker = request.node.get_closest_marker("nixl_engine_config")
+        overrides = dict(marker.kwargs) if marker else {}
+        overrides.setdefault("engine_id", f"local-{request.node.name[:40]}-{next(_names)}")
+        engine = TransferEngine(EngineConfig(**overrides))
+        await engine.start()
+        await engine.serve("127.0.0.1", 0)
+        try:
+            yield engine
+        finally:
+            await engine.close()
+        assert_no_live_handles(engine)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "nixl_engine_config(**fields): EngineConfig fields for the nixl_engine fixture")

@@ -1,0 +1,183 @@
+"""The transfer handle callers hold, and how a transfer is cut into posts.
+
+A transfer is posted in *slices* of bounded bytes and descriptors. Over UCX's CMA transport
+`transfer()` is a synchronous copy done inside the call, so one 256 MiB post would freeze the
+event loop for ~55 ms; slices of a few MiB keep every stall to a couple of milliseconds while
+costing ~50 us of NIXL overhead each. A notification rides on the last slice only, which is
+posted after every other slice is done, so the receiver never hears "done" before the data is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections.abc import Callable, Generator
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from .exceptions import TransferCancelled, TransferTimeout
+from .layout import IdArray
+
+__all__ = ["Transfer", "TransferResult", "TransferState", "plan_slices"]
+
+
+class TransferState(enum.StrEnum):
+    POSTING = "posting"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    TIMED_OUT = "timed_out"
+
+
+class TransferResult(msgspec.Struct, frozen=True):
+    """What a completed transfer did."""
+
+    transfer_id: int
+    op: str
+    peer: str
+    nbytes: int
+    descriptors: int
+    slices: int
+    seconds: float
+    notified: bool
+
+
+def plan_slices(
+    local_ids: IdArray, remote_ids: IdArray, piece_len: int, max_bytes: int, max_descriptors: int
+) -> list[tuple[IdArray, IdArray]]:
+    """Cut paired descriptor ids into slices of at most `max_bytes` and `max_descriptors`."""
+    per_slice = max(1, min(max_descriptors, max_bytes // max(piece_len, 1)))
+    n = len(local_ids)
+    if n <= per_slice:
+        return [(local_ids, remote_ids)]
+    return [(local_ids[i : i + per_slice], remote_ids[i : i + per_slice]) for i in range(0, n, per_slice)]
+
+
+class Transfer:
+    """A submitted read or write. Await it (or `wait()`) for its `TransferResult`.
+
+    Awaiting raises `TransferFailed`, `TransferTimeout` or `TransferCancelled`. Cancelling the
+    awaiting task cancels the transfer too, and its NIXL handles are released; so a transfer
+    awaited under ``asyncio.timeout`` is cleaned up when the timeout fires. Use it from the
+    engine's loop only.
+    """
+
+    __slots__ = (
+        "_cancel_cb",
+        "_future",
+        "deadline",
+        "descriptors",
+        "id",
+        "local_dlist",
+        "nbytes",
+        "next_slice",
+        "notify",
+        "op",
+        "peer",
+        "posted",
+        "remote_agent",
+        "remote_dlist",
+        "slices",
+        "slices_done",
+        "state",
+        "submitted_at",
+    )
+
+    def __init__(
+        self,
+        *,
+        transfer_id: int,
+        op: str,
+        peer: str,
+        remote_agent: str,
+        local_dlist: Any,
+        remote_dlist: Any,
+        slices: list[tuple[IdArray, IdArray]],
+        notify: bytes | None,
+        nbytes: int,
+        deadline: float | None,
+        submitted_at: float,
+        future: asyncio.Future[TransferResult],
+        cancel_cb: Callable[[Transfer, BaseException], None],
+    ) -> None:
+        self.id = transfer_id
+        self.op = op
+        self.peer = peer
+        self.remote_agent = remote_agent
+        self.local_dlist = local_dlist
+        self.remote_dlist = remote_dlist
+        self.slices = slices
+        self.notify = notify
+        self.nbytes = nbytes
+        self.descriptors = int(sum(len(s[0]) for s in slices))
+        self.deadline = deadline
+        self.submitted_at = submitted_at
+        self.state = TransferState.POSTING
+        self.next_slice = 0
+        self.slices_done = 0
+        self.posted: list[Any] = []  # NIXL handles in flight
+        self._future = future
+        self._cancel_cb = cancel_cb
+
+    def __repr__(self) -> str:
+        return (
+            f"<Transfer #{self.id} {self.op} peer={self.peer} {self.nbytes}B "
+            f"{self.slices_done}/{len(self.slices)} slices {self.state}>"
+        )
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self) -> TransferResult:
+        """The result of a finished transfer (raises its error; `InvalidStateError` if running)."""
+        return self._future.result()
+
+    def exception(self) -> BaseException | None:
+        return self._future.exception()
+
+    def cancel(self, reason: str = "cancelled by caller") -> bool:
+        """Cancel the transfer and release its handles. False if it had already finished."""
+        if self._future.done():
+            return False
+        self._cancel_cb(self, TransferCancelled(reason, transfer_id=self.id, peer=self.peer))
+        return True
+
+    async def wait(self, timeout: float | None = None) -> TransferResult:
+        """Wait for completion; on `timeout` the transfer is cancelled and `TransferTimeout` raised."""
+        try:
+            async with asyncio.timeout(timeout):
+                return await asyncio.shield(self._future)
+        except TimeoutError:
+            if self._future.done() and not self._future.cancelled():
+                return self._future.result()
+            self._cancel_cb(
+                self, TransferTimeout(f"transfer timed out after {timeout}s", transfer_id=self.id, peer=self.peer)
+            )
+            return self._future.result()
+        except asyncio.CancelledError:
+            self.cancel("the awaiting task was cancelled")
+            raise
+
+    def __await__(self) -> Generator[Any, None, TransferResult]:
+        return self.wait().__await__()
+
+    # -- used by the engine ---------------------------------------------------------------
+    @property
+    def is_last_slice_next(self) -> bool:
+        return self.next_slice == len(self.slices) - 1
+
+    def finish(self, result: TransferResult | BaseException) -> None:
+        if self._future.done():
+            return
+        if isinstance(result, BaseException):
+            self._future.set_exception(result)
+            # Mark retrieved: a caller that never awaits a failed transfer is not an error.
+            self._future.exception()
+        else:
+            self._future.set_result(result)
+
+    @staticmethod
+    def empty_ids() -> IdArray:
+        return np.zeros(0, dtype=np.int64)

@@ -1,0 +1,189 @@
+"""Descriptor math, checked against a plain per-block reference (no NIXL)."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nixl_async.exceptions import LayoutError
+from nixl_async.layout import BlockLayout, LayoutKind, ViewSpec, as_block_ids, pair_descriptor_ids
+
+
+@st.composite
+def layouts(draw: st.DrawFn) -> BlockLayout:
+    kind = draw(st.sampled_from(list(LayoutKind)))
+    parts = 2 if kind is LayoutKind.BLOCKS_FIRST_KV else 1
+    unit = draw(st.sampled_from([8, 16, 64]))
+    block_len = unit * parts * draw(st.integers(1, 8))
+    num_blocks = draw(st.integers(1, 40))
+    regions = draw(st.integers(1, 4))
+    bases = [0x10000 * (i + 1) * 4096 for i in range(regions)]
+    return BlockLayout.from_regions("kv", bases, num_blocks=num_blocks, block_len=block_len, kind=kind)
+
+
+@st.composite
+def views(draw: st.DrawFn):
+    layout = draw(layouts())
+    part = layout.part_len
+    split = draw(st.sampled_from([d for d in (1, 2, 4, 8) if part % d == 0]))
+    chunk_len = draw(st.sampled_from(range(split, part + 1, split)))
+    offset = draw(st.integers(0, part - chunk_len))
+    return layout.view(offset, chunk_len, split)
+
+
+def reference_descriptors(view) -> list[tuple[int, int, int]]:
+    """One Python loop per descriptor: the obvious, slow definition."""
+    lay = view.layout
+    out = []
+    for base in lay.region_addrs:
+        for part in range(lay.num_parts):
+            for piece in range(view.split):
+                for block in range(lay.num_blocks):
+                    addr = (
+                        base + block * lay.block_len + part * lay.part_len + view.chunk_offset + piece * view.piece_len
+                    )
+                    out.append((addr, view.piece_len, lay.device_id))
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(views())
+def test_descriptors_match_reference(view):
+    got = [tuple(int(x) for x in row) for row in view.descriptors()]
+    assert got == reference_descriptors(view)
+
+
+@settings(max_examples=200, deadline=None)
+@given(views())
+def test_strided_rows_expand_to_descriptors(view):
+    rows = view.strided_rows()
+    expanded = [
+        (int(a) + k * int(stride), int(length), int(dev))
+        for a, length, dev, stride, count in rows
+        for k in range(int(count))
+    ]
+    assert expanded == [tuple(int(x) for x in row) for row in view.descriptors()]
+
+
+@settings(max_examples=200, deadline=None)
+@given(views(), st.data())
+def test_descriptor_ids_select_the_blocks(view, data):
+    nb = view.layout.num_blocks
+    ids = np.array(data.draw(st.lists(st.integers(0, nb - 1), max_size=20)), dtype=np.int64)
+    descs = view.descriptors()
+    chosen = descs[view.descriptor_ids(ids)]
+    lay = view.layout
+    # every chosen descriptor lies inside one of the requested blocks, in (region, part, block, piece) groups
+    per_rp = len(ids) * view.split
+    assert len(chosen) == lay.num_regions * lay.num_parts * per_rp
+    for i, (addr, length, _dev) in enumerate(chosen):
+        rp, unit = divmod(i, per_rp) if per_rp else (0, 0)
+        block = ids[unit // view.split]
+        region = rp // lay.num_parts
+        start = lay.region_addrs[region] + block * lay.block_len
+        assert start <= int(addr) and int(addr) + int(length) <= start + lay.block_len
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 6), st.sampled_from([1, 2, 4]), st.data())
+def test_pairing_with_block_size_ratio(regions, n_local, ratio, data):
+    """A local block split in `ratio` pieces pairs with `ratio` consecutive remote blocks."""
+    block_len = 64 * ratio
+    local = BlockLayout.from_regions("kv", [1 << 32] * regions, num_blocks=8, block_len=block_len)
+    remote = BlockLayout.from_regions("kv", [1 << 40] * regions, num_blocks=8 * ratio, block_len=block_len // ratio)
+    lids = np.array(
+        data.draw(st.lists(st.integers(0, 7), min_size=n_local, max_size=n_local, unique=True)), dtype=np.int64
+    )
+    rids = np.array(
+        data.draw(st.lists(st.integers(0, 8 * ratio - 1), min_size=n_local * ratio, max_size=n_local * ratio)),
+        dtype=np.int64,
+    )
+    lv, rv = local.view(split=ratio), remote.view()
+    li, ri = pair_descriptor_ids(lv, lids, rv, rids)
+    ld, rd = lv.descriptors()[li], rv.descriptors()[ri]
+    assert (ld[:, 1] == rd[:, 1]).all()
+    for (la, _, _), (ra, _, _) in zip(ld, rd, strict=True):
+        lblock, loff = divmod(int(la) - (1 << 32), block_len)
+        rblock = (int(ra) - (1 << 40)) // (block_len // ratio)
+        # the piece index inside the local block says which of the ratio remote blocks it holds
+        unit = list(lids).index(lblock) * ratio + loff // (block_len // ratio)
+        assert rblock == rids[unit]
+
+
+def test_head_window_pairs_with_whole_local_block():
+    """Decode TP 2 reading rank 1's half of each prefill block (heterogeneous TP)."""
+    remote = BlockLayout.from_regions("kv", [0x1000_0000], num_blocks=4, block_len=1024)
+    local = BlockLayout.from_regions("kv", [0x2000_0000], num_blocks=4, block_len=512)
+    rv = remote.view(chunk_offset=512, chunk_len=512)
+    li, ri = pair_descriptor_ids(local.view(), np.array([0, 3]), rv, np.array([2, 1]))
+    assert [int(a) for a in rv.descriptors()[ri][:, 0]] == [0x1000_0000 + 2 * 1024 + 512, 0x1000_0000 + 1024 + 512]
+    assert [int(a) for a in local.view().descriptors()[li][:, 0]] == [0x2000_0000, 0x2000_0000 + 3 * 512]
+
+
+def test_blocks_first_kv_window_takes_both_halves():
+    lay = BlockLayout.from_regions("kv", [0], num_blocks=2, block_len=256, kind=LayoutKind.BLOCKS_FIRST_KV)
+    view = lay.view(chunk_offset=64, chunk_len=64)
+    rows = [tuple(int(x) for x in r) for r in view.descriptors()]
+    assert rows == [(64, 64, 0), (256 + 64, 64, 0), (128 + 64, 64, 0), (256 + 128 + 64, 64, 0)]
+
+
+@pytest.mark.parametrize(
+    ("ids", "message"),
+    [
+        ([0, 8], "block id 8 is out of range"),
+        ([-1], "block id -1 is out of range"),
+        ([[1, 2]], "flat sequence"),
+        ([0.5], "integers"),
+    ],
+)
+def test_bad_block_ids_are_refused(ids, message):
+    with pytest.raises(LayoutError, match=message):
+        as_block_ids(ids, 8, what="local")
+
+
+def test_duplicate_destination_ids_are_refused():
+    with pytest.raises(LayoutError, match="more than once"):
+        as_block_ids([1, 2, 1], 8, what="local", unique=True)
+    assert list(as_block_ids([1, 2, 1], 8, what="remote")) == [1, 2, 1]
+
+
+def test_pairing_refuses_mismatched_counts_and_sizes():
+    a = BlockLayout.from_regions("kv", [0], num_blocks=8, block_len=64)
+    b = BlockLayout.from_regions("kv", [0], num_blocks=8, block_len=128)
+    with pytest.raises(LayoutError, match="do not pair"):
+        pair_descriptor_ids(a.view(), np.array([1, 2]), a.view(), np.array([1]))
+    with pytest.raises(LayoutError, match="sizes differ"):
+        pair_descriptor_ids(a.view(), np.array([1]), b.view(), np.array([1]))
+    two = BlockLayout.from_regions("kv", [0, 1 << 20], num_blocks=8, block_len=64)
+    with pytest.raises(LayoutError, match="regions x parts"):
+        pair_descriptor_ids(a.view(), np.array([1]), two.view(), np.array([1]))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"region_addrs": []}, "no regions"),
+        ({"num_blocks": 0}, "num_blocks"),
+        ({"block_len": 65, "kind": LayoutKind.BLOCKS_FIRST_KV}, "K/V halves"),
+    ],
+)
+def test_invalid_layouts(kwargs, message):
+    args = {"region_addrs": [0], "num_blocks": 4, "block_len": 64, **kwargs}
+    with pytest.raises(LayoutError, match=message):
+        BlockLayout.from_regions("kv", args.pop("region_addrs"), **args)
+
+
+def test_invalid_views():
+    lay = BlockLayout.from_regions("kv", [0], num_blocks=4, block_len=64)
+    with pytest.raises(LayoutError, match="does not fit"):
+        lay.view(32, 64)
+    with pytest.raises(LayoutError, match="equal pieces"):
+        lay.view(0, 64, 3)
+    assert ViewSpec(chunk_offset=32, chunk_len=32).resolve(lay).key == ("kv", 32, 32, 1)
+
+
+def test_million_blocks_vectorised():
+    lay = BlockLayout.from_regions("kv", [1 << 30, 1 << 40], num_blocks=1 << 20, block_len=4096)
+    descs = lay.view().descriptors()
+    assert descs.shape == (2 << 20, 3)
+    assert int(descs[-1, 0]) == (1 << 40) + ((1 << 20) - 1) * 4096

@@ -1,0 +1,66 @@
+"""The side-channel codec: round trips, refusals, schema evolution, compatibility hash."""
+
+import msgspec
+import pytest
+
+from nixl_async import messages
+from nixl_async.layout import BlockLayout, LayoutKind, MemType
+
+
+def _reply(**over):
+    layout = BlockLayout.from_regions("kv", [4096, 8192], num_blocks=4, block_len=1024, kind=LayoutKind.BLOCKS_FIRST_KV)
+    fields = dict(
+        version=1, engine_id="e", agent_name="e/1", agent_metadata=b"\x00md", compat_hash="h", layouts=[layout]
+    )
+    fields.update(over)
+    return messages.MetadataReply(**fields)
+
+
+def test_round_trips():
+    request = messages.MetadataRequest(engine_id="me", expected_engine_id="you")
+    assert messages.decode_request(messages.encode(request)) == request
+    reply = _reply(extra={"tp_rank": "1"})
+    assert messages.decode_reply(messages.encode(reply)) == reply
+    error = messages.ErrorReply(code="x", message="y")
+    assert messages.decode_reply(messages.encode(error)) == error
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"",
+        b"\xc1",  # never-used msgpack byte
+        msgspec.msgpack.encode({"type": "nope"}),
+        msgspec.msgpack.encode({"type": "metadata_request", "version": "one"}),
+        msgspec.msgpack.encode([1, 2, 3]),
+        msgspec.msgpack.encode(_reply())[:-3],  # truncated
+    ],
+)
+def test_bad_requests_raise_decode_errors(payload):
+    with pytest.raises(msgspec.DecodeError):
+        messages.decode_request(payload)
+
+
+def test_reply_with_invalid_layout_is_refused_on_decode():
+    raw = msgspec.to_builtins(_reply(), builtin_types=(bytes,))
+    raw["layouts"][0]["num_blocks"] = 0
+    with pytest.raises(msgspec.ValidationError, match="num_blocks"):
+        messages.decode_reply(msgspec.msgpack.encode(raw))
+    raw = msgspec.to_builtins(_reply(), builtin_types=(bytes,))
+    raw["layouts"][0]["mem_type"] = "TAPE"
+    with pytest.raises(msgspec.ValidationError):
+        messages.decode_reply(msgspec.msgpack.encode(raw))
+
+
+def test_older_reply_without_new_fields_still_decodes():
+    raw = msgspec.to_builtins(_reply(), builtin_types=(bytes,))
+    del raw["extra"]
+    decoded = messages.decode_reply(msgspec.msgpack.encode(raw))
+    assert decoded.extra == {} and decoded.layouts[0].mem_type is MemType.DRAM
+
+
+def test_compat_hash_is_order_insensitive_and_sensitive_to_values():
+    a = messages.compat_hash({"model": "m", "dtype": "bf16"})
+    assert a == messages.compat_hash({"dtype": "bf16", "model": "m"})
+    assert a != messages.compat_hash({"dtype": "fp16", "model": "m"})
+    assert a != messages.compat_hash({})

@@ -1,0 +1,101 @@
+"""The notification mailbox as a pure state machine (no NIXL)."""
+
+import asyncio
+
+import pytest
+
+from nixl_async.exceptions import NotificationTimeout
+from nixl_async.notifications import Notification, NotificationBox
+
+
+async def test_message_before_wait_is_kept():
+    box = NotificationBox(100)
+    box.deliver("p1", b"req-1")
+    assert await box.wait(b"req-1", timeout=0.1) == ["p1"]
+    assert box.unclaimed == 0
+
+
+async def test_fan_in_counts_senders_across_early_and_late_arrivals():
+    box = NotificationBox(100)
+    box.deliver("rank0", b"r")
+    waiter = asyncio.ensure_future(box.wait(b"r", count=3, timeout=1))
+    await asyncio.sleep(0)
+    box.deliver("rank1", b"r")
+    assert not waiter.done()
+    box.deliver("rank2", b"r")
+    assert await waiter == ["rank0", "rank1", "rank2"]
+
+
+async def test_timeout_puts_collected_notifications_back():
+    box = NotificationBox(100)
+    box.deliver("a", b"m")
+    with pytest.raises(NotificationTimeout, match="1 of 2"):
+        await box.wait(b"m", count=2, timeout=0.02)
+    assert box.unclaimed == 1
+    assert not box.has_waiters
+    box.deliver("b", b"m")
+    assert await box.wait(b"m", count=2, timeout=0.1) == ["a", "b"]
+
+
+async def test_cancelled_waiter_loses_nothing():
+    box = NotificationBox(100)
+    task = asyncio.ensure_future(box.wait(b"m", count=2))
+    await asyncio.sleep(0)
+    box.deliver("a", b"m")
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert box.unclaimed == 1
+
+
+async def test_waiters_are_served_in_order_and_other_messages_untouched():
+    box = NotificationBox(100)
+    first = asyncio.ensure_future(box.wait(b"m"))
+    second = asyncio.ensure_future(box.wait(b"m"))
+    await asyncio.sleep(0)
+    box.deliver("x", b"other")
+    box.deliver("a", b"m")
+    box.deliver("b", b"m")
+    assert (await first, await second) == (["a"], ["b"])
+    assert box.unclaimed == 1
+
+
+async def test_unclaimed_notifications_are_bounded():
+    box = NotificationBox(3)
+    for i in range(5):
+        box.deliver("p", f"m{i}".encode())
+    assert box.unclaimed == 3 and box.dropped == 2
+    with pytest.raises(NotificationTimeout):
+        await box.wait(b"m0", timeout=0.01)
+    assert await box.wait(b"m4", timeout=0.01) == ["p"]
+
+
+async def test_subscription_sees_every_delivery_and_ends_on_close():
+    box = NotificationBox(10)
+    seen = []
+
+    async def consume():
+        async for n in box.subscribe():
+            seen.append(n)
+
+    task = asyncio.ensure_future(consume())
+    await asyncio.sleep(0)
+    box.deliver("a", b"1")
+    box.deliver("b", b"2")
+    box.close(RuntimeError("closed"))
+    await asyncio.wait_for(task, 1)
+    assert seen == [Notification("a", b"1"), Notification("b", b"2")]
+
+
+async def test_close_fails_waiters():
+    box = NotificationBox(10)
+    waiter = asyncio.ensure_future(box.wait(b"m"))
+    await asyncio.sleep(0)
+    box.close(RuntimeError("closed"))
+    with pytest.raises(RuntimeError, match="closed"):
+        await waiter
+
+
+async def test_count_must_be_positive():
+    with pytest.raises(ValueError):
+        await NotificationBox(1).wait(b"m", count=0)

@@ -1,0 +1,54 @@
+"""The poller's pacing policy and the latency histogram (pure logic)."""
+
+import pytest
+
+from nixl_async._poller import AdaptivePacer
+from nixl_async.config import EngineConfig, PollConfig
+from nixl_async.stats import LatencyHistogram
+
+
+def test_spins_while_busy_and_during_linger_then_backs_off_to_idle():
+    cfg = PollConfig(linger_s=0.002, backoff_start_s=0.001, idle_interval_s=0.008, waiting_interval_s=0.002)
+    pacer = AdaptivePacer(cfg)
+    pacer.activity(10.0)
+    assert pacer.delay(10.5, busy=True, waiting=False) == 0.0
+    assert pacer.delay(10.001, busy=False, waiting=False) == 0.0
+    delays = [pacer.delay(11.0, busy=False, waiting=False) for _ in range(5)]
+    assert delays == [0.001, 0.002, 0.004, 0.008, 0.008]
+    pacer.activity(12.0)
+    assert pacer.delay(12.01, busy=False, waiting=False) == 0.001
+
+
+def test_waiting_and_brisk_windows_cap_the_interval():
+    cfg = PollConfig(linger_s=0, backoff_start_s=0.001, idle_interval_s=0.05, waiting_interval_s=0.002)
+    pacer = AdaptivePacer(cfg)
+    for _ in range(10):
+        pacer.delay(1.0, busy=False, waiting=False)
+    assert pacer.delay(1.0, busy=False, waiting=False) == 0.05
+    assert pacer.delay(1.0, busy=False, waiting=True) == 0.002
+    pacer.stay_brisk(2.0)
+    assert pacer.delay(1.5, busy=False, waiting=False) == 0.002
+    assert pacer.delay(2.5, busy=False, waiting=False) == 0.05
+
+
+def test_config_validation():
+    with pytest.raises(ValueError):
+        PollConfig(linger_s=-1)
+    with pytest.raises(ValueError):
+        PollConfig(backoff_start_s=1, idle_interval_s=0.1)
+    with pytest.raises(ValueError):
+        EngineConfig(max_post_bytes=0)
+    with pytest.raises(ValueError):
+        EngineConfig(engine_id="")
+    assert EngineConfig(engine_id="a").replace(engine_id="b").engine_id == "b"
+
+
+def test_histogram_percentiles_within_a_bucket():
+    hist = LatencyHistogram()
+    for us in range(1, 1001):
+        hist.record(us * 1e-6)
+    snap = hist.snapshot()
+    assert snap.count == 1000 and snap.max_us == pytest.approx(1000)
+    assert 500 <= snap.p50_us <= 500 * 1.19 + 1
+    assert 990 <= snap.p99_us <= 1000
+    assert LatencyHistogram().snapshot().p50_us == 0.0

@@ -1,0 +1,214 @@
+"""Handshake over the ZMQ side channel: success, sharing, and every way it can fail."""
+
+import asyncio
+import socket
+import time
+
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+
+from nixl_async import (
+    EngineConfig,
+    EngineIdMismatch,
+    HandshakeRejected,
+    HandshakeTimeout,
+    IncompatiblePeerError,
+    ProtocolError,
+    TransferEngine,
+    messages,
+)
+from nixl_async.testing import assert_no_live_handles
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class FakeServer:
+    """A ROUTER that accepts queries and answers with `reply` (None: never answers)."""
+
+    def __init__(self, reply: bytes | list[bytes] | None):
+        self.reply = reply
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.queries = 0
+        self.task = asyncio.ensure_future(self._run())
+
+    async def _run(self):
+        while True:
+            identity, *_ = await self.sock.recv_multipart()
+            self.queries += 1
+            if self.reply is not None:
+                frames = self.reply if isinstance(self.reply, list) else [self.reply]
+                await self.sock.send_multipart([identity, *frames])
+
+    async def close(self):
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+        self.ctx.destroy(0)
+
+
+async def test_connect_describes_the_peer(nixl_engine, nixl_peer):
+    peer = await nixl_engine.connect(*nixl_peer.address, expected_engine_id=nixl_peer.engine_id)
+    assert peer.engine_id == nixl_peer.engine_id
+    assert peer.layout().num_blocks == 64 and peer.layout("kv").block_len == 4096
+    assert nixl_engine.peer(nixl_peer.engine_id) is peer
+    # a second connect to the same address reuses the peer; refresh re-handshakes
+    assert await nixl_engine.connect(*nixl_peer.address) is peer
+    again = await nixl_engine.connect(*nixl_peer.address, refresh=True)
+    assert again is not peer and not peer.connected
+    assert nixl_engine.live_handles()["remote_agents"] == 1
+
+
+async def test_nobody_listening_times_out(nixl_engine):
+    started = time.monotonic()
+    with pytest.raises(HandshakeTimeout, match="no handshake reply"):
+        await nixl_engine.connect("127.0.0.1", _free_port(), timeout=0.3)
+    assert time.monotonic() - started < 2
+
+
+async def test_silent_peer_times_out(nixl_engine):
+    server = FakeServer(None)
+    try:
+        with pytest.raises(HandshakeTimeout):
+            await nixl_engine.connect("127.0.0.1", server.port, timeout=0.3)
+        assert server.queries == 1
+    finally:
+        await server.close()
+
+
+@pytest.mark.parametrize(
+    ("reply", "error", "match"),
+    [
+        (b"\x93garbage", ProtocolError, "undecodable"),
+        (msgspec.msgpack.encode({"type": "metadata", "version": 1}), ProtocolError, "undecodable"),
+        ([b"a", b"b"], ProtocolError, "2 frames"),
+        (messages.encode(messages.ErrorReply(code="auth", message="go away")), HandshakeRejected, "go away"),
+    ],
+)
+async def test_bad_replies_raise_typed_errors(nixl_engine, reply, error, match):
+    server = FakeServer(reply)
+    try:
+        with pytest.raises(error, match=match):
+            await nixl_engine.connect("127.0.0.1", server.port, timeout=2)
+    finally:
+        await server.close()
+    assert nixl_engine.peers == []
+    assert not nixl_engine.live_handles().get("remote_agents")
+
+
+async def test_future_protocol_version_is_refused(nixl_engine):
+    reply = messages.MetadataReply(
+        version=99, engine_id="x", agent_name="x", agent_metadata=b"", compat_hash="", layouts=[]
+    )
+    server = FakeServer(messages.encode(reply))
+    try:
+        with pytest.raises(ProtocolError, match="version 99"):
+            await nixl_engine.connect("127.0.0.1", server.port, timeout=2)
+    finally:
+        await server.close()
+
+
+async def test_compat_hash_mismatch(nixl_peer_factory):
+    peer_proc = nixl_peer_factory(compat={"model": "llama", "dtype": "bf16"})
+    async with TransferEngine(EngineConfig(compat={"model": "llama", "dtype": "fp16"})) as engine:
+        with pytest.raises(IncompatiblePeerError, match="compatibility hash"):
+            await engine.connect(*peer_proc.address)
+        assert engine.peers == []
+    assert_no_live_handles(engine)
+    async with TransferEngine(EngineConfig(compat={"dtype": "bf16", "model": "llama"})) as engine:
+        await engine.connect(*peer_proc.address)
+
+
+async def test_engine_id_mismatch(nixl_engine, nixl_peer):
+    with pytest.raises(EngineIdMismatch, match="expected 'someone-else'"):
+        await nixl_engine.connect(*nixl_peer.address, expected_engine_id="someone-else")
+
+
+async def test_concurrent_connects_share_one_handshake(nixl_engine, nixl_peer):
+    peers = await asyncio.gather(*(nixl_engine.connect(*nixl_peer.address) for _ in range(8)))
+    assert all(p is peers[0] for p in peers)
+    assert nixl_engine.snapshot().counters["handshakes"] == 1
+
+
+async def test_dead_peer_costs_only_its_own_timeout(nixl_engine, nixl_peer_factory):
+    live = [nixl_peer_factory() for _ in range(3)]
+    silent = FakeServer(None)
+    try:
+        started = time.monotonic()
+        dead = asyncio.ensure_future(nixl_engine.connect("127.0.0.1", silent.port, timeout=3))
+        peers = await asyncio.gather(*(nixl_engine.connect(*p.address) for p in live))
+        elapsed_live = time.monotonic() - started
+        assert {p.engine_id for p in peers} == {p.engine_id for p in live}
+        assert not dead.done() and elapsed_live < 2.5
+        with pytest.raises(HandshakeTimeout):
+            await dead
+    finally:
+        await silent.close()
+
+
+async def test_server_survives_malformed_queries(nixl_engine):
+    host, port = nixl_engine.address
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(f"tcp://{host}:{port}")
+    try:
+        bad = [
+            b"",
+            b"\xff\xfe",
+            msgspec.msgpack.encode({"type": "metadata_request", "version": "x"}),
+            messages.encode(messages.MetadataRequest(version=7)),
+            b"x" * (nixl_engine.config.max_request_bytes + 1),
+        ]
+        for payload in bad:
+            await sock.send(payload)
+            reply = messages.decode_reply(await asyncio.wait_for(sock.recv(), 5))
+            assert isinstance(reply, messages.ErrorReply), payload[:20]
+        await sock.send_multipart([b"two", b"frames"])
+        reply = messages.decode_reply(await asyncio.wait_for(sock.recv(), 5))
+        assert isinstance(reply, messages.ErrorReply) and reply.code == "bad_request"
+        await sock.send(messages.encode(messages.MetadataRequest(expected_engine_id="other")))
+        reply = messages.decode_reply(await asyncio.wait_for(sock.recv(), 5))
+        assert isinstance(reply, messages.ErrorReply) and reply.code == "engine_id_mismatch"
+        # still serving real requests
+        await sock.send(messages.encode(messages.MetadataRequest(engine_id="probe")))
+        reply = messages.decode_reply(await asyncio.wait_for(sock.recv(), 5))
+        assert isinstance(reply, messages.MetadataReply) and reply.engine_id == nixl_engine.engine_id
+    finally:
+        ctx.destroy(0)
+
+
+async def _query(address):
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(f"tcp://{address[0]}:{address[1]}")
+    try:
+        await sock.send(messages.encode(messages.MetadataRequest(engine_id="probe")))
+        return messages.decode_reply(await asyncio.wait_for(sock.recv(), 5))
+    finally:
+        ctx.destroy(0)
+
+
+async def test_reply_reflects_new_registrations(nixl_engine):
+    import numpy as np
+
+    nixl_engine.register("a", [np.zeros(4096, np.uint8)], block_len=1024)
+    assert [lay.name for lay in (await _query(nixl_engine.address)).layouts] == ["a"]
+    nixl_engine.register("b", [np.zeros(8192, np.uint8)], block_len=2048)
+    reply = await _query(nixl_engine.address)
+    assert [(lay.name, lay.num_blocks) for lay in reply.layouts] == [("a", 4), ("b", 4)]
+    nixl_engine.deregister("a")
+    assert [lay.name for lay in (await _query(nixl_engine.address)).layouts] == ["b"]
+
+
+async def test_notify_only_needs_no_matching_layouts(nixl_engine, nixl_peer):
+    import numpy as np
+
+    nixl_engine.register("kv", [np.zeros(4096, np.uint8)], block_len=1024)  # differs from the peer's
+    peer = await nixl_engine.connect(*nixl_peer.address)
+    assert (await nixl_engine.read(peer, [], [], notify=b"hit")).notified

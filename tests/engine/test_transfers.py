@@ -1,0 +1,263 @@
+"""Transfers between this process's engine and a peer process, over real NIXL (UCX)."""
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from nixl_async import (
+    LayoutError,
+    LayoutKind,
+    PeerUnknownError,
+    TransferCancelled,
+    TransferFailed,
+    TransferState,
+    TransferTimeout,
+    ViewSpec,
+    WrongThreadError,
+)
+from nixl_async.peer import Verify, WaitNotifications
+from nixl_async.testing import fill_pattern, pattern_block, verify_blocks
+
+BLOCK = 4096
+
+
+def _regions(n=2, blocks=64, block_len=BLOCK):
+    return [np.zeros(blocks * block_len, dtype=np.uint8) for _ in range(n)]
+
+
+async def test_read_round_trip_and_notification(nixl_engine, nixl_peer):
+    regions = _regions()
+    nixl_engine.register("kv", regions, block_len=BLOCK)
+    peer = await nixl_engine.connect(*nixl_peer.address, expected_engine_id=nixl_peer.engine_id)
+    result = await nixl_engine.read(peer, [0, 1, 2, 40], [5, 6, 7, 63], notify=b"req-1:1")
+    assert result.nbytes == 4 * 2 * BLOCK and result.notified
+    assert verify_blocks(regions, BLOCK, [0, 1, 2, 40], [5, 6, 7, 63], seed=1) == []
+    assert not regions[0][3 * BLOCK : 40 * BLOCK].any(), "blocks not asked for must stay untouched"
+    senders = await nixl_peer.request(WaitNotifications(message=b"req-1:1", timeout=10))
+    assert senders == [nixl_engine.engine_id]
+
+
+async def test_write_round_trip_from_torch_tensors(nixl_engine, nixl_peer):
+    tensors = [torch.zeros(64, BLOCK, dtype=torch.uint8) for _ in range(2)]
+    fill_pattern([t.numpy() for t in tensors], seed=42)
+    layout = nixl_engine.register("kv", tensors, num_blocks=64)
+    assert layout.block_len == BLOCK and layout.mem_type == "DRAM"
+    peer = await nixl_engine.connect(*nixl_peer.address)
+    await nixl_engine.write(peer, [10, 11, 12], [0, 33, 2], notify=b"w")
+    assert await nixl_peer.request(Verify(blocks=[0, 33, 2], source_blocks=[10, 11, 12], seed=42)) == []
+    assert await nixl_peer.request(WaitNotifications(message=b"w", timeout=10))
+
+
+async def test_large_transfer_is_sliced_and_complete(nixl_peer_factory, nixl_engine):
+    """64 MiB in 256 KiB blocks: posted in several slices, every byte lands."""
+    block_len, blocks = 256 << 10, 128
+    peer_proc = nixl_peer_factory(num_regions=2, num_blocks=blocks, block_len=block_len, seed=3)
+    regions = _regions(2, blocks, block_len)
+    nixl_engine.register("kv", regions, block_len=block_len)
+    peer = await nixl_engine.connect(*peer_proc.address)
+    order = np.random.default_rng(0).permutation(blocks)
+    result = await nixl_engine.read(peer, np.arange(blocks), order, notify=b"big")
+    assert result.slices > 1 and result.nbytes == 2 * blocks * block_len
+    assert verify_blocks(regions, block_len, range(blocks), order, seed=3) == []
+    assert await peer_proc.request(WaitNotifications(message=b"big", timeout=10))
+
+
+async def test_views_read_a_window_and_split_blocks(nixl_peer_factory, nixl_engine):
+    """Heterogeneous TP (a head window) and a block-size ratio, against real memory."""
+    peer_proc = nixl_peer_factory(num_regions=1, num_blocks=16, block_len=1024, seed=5)
+    local = np.zeros(8 * 1024, dtype=np.uint8)
+    nixl_engine.register("kv", [local], block_len=512)  # half-size blocks
+    peer = await nixl_engine.connect(*peer_proc.address)
+    # 1) decode TP rank 1 of 2: read the second half of remote blocks 3 and 9 into local blocks 0 and 1
+    await nixl_engine.read(peer, [0, 1], [3, 9], remote=ViewSpec(chunk_offset=512, chunk_len=512))
+    assert np.array_equal(local[:512], pattern_block(5, 0, 3, 1024)[512:])
+    assert np.array_equal(local[512:1024], pattern_block(5, 0, 9, 1024)[512:])
+    # 2) remote blocks twice the size: split each remote block into two local blocks
+    await nixl_engine.read(peer, [4, 5, 6, 7], [2, 11], remote=ViewSpec(split=2))
+    assert np.array_equal(local[4 * 512 : 6 * 512], pattern_block(5, 0, 2, 1024))
+    assert np.array_equal(local[6 * 512 : 8 * 512], pattern_block(5, 0, 11, 1024))
+
+
+async def test_blocks_first_kv_layout_round_trip(nixl_peer_factory, nixl_engine):
+    peer_proc = nixl_peer_factory(num_regions=1, num_blocks=8, block_len=2048, kind=LayoutKind.BLOCKS_FIRST_KV)
+    local = np.zeros(8 * 2048, dtype=np.uint8)
+    nixl_engine.register("kv", [local], block_len=2048, kind=LayoutKind.BLOCKS_FIRST_KV)
+    peer = await nixl_engine.connect(*peer_proc.address)
+    await nixl_engine.read(peer, [1], [6], remote=ViewSpec(chunk_offset=256, chunk_len=256),
+                           local=ViewSpec(chunk_offset=256, chunk_len=256))  # fmt: skip
+    want = pattern_block(1, 0, 6, 2048)
+    got = local[2048:4096]
+    for half in (0, 1024):
+        assert np.array_equal(got[half + 256 : half + 512], want[half + 256 : half + 512])
+        assert not got[half : half + 256].any() and not got[half + 512 : half + 1024].any()
+
+
+async def test_empty_block_lists_send_only_the_notification(nixl_engine, nixl_peer):
+    nixl_engine.register("kv", _regions(), block_len=BLOCK)
+    peer = await nixl_engine.connect(*nixl_peer.address)
+    result = await nixl_engine.read(peer, [], [], notify=b"prefix-hit")
+    assert result.nbytes == 0 and result.notified
+    assert await nixl_peer.request(WaitNotifications(message=b"prefix-hit", timeout=10)) == [nixl_engine.engine_id]
+
+
+async def test_bad_block_ids_are_refused_before_anything_is_posted(nixl_engine, nixl_peer):
+    nixl_engine.register("kv", _regions(), block_len=BLOCK)
+    peer = await nixl_engine.connect(*nixl_peer.address)
+    cases = [([0], [64]), ([64], [0]), ([0, 1], [2]), ([-1], [0]), ([1, 1], [2, 3])]
+    for local, remote in cases:
+        with pytest.raises(LayoutError):
+            await nixl_engine.read(peer, local, remote)
+    with pytest.raises(LayoutError, match="no layout"):
+        await nixl_engine.read(peer, [0], [0], remote="nope")
+    with pytest.raises(LayoutError, match="does not fit"):
+        await nixl_engine.read(peer, [0], [0], remote=ViewSpec(chunk_offset=BLOCK))
+    snap = nixl_engine.snapshot()
+    assert snap.counters.get("transfers_submitted", 0) == 0
+    assert snap.live_handles.get("xfers", 0) == 0
+
+
+async def test_fan_in_notifications_from_several_peers(nixl_engine, nixl_peer_factory):
+    """Two 'prefill ranks' notify the same message; we wait for both (heterogeneous TP)."""
+    nixl_engine.register("kv", _regions(), block_len=BLOCK)
+    peers = [nixl_peer_factory(), nixl_peer_factory()]
+    host, port = nixl_engine.address
+    # The first notification arrives before anyone waits: it must be kept.
+    await peers[0].request(_notify(host, port, b"req-7"))
+    waiter = asyncio.ensure_future(nixl_engine.wait_notifications(b"req-7", count=2, timeout=20))
+    await asyncio.sleep(0.05)
+    assert not waiter.done()
+    await peers[1].request(_notify(host, port, b"req-7"))
+    senders = await waiter
+    assert sorted(senders) == sorted(p.engine_id for p in peers)
+
+
+def _notify(host, port, message):
+    from nixl_async.peer import Notify
+
+    return Notify(host=host, port=port, message=message)
+
+
+async def test_notification_iterator(nixl_engine, nixl_peer):
+    nixl_engine.register("kv", _regions(), block_len=BLOCK)
+    host, port = nixl_engine.address
+    seen = []
+
+    async def collect():
+        async for note in nixl_engine.notifications():
+            seen.append(note)
+            if len(seen) == 2:
+                return
+
+    collector = asyncio.ensure_future(collect())
+    await asyncio.sleep(0)
+    await nixl_peer.request(_notify(host, port, b"one"))
+    await nixl_peer.request(_notify(host, port, b"two"))
+    await asyncio.wait_for(collector, 10)
+    assert [n.message for n in seen] == [b"one", b"two"]
+    assert {n.sender for n in seen} == {nixl_peer.engine_id}
+
+
+async def test_cancel_releases_the_in_flight_handle(nixl_engine, nixl_peer_factory):
+    """Over UCX TCP the read is really in flight; cancelling it releases its NIXL handle."""
+    block_len, blocks = 1 << 20, 64
+    peer_proc = nixl_peer_factory(num_regions=1, num_blocks=blocks, block_len=block_len, tcp=True)
+    nixl_engine.register("kv", _regions(1, blocks, block_len), block_len=block_len)
+    peer = await nixl_engine.connect(*peer_proc.address)
+    transfer = await nixl_engine.start_read(peer, range(blocks), range(blocks))
+    assert transfer.state is TransferState.POSTING, "expected a genuinely in-flight transfer over TCP"
+    assert nixl_engine.live_handles().get("xfers", 0) >= 1
+    assert transfer.cancel()
+    with pytest.raises(TransferCancelled):
+        await transfer
+    assert transfer.state is TransferState.CANCELLED
+    for _ in range(200):  # a handle NIXL could not cancel at once is released once it settles
+        if not nixl_engine.live_handles().get("xfers"):
+            break
+        await asyncio.sleep(0.01)
+    assert not nixl_engine.live_handles().get("xfers")
+    assert nixl_engine.snapshot().counters["transfers_cancelled"] == 1
+    # the engine still works afterwards
+    await nixl_engine.read(peer, [0], [1])
+
+
+async def test_deadline_expiry_and_asyncio_timeout(nixl_engine, nixl_peer_factory):
+    block_len, blocks = 1 << 20, 64
+    peer_proc = nixl_peer_factory(num_regions=1, num_blocks=blocks, block_len=block_len, tcp=True)
+    nixl_engine.register("kv", _regions(1, blocks, block_len), block_len=block_len)
+    peer = await nixl_engine.connect(*peer_proc.address)
+    with pytest.raises(TransferTimeout):
+        await nixl_engine.read(peer, range(blocks), range(blocks), timeout=0.001)
+    transfer = await nixl_engine.start_read(peer, range(blocks), range(blocks))
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.001):
+            await transfer
+    assert transfer.state is TransferState.CANCELLED
+    with pytest.raises(TransferTimeout):
+        await (await nixl_engine.start_read(peer, range(blocks), range(blocks))).wait(timeout=0.001)
+    counters = nixl_engine.snapshot().counters
+    assert counters["transfers_timeouts"] == 2 and counters["transfers_cancelled"] == 1
+
+
+@pytest.mark.nixl_engine_config(max_inflight_transfers=2)
+async def test_backpressure_waits_for_room(nixl_engine, nixl_peer_factory):
+    block_len, blocks = 1 << 20, 16
+    peer_proc = nixl_peer_factory(num_regions=1, num_blocks=blocks, block_len=block_len, tcp=True)
+    nixl_engine.register("kv", _regions(1, blocks, block_len), block_len=block_len)
+    peer = await nixl_engine.connect(*peer_proc.address)
+    first = await nixl_engine.start_read(peer, range(0, 8), range(0, 8))
+    second = await nixl_engine.start_read(peer, range(8, 16), range(8, 16))
+    third = asyncio.ensure_future(nixl_engine.start_read(peer, [0], [1]))
+    await asyncio.sleep(0)
+    assert not third.done(), "a third submit must wait while two transfers are in flight"
+    await first
+    await second
+    await (await asyncio.wait_for(third, 10))
+    assert nixl_engine.snapshot().counters["backpressure_waits"] == 1
+    # a submit that cannot get room before its deadline fails cleanly, posting nothing
+    a = await nixl_engine.start_read(peer, range(0, 8), range(0, 8))
+    b = await nixl_engine.start_read(peer, range(8, 16), range(8, 16))
+    with pytest.raises(TransferTimeout, match="room"):
+        await nixl_engine.start_read(peer, [0], [1], timeout=0.0005)
+    await asyncio.gather(a.wait(), b.wait())
+
+
+async def test_dead_peer_fails_the_transfer(nixl_engine, nixl_peer_factory):
+    peer_proc = nixl_peer_factory(num_regions=1, num_blocks=64, block_len=1 << 20, tcp=True)
+    nixl_engine.register("kv", _regions(1, 64, 1 << 20), block_len=1 << 20)
+    peer = await nixl_engine.connect(*peer_proc.address)
+    await nixl_engine.read(peer, [0], [0])
+    transfer = await nixl_engine.start_read(peer, range(64), range(64), timeout=20)
+    peer_proc.kill()
+    with pytest.raises((TransferFailed, TransferTimeout)):
+        await transfer
+    assert not nixl_engine.live_handles().get("xfers")
+
+
+async def test_disconnected_peer_is_refused(nixl_engine, nixl_peer):
+    nixl_engine.register("kv", _regions(), block_len=BLOCK)
+    peer = await nixl_engine.connect(*nixl_peer.address)
+    nixl_engine.disconnect(peer)
+    with pytest.raises(PeerUnknownError):
+        await nixl_engine.read(peer, [0], [0])
+    assert not nixl_engine.live_handles().get("remote_agents")
+    peer = await nixl_engine.connect(*nixl_peer.address)
+    await nixl_engine.read(peer, [0], [0])
+
+
+async def test_agent_refuses_other_threads(nixl_engine):
+    errors = []
+
+    def other():
+        try:
+            nixl_engine.register("kv", _regions(), block_len=BLOCK)
+        except WrongThreadError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    thread.join()
+    assert errors and "owned by thread" in str(errors[0])
+    assert not nixl_engine.live_handles().get("registrations")
