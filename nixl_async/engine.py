@@ -320,6 +320,9 @@ class TransferEngine:
         agent = self._require_agent()
         if layout.name in self._layouts:
             raise LayoutError(f"a layout named {layout.name!r} is already registered")
+        for other in self._layouts.values():
+            if layout.overlaps(other.layout):
+                raise LayoutError(f"layout {layout.name!r} overlaps registered layout {other.layout.name!r}")
         memory = agent.register(layout.region_descriptors(), layout.mem_type)
         self._layouts[layout.name] = _LocalLayout(layout, memory, keepalive or [])
         self._reply_cache = None

@@ -22,6 +22,7 @@ whole view from one strided row per (region, part, piece) instead of one row per
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Sequence
 from typing import Annotated
 
@@ -79,6 +80,18 @@ class BlockLayout(msgspec.Struct, frozen=True, kw_only=True):
             raise LayoutError(f"layout {self.name!r} has no regions")
         if self.block_len % self.num_parts:
             raise LayoutError(f"layout {self.name!r}: block_len {self.block_len} has no K/V halves")
+        starts = sorted(self.region_addrs)
+        if any(b - a < self.region_len for a, b in itertools.pairwise(starts)):
+            # NIXL/UCX accept overlapping registrations and crash later: refuse them here.
+            raise LayoutError(f"layout {self.name!r}: regions overlap")
+
+    def overlaps(self, other: BlockLayout) -> bool:
+        """Whether any region of this layout shares bytes with one of `other`'s."""
+        if (self.mem_type, self.device_id) != (other.mem_type, other.device_id):
+            return False
+        return any(
+            a < b + other.region_len and b < a + self.region_len for a in self.region_addrs for b in other.region_addrs
+        )
 
     @property
     def num_regions(self) -> int:

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nixl_async.exceptions import LayoutError
-from nixl_async.layout import BlockLayout, LayoutKind, ViewSpec, as_block_ids, pair_descriptor_ids
+from nixl_async.layout import BlockLayout, LayoutKind, MemType, ViewSpec, as_block_ids, pair_descriptor_ids
 
 
 @st.composite
@@ -89,8 +89,12 @@ def test_descriptor_ids_select_the_blocks(view, data):
 def test_pairing_with_block_size_ratio(regions, n_local, ratio, data):
     """A local block split in `ratio` pieces pairs with `ratio` consecutive remote blocks."""
     block_len = 64 * ratio
-    local = BlockLayout.from_regions("kv", [1 << 32] * regions, num_blocks=8, block_len=block_len)
-    remote = BlockLayout.from_regions("kv", [1 << 40] * regions, num_blocks=8 * ratio, block_len=block_len // ratio)
+    local = BlockLayout.from_regions(
+        "kv", [(1 << 32) + (i << 24) for i in range(regions)], num_blocks=8, block_len=block_len
+    )
+    remote = BlockLayout.from_regions(
+        "kv", [(1 << 40) + (i << 24) for i in range(regions)], num_blocks=8 * ratio, block_len=block_len // ratio
+    )
     lids = np.array(
         data.draw(st.lists(st.integers(0, 7), min_size=n_local, max_size=n_local, unique=True)), dtype=np.int64
     )
@@ -103,8 +107,8 @@ def test_pairing_with_block_size_ratio(regions, n_local, ratio, data):
     ld, rd = lv.descriptors()[li], rv.descriptors()[ri]
     assert (ld[:, 1] == rd[:, 1]).all()
     for (la, _, _), (ra, _, _) in zip(ld, rd, strict=True):
-        lblock, loff = divmod(int(la) - (1 << 32), block_len)
-        rblock = (int(ra) - (1 << 40)) // (block_len // ratio)
+        lblock, loff = divmod((int(la) - (1 << 32)) % (1 << 24), block_len)
+        rblock = ((int(ra) - (1 << 40)) % (1 << 24)) // (block_len // ratio)
         # the piece index inside the local block says which of the ratio remote blocks it holds
         unit = list(lids).index(lblock) * ratio + loff // (block_len // ratio)
         assert rblock == rids[unit]
@@ -165,6 +169,8 @@ def test_pairing_refuses_mismatched_counts_and_sizes():
         ({"region_addrs": []}, "no regions"),
         ({"num_blocks": 0}, "num_blocks"),
         ({"block_len": 65, "kind": LayoutKind.BLOCKS_FIRST_KV}, "K/V halves"),
+        ({"region_addrs": [0, 0]}, "overlap"),
+        ({"region_addrs": [0, 255]}, "overlap"),
     ],
 )
 def test_invalid_layouts(kwargs, message):
@@ -187,3 +193,11 @@ def test_million_blocks_vectorised():
     descs = lay.view().descriptors()
     assert descs.shape == (2 << 20, 3)
     assert int(descs[-1, 0]) == (1 << 40) + ((1 << 20) - 1) * 4096
+
+
+def test_overlap_between_layouts():
+    a = BlockLayout.from_regions("a", [0, 1024], num_blocks=4, block_len=64)
+    assert a.overlaps(BlockLayout.from_regions("b", [1000], num_blocks=1, block_len=64))
+    assert not a.overlaps(BlockLayout.from_regions("b", [256, 2048], num_blocks=1, block_len=64))
+    vram = BlockLayout.from_regions("v", [0], num_blocks=4, block_len=64, mem_type=MemType.VRAM)
+    assert not a.overlaps(vram)

@@ -261,3 +261,13 @@ async def test_agent_refuses_other_threads(nixl_engine):
     thread.join()
     assert errors and "owned by thread" in str(errors[0])
     assert not nixl_engine.live_handles().get("registrations")
+
+
+async def test_overlapping_memory_is_refused(nixl_engine):
+    shared = np.zeros(8 * BLOCK, np.uint8)
+    with pytest.raises(LayoutError, match="overlap"):
+        nixl_engine.register("kv", [shared, shared], block_len=BLOCK)
+    nixl_engine.register("kv", [shared], block_len=BLOCK)
+    with pytest.raises(LayoutError, match="overlaps registered layout 'kv'"):
+        nixl_engine.register("again", [shared[BLOCK:]], block_len=BLOCK)
+    assert nixl_engine.live_handles() == {"registrations": 1}

@@ -1,0 +1,147 @@
+"""The sync facade, driven from plain threads against a real peer process."""
+
+import asyncio
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from nixl_async import (
+    EngineClosedError,
+    EngineConfig,
+    HandshakeTimeout,
+    LayoutError,
+    SyncEngine,
+    TransferCancelled,
+    WrongThreadError,
+)
+from nixl_async.peer import Notify, WaitNotifications
+from nixl_async.testing import verify_blocks
+
+BLOCK = 4096
+
+
+@pytest.fixture
+def sync_engine():
+    engine = SyncEngine(EngineConfig(engine_id="sync-local"))
+    yield engine
+    engine.close()
+    assert engine.engine.live_handles() == {}
+
+
+def _wait_finished(engine, want, timeout=30.0):
+    done, failed = set(), {}
+    deadline = time.monotonic() + timeout
+    while len(done) + len(failed) < want and time.monotonic() < deadline:
+        got = engine.get_finished()
+        done |= got.done
+        failed.update(got.failed)
+        time.sleep(0.002)
+    return done, failed
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_reads_from_many_threads(sync_engine, nixl_peer):
+    regions = [np.zeros(64 * BLOCK, np.uint8) for _ in range(2)]
+    sync_engine.register("kv", regions, block_len=BLOCK)
+    host, port = nixl_peer.address
+
+    def worker(k):
+        for j in range(4):
+            local = [k * 8 + j * 2, k * 8 + j * 2 + 1]
+            sync_engine.submit_read(f"req-{k}-{j}", host, port, local, [63 - x for x in local], notify=b"n")
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    done, failed = _wait_finished(sync_engine, 16)
+    assert failed == {} and done == {f"req-{k}-{j}" for k in range(4) for j in range(4)}
+    assert verify_blocks(regions, BLOCK, range(32), [63 - x for x in range(32)], seed=1) == []
+    assert nixl_peer.request_sync(WaitNotifications(message=b"n", count=16, timeout=10)) is not None
+    assert sync_engine.stats().counters["handshakes"] == 1
+
+
+def test_failures_arrive_typed(sync_engine, nixl_peer):
+    sync_engine.register("kv", [np.zeros(64 * BLOCK, np.uint8) for _ in range(2)], block_len=BLOCK)
+    sync_engine.submit_read("dead", "127.0.0.1", _free_port(), [0], [0], handshake_timeout=0.3)
+    sync_engine.submit_read("bad-ids", *nixl_peer.address, [0], [64])
+    done, failed = _wait_finished(sync_engine, 2)
+    assert done == set()
+    assert isinstance(failed["dead"], HandshakeTimeout)
+    assert isinstance(failed["bad-ids"], LayoutError)
+    with pytest.raises(HandshakeTimeout):  # blocking calls re-raise in the caller's thread
+        sync_engine.connect("127.0.0.1", _free_port(), timeout=0.2)
+
+
+def test_duplicate_request_ids_are_refused(sync_engine, nixl_peer_factory):
+    peer = nixl_peer_factory(num_regions=1, num_blocks=32, block_len=1 << 20, tcp=True)
+    sync_engine.register("kv", [np.zeros(32 << 20, np.uint8)], block_len=1 << 20)
+    sync_engine.submit_read("r", *peer.address, range(32), range(32))
+    with pytest.raises(ValueError, match="already has work"):
+        sync_engine.submit_read("r", *peer.address, [0], [0])
+    _wait_finished(sync_engine, 1)
+
+
+def test_cancel_from_a_thread(sync_engine, nixl_peer_factory):
+    peer = nixl_peer_factory(num_regions=1, num_blocks=64, block_len=1 << 20, tcp=True)
+    sync_engine.register("kv", [np.zeros(64 << 20, np.uint8)], block_len=1 << 20)
+    sync_engine.connect(*peer.address)
+    sync_engine.submit_read("big", *peer.address, range(64), range(64))
+    time.sleep(0.01)
+    assert sync_engine.cancel("big")
+    _done, failed = _wait_finished(sync_engine, 1)
+    assert "big" in failed and isinstance(failed["big"], (asyncio.CancelledError, TransferCancelled))
+    deadline = time.monotonic() + 5
+    while sync_engine.live_handles().get("xfers") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not sync_engine.live_handles().get("xfers")
+
+
+def test_notifications_finish_a_request(sync_engine, nixl_peer_factory):
+    host, port = sync_engine.serve()
+    sync_engine.register("kv", [np.zeros(BLOCK, np.uint8)], block_len=BLOCK)
+    peers = [nixl_peer_factory(), nixl_peer_factory()]
+    sync_engine.submit_wait_notifications("send-1", b"req-1:2", count=2, timeout=20)
+    for p in peers:
+        p.request_sync(Notify(host=host, port=port, message=b"req-1:2"))
+    done, failed = _wait_finished(sync_engine, 1)
+    assert done == {"send-1"} and failed == {}
+
+
+def test_submit_and_get_finished_do_not_wait_for_a_busy_loop(sync_engine, nixl_peer):
+    sync_engine.register("kv", [np.zeros(64 * BLOCK, np.uint8) for _ in range(2)], block_len=BLOCK)
+    sync_engine.connect(*nixl_peer.address)
+    blocker = threading.Thread(target=sync_engine.call, args=(lambda: time.sleep(0.5),))
+    blocker.start()
+    time.sleep(0.05)  # the loop thread is now stuck in time.sleep for ~0.45 s
+    started = time.monotonic()
+    sync_engine.submit_read("r1", *nixl_peer.address, [0], [1])
+    sync_engine.get_finished()
+    assert time.monotonic() - started < 0.2
+    blocker.join()
+    done, _ = _wait_finished(sync_engine, 1)
+    assert done == {"r1"}
+
+
+def test_caller_thread_never_touches_the_agent(sync_engine):
+    with pytest.raises(WrongThreadError):
+        sync_engine.engine.register("kv", [np.zeros(BLOCK, np.uint8)], block_len=BLOCK)
+
+
+def test_closed_engine_refuses_work():
+    engine = SyncEngine(EngineConfig(engine_id="closing"))
+    engine.register("kv", [np.zeros(BLOCK, np.uint8)], block_len=BLOCK)
+    engine.close()
+    assert engine.engine.live_handles() == {}
+    with pytest.raises(EngineClosedError):
+        engine.submit_read("x", "127.0.0.1", 1, [0], [0])
+    engine.close()  # idempotent
