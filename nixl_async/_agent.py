@@ -54,10 +54,18 @@ class RegisteredMemory:
 class OwnedAgent:
     """A NIXL agent that only its creating thread may call."""
 
-    def __init__(self, name: str, backends: tuple[str, ...], backend_params: Mapping[str, str]) -> None:
+    def __init__(
+        self,
+        name: str,
+        backends: tuple[str, ...],
+        backend_params: Mapping[str, str],
+        *,
+        progress_thread: bool = False,
+    ) -> None:
+        """`progress_thread=True` exists only so benchmarks can measure NIXL's default mode."""
         self._owner = threading.get_ident()
         self.name = name
-        config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=[])
+        config = nixl_agent_config(enable_prog_thread=progress_thread, enable_listen_thread=False, backends=[])
         self._agent = nixl_agent(name, config)
         for backend in backends:
             self._agent.create_backend(backend, dict(backend_params))

@@ -38,7 +38,7 @@ class AdaptivePacer:
         self._backoff = config.backoff_start_s
 
     def activity(self, now: float) -> None:
-        """Something happened (a post, a completion, a notification): poll hot again."""
+        """Our own transfers moved (a post, a completion): poll hot again."""
         self._last_activity = now
         self._backoff = self._config.backoff_start_s
 

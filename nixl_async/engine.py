@@ -700,8 +700,11 @@ class TransferEngine:
         return handle
 
     # -- the pump: posting slices and checking them ----------------------------------------
-    def _pump(self, agent: OwnedAgent, transfer: Transfer, max_posts: int) -> None:
-        """Advance one transfer: reap finished slices, post new ones (at most `max_posts`)."""
+    def _pump(self, agent: OwnedAgent, transfer: Transfer, max_posts: int, swept: float = 0.0) -> None:
+        """Advance one transfer: reap finished slices, post new ones (at most `max_posts`).
+
+        `swept` is when the poller's sweep began, recorded while slices are still in flight.
+        """
         try:
             pending: list[Any] = []
             failed_state = None
@@ -714,6 +717,8 @@ class TransferEngine:
                     pending.append(handle)
                     if state != "PROC":
                         failed_state = state
+            if pending:
+                transfer.last_pending_at = swept
             transfer.posted = pending
             if failed_state is not None:
                 raise TransferFailed(
@@ -774,6 +779,7 @@ class TransferEngine:
 
     def _complete(self, transfer: Transfer) -> None:
         assert self._loop is not None
+        transfer.done_seen_at = time.perf_counter()
         elapsed = self._loop.time() - transfer.submitted_at
         transfer.state = TransferState.DONE
         self._retire(transfer)
@@ -861,17 +867,16 @@ class TransferEngine:
             timer.cancel()
             self._wake = None
 
-    def _drain_notifications(self, agent: OwnedAgent) -> bool:
+    def _drain_notifications(self, agent: OwnedAgent) -> None:
         batch = agent.notifications()
         if not batch:
-            return False
+            return
         for agent_name, msgs in batch.items():
             peer = self._peers_by_agent.get(agent_name)
             sender = peer.engine_id if peer is not None else _engine_id_of(agent_name)
             for msg in msgs:
                 self._notifications.deliver(sender, bytes(msg))
         self.stats.counters["notifications_received"] += sum(len(m) for m in batch.values())
-        return True
 
     def _expire(self, now: float) -> None:
         for transfer in [t for t in self._active.values() if t.deadline is not None and now >= t.deadline]:
@@ -892,12 +897,15 @@ class TransferEngine:
             agent = self._agent
             assert agent is not None
             counters["polls"] += 1
-            activity = self._drain_notifications(agent)
+            # Incoming notifications are not "activity": they promise no more work for us, and
+            # spinning on them would steal the core a peer's copy needs (2-core machines).
+            self._drain_notifications(agent)
+            activity = False
             if self._active:
                 swept = time.perf_counter()
                 for transfer in list(self._active.values()):
                     before = (transfer.slices_done, transfer.next_slice)
-                    self._pump(agent, transfer, max_posts=1)
+                    self._pump(agent, transfer, 1, swept)
                     if (transfer.slices_done, transfer.next_slice) != before or transfer.done():
                         activity = True
                     if time.perf_counter() - swept > _SWEEP_BUDGET_S:

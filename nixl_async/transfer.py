@@ -69,7 +69,9 @@ class Transfer:
         "_future",
         "deadline",
         "descriptors",
+        "done_seen_at",
         "id",
+        "last_pending_at",
         "local_dlist",
         "nbytes",
         "next_slice",
@@ -118,6 +120,10 @@ class Transfer:
         self.next_slice = 0
         self.slices_done = 0
         self.posted: list[Any] = []  # NIXL handles in flight
+        # perf_counter stamps: the last sweep that saw a slice still in flight, and when the last
+        # slice was seen DONE. The true completion lies between them (benchmarks use this).
+        self.last_pending_at = 0.0
+        self.done_seen_at = 0.0
         self._future = future
         self._cancel_cb = cancel_cb
 

@@ -1,0 +1,91 @@
+"""Helpers shared by scenarios: results, CPU accounting, raw NIXL baselines."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zmq
+
+from nixl_async import messages
+from nixl_async._agent import OwnedAgent
+from nixl_async.layout import BlockLayout, BlockView
+
+
+@dataclass
+class Result:
+    """One scenario's outcome: a table for people, metrics and ratios for machines."""
+
+    scenario: str
+    columns: list[str]
+    rows: list[list[Any]]
+    metrics: dict[str, float] = field(default_factory=dict)
+    ratios: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def percentiles(samples: list[float] | np.ndarray, *qs: float) -> list[float]:
+    arr = np.asarray(samples, dtype=float)
+    return [float(np.percentile(arr, q)) if arr.size else float("nan") for q in qs]
+
+
+@contextmanager
+def cpu_meter() -> Iterator[dict[str, float]]:
+    """CPU use of this process (all threads) over the block, in % of one core."""
+    out: dict[str, float] = {}
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    yield out
+    out["seconds"] = time.perf_counter() - t0
+    out["cpu_percent"] = (time.process_time() - cpu0) / out["seconds"] * 100
+
+
+def process_cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def fetch_reply(host: str, port: int, timeout: float = 10.0) -> messages.MetadataReply:
+    """A blocking handshake query (the raw baselines use it; the engine has its own)."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(f"tcp://{host}:{port}")
+        sock.send(messages.encode(messages.MetadataRequest(engine_id="raw-baseline")))
+        if not sock.poll(int(timeout * 1000)):
+            raise TimeoutError(f"no handshake reply from {host}:{port}")
+        reply = messages.decode_reply(sock.recv())
+    finally:
+        sock.close(0)
+    assert isinstance(reply, messages.MetadataReply)
+    return reply
+
+
+class RawReader:
+    """NIXL used directly, the way a hand-written loop would: one agent, no engine."""
+
+    def __init__(self, name: str, local: BlockLayout, address: tuple[str, int], *, progress_thread: bool) -> None:
+        self.agent = OwnedAgent(name, ("UCX",), {}, progress_thread=progress_thread)
+        self.memory = self.agent.register(local.region_descriptors(), local.mem_type)
+        reply = fetch_reply(*address)
+        self.remote_name = self.agent.add_remote(reply.agent_metadata)
+        self.remote_layout = reply.layouts[0]
+        self.local_view: BlockView = local.view()
+        self.local = self.agent.prep_view("", self.local_view)
+        self.remote = self.agent.prep_view(self.remote_name, self.remote_layout.view())
+
+    def post(self, local_idx: np.ndarray, remote_idx: np.ndarray) -> tuple[Any, str]:
+        handle = self.agent.make_xfer("READ", self.local, local_idx, self.remote, remote_idx)
+        return handle, self.agent.post(handle)
+
+    def close(self) -> None:
+        self.agent.release_dlist(self.local)
+        self.agent.release_dlist(self.remote)
+        self.agent.remove_remote(self.remote_name)
+        self.agent.deregister(self.memory)
