@@ -58,6 +58,9 @@ class EngineConfig:
     max_post_bytes: int = 8 << 20
     max_post_descriptors: int = 8192
     slices_in_flight: int = 2
+    # A transfer submitted without a timeout gets this deadline, so a stalled or paused peer
+    # cannot hang its caller forever. None disables it.
+    transfer_timeout_s: float | None = 120.0
     # Handshake side channel.
     handshake_timeout_s: float = 5.0
     max_request_bytes: int = 64 << 10
@@ -82,6 +85,8 @@ class EngineConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"EngineConfig.{name} must be > 0")
+        if self.transfer_timeout_s is not None and self.transfer_timeout_s <= 0:
+            raise ValueError("EngineConfig.transfer_timeout_s must be > 0 or None")
         if self.handshake_timeout_s <= 0:
             raise ValueError("EngineConfig.handshake_timeout_s must be > 0")
         # Freeze the mappings so the config stays hashable-in-spirit and immutable.

@@ -530,7 +530,8 @@ class TransferEngine:
         result. `local`/`remote` choose layouts or views (default: the only layout on each
         side). `notify` is delivered to the peer once all data has moved. With empty block lists
         only the notification is sent (a full prefix-cache hit). `timeout` sets a deadline
-        counted from now, enforced even if nobody awaits the transfer.
+        counted from now (default `EngineConfig.transfer_timeout_s`), enforced even if nobody
+        awaits the transfer.
 
         Raises `LayoutError` (a `ValueError`) for bad ids or views before anything is posted.
         """
@@ -594,6 +595,8 @@ class TransferEngine:
             return self._notify_only(op, peer, notify, now)
         lidx, ridx = pair_descriptor_ids(local_view, lids, remote_view, rids)
         nbytes = len(lidx) * local_view.piece_len
+        if timeout is None:
+            timeout = self.config.transfer_timeout_s
         deadline = None if timeout is None else now + timeout
 
         await self._admit(nbytes, deadline)

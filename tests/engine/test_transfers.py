@@ -271,3 +271,26 @@ async def test_overlapping_memory_is_refused(nixl_engine):
     with pytest.raises(LayoutError, match="overlaps registered layout 'kv'"):
         nixl_engine.register("again", [shared[BLOCK:]], block_len=BLOCK)
     assert nixl_engine.live_handles() == {"registrations": 1}
+
+
+@pytest.mark.nixl_engine_config(transfer_timeout_s=1.0)
+async def test_paused_peer_cannot_hang_a_caller(nixl_engine, nixl_peer_factory):
+    """SIGSTOP the peer mid-transfer (TCP): the default deadline ends the wait, typed."""
+    block_len, blocks = 1 << 20, 64
+    peer_proc = nixl_peer_factory(num_regions=1, num_blocks=blocks, block_len=block_len, tcp=True)
+    nixl_engine.register("kv", _regions(1, blocks, block_len), block_len=block_len)
+    peer = await nixl_engine.connect(*peer_proc.address)
+    await nixl_engine.read(peer, [0], [0])
+    peer_proc.pause()
+    try:
+        started = asyncio.get_running_loop().time()
+        with pytest.raises((TransferTimeout, TransferFailed)):
+            await nixl_engine.read(peer, range(blocks), range(blocks))
+        assert asyncio.get_running_loop().time() - started < 5
+    finally:
+        peer_proc.resume()
+    for _ in range(300):
+        if not nixl_engine.live_handles().get("xfers"):
+            break
+        await asyncio.sleep(0.01)
+    assert not nixl_engine.live_handles().get("xfers")
