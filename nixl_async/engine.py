@@ -72,6 +72,7 @@ ViewLike = BlockView | ViewSpec | str | None
 _WIREUP_BRISK_S = 2.0
 # A post slower than this ends the poller's sweep early so other coroutines get the loop.
 _SWEEP_BUDGET_S = 0.001
+_NEVER = float("inf")
 
 
 class Peer:
@@ -174,6 +175,8 @@ class TransferEngine:
         self._reply_cache: bytes | None = None
         self.extra: dict[str, str] = {}
         self._layouts: dict[str, _LocalLayout] = {}
+        self._local_layouts: dict[str, BlockLayout] = {}
+        self._views: dict[tuple[int, ViewSpec | None], BlockView] = {}
         self._local_dlists: dict[tuple[str, int, int, int], Any] = {}
         self._remote_dlists: dict[tuple[str, tuple[str, int, int, int]], Any] = {}
         self._peers: dict[str, Peer] = {}  # by engine id
@@ -181,6 +184,7 @@ class TransferEngine:
         self._peers_by_address: dict[tuple[str, int], Peer] = {}
         self._connecting: dict[tuple[str, int], asyncio.Task[Peer]] = {}
         self._active: dict[int, Transfer] = {}
+        self._next_deadline = _NEVER  # no transfer's deadline comes before this
         self._zombies: list[Any] = []  # handles NIXL would not release yet
         self._ids = itertools.count(1)
         self._inflight_bytes = 0
@@ -258,6 +262,8 @@ class TransferEngine:
         for local in self._layouts.values():
             agent.deregister(local.memory)
         self._layouts.clear()
+        self._local_layouts.clear()
+        self._views.clear()
         self._wake_room_waiters()
         if self._zmq is not None:
             self._zmq.destroy(linger=0)
@@ -325,6 +331,7 @@ class TransferEngine:
                 raise LayoutError(f"layout {layout.name!r} overlaps registered layout {other.layout.name!r}")
         memory = agent.register(layout.region_descriptors(), layout.mem_type)
         self._layouts[layout.name] = _LocalLayout(layout, memory, keepalive or [])
+        self._local_layouts[layout.name] = layout
         self._reply_cache = None
         self.stats.counters["registered_bytes"] += layout.total_bytes
         return layout
@@ -342,6 +349,8 @@ class TransferEngine:
             agent.release_dlist(self._local_dlists.pop(key))
         agent.deregister(local.memory)
         del self._layouts[name]
+        del self._local_layouts[name]
+        self._views.clear()
         self._reply_cache = None
 
     def _keys_of(self, name: str) -> list[tuple[str, int, int, int]]:
@@ -349,7 +358,7 @@ class TransferEngine:
 
     def layout(self, name: str | None = None) -> BlockLayout:
         """Our registered layout called `name` (or our only one)."""
-        return _pick_layout({k: v.layout for k, v in self._layouts.items()}, name, "this engine")
+        return _pick_layout(self._local_layouts, name, "this engine")
 
     # -- handshake ------------------------------------------------------------------------
     async def serve(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
@@ -560,14 +569,21 @@ class TransferEngine:
         return await (await self.start_write(peer, local_blocks, remote_blocks, **kwargs))
 
     def _view(self, spec: ViewLike, layouts: dict[str, BlockLayout], owner: str) -> BlockView:
-        if isinstance(spec, ViewSpec):
-            return spec.resolve(_pick_layout(layouts, spec.layout, owner))
         if isinstance(spec, BlockView):
             known = layouts.get(spec.layout.name)
             if known != spec.layout:
                 raise LayoutError(f"view of layout {spec.layout.name!r} does not belong to {owner}")
             return spec
-        return _pick_layout(layouts, spec, owner).view()
+        name, window = (spec.layout, spec) if isinstance(spec, ViewSpec) else (spec, None)
+        layout = _pick_layout(layouts, name, owner)
+        key = (id(layout), window)  # views are cached: their index tables are reused per submit
+        view = self._views.get(key)
+        if view is None or view.layout is not layout:
+            view = window.resolve(layout) if window is not None else layout.view()
+            if len(self._views) > 1024:
+                self._views.clear()
+            self._views[key] = view
+        return view
 
     async def _submit(
         self,
@@ -586,7 +602,7 @@ class TransferEngine:
             raise PeerUnknownError(f"peer {peer.engine_id!r} is not connected (connect again)")
         if notify is not None and not isinstance(notify, bytes):
             raise TypeError("notify must be bytes")
-        local_view = self._view(local, {k: v.layout for k, v in self._layouts.items()}, "this engine")
+        local_view = self._view(local, self._local_layouts, "this engine")
         remote_view = self._view(remote, peer.layouts, f"peer {peer.engine_id}")
         lids = as_block_ids(local_blocks, local_view.layout.num_blocks, what="local", unique=op == "READ")
         rids = as_block_ids(remote_blocks, remote_view.layout.num_blocks, what="remote", unique=op == "WRITE")
@@ -619,6 +635,8 @@ class TransferEngine:
             cancel_cb=self._end,
         )
         self._active[transfer.id] = transfer
+        if deadline is not None and deadline < self._next_deadline:
+            self._next_deadline = deadline
         self._inflight_bytes += nbytes
         self.stats.counters["transfers_submitted"] += 1
         self._pump(agent, transfer, max_posts=1)  # the fast path: small transfers finish here
@@ -703,11 +721,13 @@ class TransferEngine:
         return handle
 
     # -- the pump: posting slices and checking them ----------------------------------------
-    def _pump(self, agent: OwnedAgent, transfer: Transfer, max_posts: int, swept: float = 0.0) -> None:
+    def _pump(self, agent: OwnedAgent, transfer: Transfer, max_posts: int, swept: float = 0.0) -> bool:
         """Advance one transfer: reap finished slices, post new ones (at most `max_posts`).
 
         `swept` is when the poller's sweep began, recorded while slices are still in flight.
+        Returns whether anything moved (a slice finished or was posted, or the transfer ended).
         """
+        moved = False
         try:
             pending: list[Any] = []
             failed_state = None
@@ -716,6 +736,7 @@ class TransferEngine:
                 if state == "DONE":
                     self._release(agent, handle)
                     transfer.slices_done += 1
+                    moved = True
                 else:
                     pending.append(handle)
                     if state != "PROC":
@@ -747,6 +768,7 @@ class TransferEngine:
                 state = agent.post(handle)
                 self.stats.histograms["post_us"].record(time.perf_counter() - started)
                 posts += 1
+                moved = True
                 if state == "DONE":
                     transfer.posted.pop()
                     self._release(agent, handle)
@@ -759,7 +781,7 @@ class TransferEngine:
                     )
         except TransferFailed as exc:
             self._end(transfer, exc)
-            return
+            return True
         except NIXL_ERRORS as exc:
             self._end(
                 transfer,
@@ -767,9 +789,10 @@ class TransferEngine:
                     f"{transfer.op} with {transfer.peer} failed: {exc}", transfer_id=transfer.id, peer=transfer.peer
                 ),
             )
-            return
+            return True
         if transfer.slices_done == len(transfer.slices):
             self._complete(transfer)
+        return moved
 
     def _release(self, agent: OwnedAgent, handle: Any) -> None:
         if not agent.release_xfer(handle):
@@ -807,7 +830,7 @@ class TransferEngine:
 
     def _end(self, transfer: Transfer, error: BaseException) -> None:
         """Finish a transfer with an error, releasing (cancelling) whatever it has in flight."""
-        if transfer.done():
+        if transfer.state is not TransferState.POSTING:
             return
         agent = self._agent
         assert agent is not None
@@ -882,6 +905,7 @@ class TransferEngine:
         self.stats.counters["notifications_received"] += sum(len(m) for m in batch.values())
 
     def _expire(self, now: float) -> None:
+        """End transfers past their deadline; remember the next deadline so sweeps skip this."""
         for transfer in [t for t in self._active.values() if t.deadline is not None and now >= t.deadline]:
             self._end(
                 transfer,
@@ -891,6 +915,7 @@ class TransferEngine:
                     peer=transfer.peer,
                 ),
             )
+        self._next_deadline = min((t.deadline for t in self._active.values() if t.deadline is not None), default=_NEVER)
 
     async def _poll_forever(self) -> None:
         loop = self._loop
@@ -906,15 +931,22 @@ class TransferEngine:
             activity = False
             if self._active:
                 swept = time.perf_counter()
-                for transfer in list(self._active.values()):
-                    before = (transfer.slices_done, transfer.next_slice)
-                    self._pump(agent, transfer, 1, swept)
-                    if (transfer.slices_done, transfer.next_slice) != before or transfer.done():
+                for n, transfer in enumerate(list(self._active.values()), 1):
+                    if transfer.state is not TransferState.POSTING:
+                        continue  # ended while we yielded below
+                    if transfer.future.cancelled():  # its awaiter was cancelled
+                        self._end(
+                            transfer, TransferCancelled("the awaiting task was cancelled", transfer_id=transfer.id)
+                        )
+                        continue
+                    if self._pump(agent, transfer, 1, swept):
                         activity = True
-                    if time.perf_counter() - swept > _SWEEP_BUDGET_S:
-                        await asyncio.sleep(0)  # a long post: let other coroutines run
+                    # A post can be a multi-ms copy, and 10k state checks add up: bound the stall.
+                    if (activity or not n % 256) and time.perf_counter() - swept > _SWEEP_BUDGET_S:
+                        await asyncio.sleep(0)
                         swept = time.perf_counter()
-                self._expire(loop.time())
+                if loop.time() >= self._next_deadline:
+                    self._expire(loop.time())
             if self._zombies:
                 self._reap_zombies()
             now = loop.time()

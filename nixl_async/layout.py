@@ -43,6 +43,7 @@ __all__ = [
 ]
 
 IdArray = npt.NDArray[np.int64]
+_SMALL = 256
 DescArray = npt.NDArray[np.uint64]
 
 
@@ -160,7 +161,7 @@ class BlockLayout(msgspec.Struct, frozen=True, kw_only=True):
 class BlockView:
     """A byte window of every part of every block of a layout, cut into `split` pieces."""
 
-    __slots__ = ("chunk_len", "chunk_offset", "layout", "split")
+    __slots__ = ("_row_offsets", "chunk_len", "chunk_offset", "layout", "split")
 
     def __init__(self, layout: BlockLayout, chunk_offset: int, chunk_len: int, split: int) -> None:
         if split <= 0:
@@ -176,6 +177,9 @@ class BlockView:
         self.chunk_offset = chunk_offset
         self.chunk_len = chunk_len
         self.split = split
+        # Index of each (region, part) group's first descriptor, for piece 0.
+        rp = layout.num_regions * layout.num_parts
+        self._row_offsets = (np.arange(rp, dtype=np.int64) * (split * layout.num_blocks))[:, None]
 
     @property
     def key(self) -> tuple[str, int, int, int]:
@@ -228,15 +232,13 @@ class BlockView:
         Without `pieces`, every piece of each block is taken (unit order: block, then piece);
         with `pieces` (same length as `block_ids`) unit *u* takes piece ``pieces[u]``.
         """
-        lay = self.layout
+        nb = self.layout.num_blocks
         if pieces is None:
-            units_block = np.repeat(block_ids, self.split)
-            units_piece = np.tile(np.arange(self.split, dtype=np.int64), len(block_ids))
-        else:
-            units_block, units_piece = block_ids, pieces
-        rp = np.arange(lay.num_regions * lay.num_parts, dtype=np.int64)[:, None]
-        ids = (rp * self.split + units_piece[None, :]) * lay.num_blocks + units_block[None, :]
-        return ids.reshape(-1)
+            if self.split == 1:
+                return (self._row_offsets + block_ids[None, :]).reshape(-1)
+            pieces = np.tile(np.arange(self.split, dtype=np.int64), len(block_ids))
+            block_ids = np.repeat(block_ids, self.split)
+        return (self._row_offsets + (pieces * nb + block_ids)[None, :]).reshape(-1)
 
 
 class ViewSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -262,6 +264,17 @@ def as_block_ids(
     Raises `LayoutError` for non-integer, multi-dimensional or out-of-range ids, and with
     `unique` for repeated ids (a destination block written twice by one transfer is a race).
     """
+    if isinstance(block_ids, list | tuple | range) and len(block_ids) <= _SMALL:
+        # Short lists are the common case (one request's blocks): plain Python beats numpy's
+        # per-call overhead several times over.
+        for b in block_ids:
+            if type(b) is not int:
+                return as_block_ids(np.asarray(block_ids), num_blocks, what=what, unique=unique)
+            if b < 0 or b >= num_blocks:
+                raise LayoutError(f"{what} block id {b} is out of range: the layout has {num_blocks} blocks")
+        if unique and len(set(block_ids)) != len(block_ids):
+            raise LayoutError(f"{what} block ids name a destination block more than once")
+        return np.array(block_ids, dtype=np.int64)
     arr = np.asarray(block_ids)
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
@@ -302,6 +315,8 @@ def pair_descriptor_ids(
             f"block counts do not pair: {len(local_ids)} local blocks x {local.split} pieces "
             f"!= {len(remote_ids)} remote blocks x {remote.split} pieces"
         )
+    if local.split == 1 and remote.split == 1:
+        return local.descriptor_ids(local_ids), remote.descriptor_ids(remote_ids)
     u = np.arange(units, dtype=np.int64)
     local_idx = local.descriptor_ids(local_ids[u // local.split], u % local.split)
     remote_idx = remote.descriptor_ids(remote_ids[u // remote.split], u % remote.split)

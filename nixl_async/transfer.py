@@ -15,7 +15,6 @@ from collections.abc import Callable, Generator
 from typing import Any
 
 import msgspec
-import numpy as np
 
 from .exceptions import TransferCancelled, TransferTimeout
 from .layout import IdArray
@@ -58,10 +57,10 @@ def plan_slices(
 class Transfer:
     """A submitted read or write. Await it (or `wait()`) for its `TransferResult`.
 
-    Awaiting raises `TransferFailed`, `TransferTimeout` or `TransferCancelled`. Cancelling the
-    awaiting task cancels the transfer too, and its NIXL handles are released; so a transfer
-    awaited under ``asyncio.timeout`` is cleaned up when the timeout fires. Use it from the
-    engine's loop only.
+    Awaiting raises `TransferFailed`, `TransferTimeout` or `TransferCancelled`. Awaiting is
+    awaiting its future, so cancelling the awaiting task (``asyncio.timeout``, a TaskGroup)
+    cancels the future, and the engine's poller then stops the transfer and releases its NIXL
+    handles on its next sweep. Use it from the engine's loop only.
     """
 
     __slots__ = (
@@ -143,31 +142,37 @@ class Transfer:
     def exception(self) -> BaseException | None:
         return self._future.exception()
 
+    @property
+    def future(self) -> asyncio.Future[TransferResult]:
+        """The underlying future, for bulk waits (``asyncio.wait``/``gather`` over many transfers)."""
+        return self._future
+
     def cancel(self, reason: str = "cancelled by caller") -> bool:
         """Cancel the transfer and release its handles. False if it had already finished."""
-        if self._future.done():
+        if self.state is not TransferState.POSTING:
             return False
         self._cancel_cb(self, TransferCancelled(reason, transfer_id=self.id, peer=self.peer))
         return True
 
     async def wait(self, timeout: float | None = None) -> TransferResult:
         """Wait for completion; on `timeout` the transfer is cancelled and `TransferTimeout` raised."""
+        if timeout is None or self._future.done():
+            return await self._future
         try:
             async with asyncio.timeout(timeout):
+                # shielded: the timeout must not cancel the future, so that it is recorded as a
+                # timeout here rather than as a cancelled awaiter by the poller
                 return await asyncio.shield(self._future)
         except TimeoutError:
-            if self._future.done() and not self._future.cancelled():
-                return self._future.result()
-            self._cancel_cb(
-                self, TransferTimeout(f"transfer timed out after {timeout}s", transfer_id=self.id, peer=self.peer)
-            )
-            return self._future.result()
-        except asyncio.CancelledError:
+            error = TransferTimeout(f"transfer timed out after {timeout}s", transfer_id=self.id, peer=self.peer)
+            self._cancel_cb(self, error)
+            raise error from None
+        except asyncio.CancelledError:  # the caller itself was cancelled: so is the transfer
             self.cancel("the awaiting task was cancelled")
             raise
 
     def __await__(self) -> Generator[Any, None, TransferResult]:
-        return self.wait().__await__()
+        return self._future.__await__()
 
     # -- used by the engine ---------------------------------------------------------------
     @property
@@ -175,7 +180,7 @@ class Transfer:
         return self.next_slice == len(self.slices) - 1
 
     def finish(self, result: TransferResult | BaseException) -> None:
-        if self._future.done():
+        if self._future.done():  # cancelled by an awaiter: the state already says so
             return
         if isinstance(result, BaseException):
             self._future.set_exception(result)
@@ -183,7 +188,3 @@ class Transfer:
             self._future.exception()
         else:
             self._future.set_result(result)
-
-    @staticmethod
-    def empty_ids() -> IdArray:
-        return np.zeros(0, dtype=np.int64)

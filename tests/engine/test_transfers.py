@@ -194,11 +194,23 @@ async def test_deadline_expiry_and_asyncio_timeout(nixl_engine, nixl_peer_factor
     with pytest.raises(TimeoutError):
         async with asyncio.timeout(0.001):
             await transfer
+    for _ in range(100):  # the poller notices the cancelled awaiter on its next sweep
+        if transfer.state is not TransferState.POSTING:
+            break
+        await asyncio.sleep(0.001)
     assert transfer.state is TransferState.CANCELLED
     with pytest.raises(TransferTimeout):
         await (await nixl_engine.start_read(peer, range(blocks), range(blocks))).wait(timeout=0.001)
+    waiter = asyncio.ensure_future(
+        (transfer := await nixl_engine.start_read(peer, range(blocks), range(blocks))).wait(30)
+    )
+    await asyncio.sleep(0.001)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert transfer.state is TransferState.CANCELLED
     counters = nixl_engine.snapshot().counters
-    assert counters["transfers_timeouts"] == 2 and counters["transfers_cancelled"] == 1
+    assert counters["transfers_timeouts"] == 2 and counters["transfers_cancelled"] == 2
 
 
 @pytest.mark.nixl_engine_config(max_inflight_transfers=2)
