@@ -55,7 +55,11 @@ class EngineConfig:
     max_inflight_transfers: int = 4096
     max_inflight_bytes: int = 4 << 30
     # A post over CMA is a synchronous copy inside `transfer()`; slicing bounds the loop stall.
-    max_post_bytes: int = 8 << 20
+    # Slices are sized to take about `post_target_s` at the copy rate measured on recent
+    # posts, within [min_post_bytes, max_post_bytes] and at most `max_post_descriptors`.
+    post_target_s: float = 0.002
+    min_post_bytes: int = 1 << 20
+    max_post_bytes: int = 64 << 20
     max_post_descriptors: int = 8192
     slices_in_flight: int = 2
     # A transfer submitted without a timeout gets this deadline, so a stalled or paused peer
@@ -75,6 +79,7 @@ class EngineConfig:
         positive = (
             "max_inflight_transfers",
             "max_inflight_bytes",
+            "min_post_bytes",
             "max_post_bytes",
             "max_post_descriptors",
             "slices_in_flight",
@@ -89,6 +94,10 @@ class EngineConfig:
             raise ValueError("EngineConfig.transfer_timeout_s must be > 0 or None")
         if self.handshake_timeout_s <= 0:
             raise ValueError("EngineConfig.handshake_timeout_s must be > 0")
+        if self.post_target_s <= 0:
+            raise ValueError("EngineConfig.post_target_s must be > 0")
+        if self.min_post_bytes > self.max_post_bytes:
+            raise ValueError("EngineConfig.min_post_bytes must not exceed max_post_bytes")
         # Freeze the mappings so the config stays hashable-in-spirit and immutable.
         object.__setattr__(self, "compat", dict(self.compat))
         object.__setattr__(self, "backend_params", dict(self.backend_params))

@@ -73,6 +73,7 @@ _WIREUP_BRISK_S = 2.0
 # A post slower than this ends the poller's sweep early so other coroutines get the loop.
 _SWEEP_BUDGET_S = 0.001
 _NEVER = float("inf")
+_INITIAL_COPY_RATE = 4e9  # a conservative first guess (CMA here does 4-12 GB/s)
 
 
 class Peer:
@@ -188,6 +189,8 @@ class TransferEngine:
         self._zombies: list[Any] = []  # handles NIXL would not release yet
         self._ids = itertools.count(1)
         self._inflight_bytes = 0
+        # Bytes/s of recent posts that copied synchronously (CMA); sizes the next slices.
+        self._copy_rate = _INITIAL_COPY_RATE
         self._room_waiters: list[asyncio.Future[None]] = []
         self._notifications = NotificationBox(self.config.max_unclaimed_notifications)
         self._pacer = AdaptivePacer(self.config.poll)
@@ -624,9 +627,7 @@ class TransferEngine:
             remote_agent=peer.agent_name,
             local_dlist=self._local_dlist(agent, local_view),
             remote_dlist=self._remote_dlist(agent, peer, remote_view),
-            slices=plan_slices(
-                lidx, ridx, local_view.piece_len, self.config.max_post_bytes, self.config.max_post_descriptors
-            ),
+            slices=plan_slices(lidx, ridx, local_view.piece_len, self._slice_bytes(), self.config.max_post_descriptors),
             notify=notify,
             nbytes=nbytes,
             deadline=deadline,
@@ -639,7 +640,9 @@ class TransferEngine:
             self._next_deadline = deadline
         self._inflight_bytes += nbytes
         self.stats.counters["transfers_submitted"] += 1
-        self._pump(agent, transfer, max_posts=1)  # the fast path: small transfers finish here
+        if len(transfer.slices[0][0]) * transfer.piece_len <= self.config.min_post_bytes:
+            self._pump(agent, transfer, max_posts=1)  # the fast path: small transfers finish here
+        # (a bigger first slice is posted by the poller, after other coroutines had a turn)
         if transfer.state is TransferState.POSTING:
             self._pacer.activity(self._loop.time())
             self._wakeup()
@@ -707,6 +710,11 @@ class TransferEngine:
                 if room in self._room_waiters:
                     self._room_waiters.remove(room)
 
+    def _slice_bytes(self) -> int:
+        """Bytes per post so that a synchronous copy takes about `post_target_s`."""
+        cfg = self.config
+        return int(min(cfg.max_post_bytes, max(cfg.min_post_bytes, self._copy_rate * cfg.post_target_s)))
+
     def _local_dlist(self, agent: OwnedAgent, view: BlockView) -> Any:
         handle = self._local_dlists.get(view.key)
         if handle is None:
@@ -766,10 +774,15 @@ class TransferEngine:
                 transfer.next_slice += 1
                 transfer.posted.append(handle)
                 state = agent.post(handle)
-                self.stats.histograms["post_us"].record(time.perf_counter() - started)
+                took = time.perf_counter() - started
+                self.stats.histograms["post_us"].record(took)
                 posts += 1
                 moved = True
                 if state == "DONE":
+                    nbytes = len(lidx) * transfer.piece_len
+                    if nbytes >= self.config.min_post_bytes:  # big enough to measure a copy rate
+                        # Slow down at once, speed up gradually: an overestimate means a long stall.
+                        self._copy_rate = min(nbytes / took, self._copy_rate * 1.25)
                     transfer.posted.pop()
                     self._release(agent, handle)
                     transfer.slices_done += 1

@@ -287,9 +287,16 @@ def as_block_ids(
     if lo < 0 or hi >= num_blocks:
         bad = lo if lo < 0 else hi
         raise LayoutError(f"{what} block id {bad} is out of range: the layout has {num_blocks} blocks")
-    if unique and len(np.unique(arr)) != len(arr):
+    if unique and _has_repeats(arr, num_blocks):
         raise LayoutError(f"{what} block ids name a destination block more than once")
     return arr
+
+
+def _has_repeats(ids: IdArray, num_blocks: int) -> bool:
+    """Whether any id occurs twice: a bitmap over the layout's blocks, O(n) instead of a sort."""
+    seen = np.zeros(num_blocks, dtype=np.bool_)
+    seen[ids] = True
+    return int(np.count_nonzero(seen)) != len(ids)
 
 
 def pair_descriptor_ids(
