@@ -168,6 +168,10 @@ async def test_cancel_releases_the_in_flight_handle(nixl_engine, nixl_peer_facto
     peer = await nixl_engine.connect(*peer_proc.address)
     transfer = await nixl_engine.start_read(peer, range(blocks), range(blocks))
     assert transfer.state is TransferState.POSTING, "expected a genuinely in-flight transfer over TCP"
+    for _ in range(100):  # a large first slice is posted by the poller, one iteration later
+        if nixl_engine.live_handles().get("xfers"):
+            break
+        await asyncio.sleep(0)
     assert nixl_engine.live_handles().get("xfers", 0) >= 1
     assert transfer.cancel()
     with pytest.raises(TransferCancelled):
