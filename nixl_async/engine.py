@@ -79,7 +79,7 @@ _INITIAL_COPY_RATE = 4e9  # a conservative first guess (CMA here does 4-12 GB/s)
 class Peer:
     """A remote engine we completed a handshake with."""
 
-    __slots__ = ("address", "agent_name", "compat_hash", "connected", "engine_id", "extra", "layouts")
+    __slots__ = ("address", "agent_name", "compat_hash", "connected", "engine_id", "extra", "layouts", "stale")
 
     def __init__(self, reply: messages.MetadataReply, address: tuple[str, int]) -> None:
         self.engine_id = reply.engine_id
@@ -89,6 +89,7 @@ class Peer:
         self.extra = dict(reply.extra)
         self.address = address
         self.connected = True
+        self.stale = False  # a transfer with it failed: the next connect() handshakes again
 
     def __repr__(self) -> str:
         return f"<Peer {self.engine_id} at {self.address[0]}:{self.address[1]} agent={self.agent_name}>"
@@ -427,8 +428,10 @@ class TransferEngine:
         """Handshake with the engine at host:port and return it as a `Peer`.
 
         A peer already connected at that address is returned without a new handshake unless
-        `refresh` is set (e.g. after its process restarted). Concurrent connects to one address
-        share one handshake; connects to different addresses run concurrently.
+        `refresh` is set or a transfer with it failed since; if the handshake then finds a new
+        agent (the peer restarted), the old one's descriptor lists and remote agent are dropped.
+        Concurrent connects to one address share one handshake; connects to different addresses
+        run concurrently.
 
         Raises `HandshakeTimeout`, `HandshakeRejected`, `ProtocolError`, `IncompatiblePeerError`
         or `EngineIdMismatch`.
@@ -436,7 +439,7 @@ class TransferEngine:
         self._require_agent()
         key = (host, port)
         peer = self._peers_by_address.get(key)
-        if peer is None or refresh or not peer.connected:
+        if peer is None or refresh or not peer.connected or peer.stale:
             task = self._connecting.get(key)
             if task is None:
                 assert self._loop is not None
@@ -474,8 +477,16 @@ class TransferEngine:
                 )
             agent = self._require_agent()
             old = self._peers.get(reply.engine_id)
+            if old is not None and old.agent_name == reply.agent_name:
+                # The same incarnation answered: keep the peer (and its transfers in flight).
+                old.stale = False
+                old.layouts = {lay.name: lay for lay in reply.layouts}
+                old.extra = dict(reply.extra)
+                self._peers_by_address[(host, port)] = old
+                self.stats.counters["handshakes"] += 1
+                return old
             if old is not None:
-                self._forget_peer(old)  # restarted peer (new agent) or explicit refresh
+                self._forget_peer(old)  # the peer restarted: a new agent replaces the old one
             name = agent.add_remote(reply.agent_metadata)
         except BaseException:
             self.stats.counters["handshake_failures"] += 1
@@ -855,6 +866,10 @@ class TransferEngine:
             TransferTimeout: TransferState.TIMED_OUT,
         }.get(type(error), TransferState.FAILED)
         self._retire(transfer)
+        if isinstance(error, TransferFailed):
+            peer = self._peers_by_agent.get(transfer.remote_agent)
+            if peer is not None:
+                peer.stale = True
         kind = {TransferState.CANCELLED: "cancelled", TransferState.TIMED_OUT: "timeouts"}.get(
             transfer.state, "failures"
         )

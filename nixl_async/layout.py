@@ -220,11 +220,11 @@ class BlockView:
         """Every descriptor as an (addr, len, device) row, in (region, part, piece, block) order."""
         lay = self.layout
         blocks = np.arange(lay.num_blocks, dtype=np.uint64) * np.uint64(lay.block_len)
-        out = np.empty((self.num_descriptors, 3), dtype=np.uint64)
-        out[:, 0] = (self._row_addrs()[:, None] + blocks[None, :]).reshape(-1)
-        out[:, 1] = self.piece_len
-        out[:, 2] = lay.device_id
-        return out
+        out = np.empty((self.rows, lay.num_blocks, 3), dtype=np.uint64)
+        np.add(self._row_addrs()[:, None], blocks[None, :], out=out[:, :, 0])  # one pass, no temporary
+        out[:, :, 1] = self.piece_len
+        out[:, :, 2] = lay.device_id
+        return out.reshape(-1, 3)
 
     def descriptor_ids(self, block_ids: IdArray, pieces: IdArray | None = None) -> IdArray:
         """Descriptor indices for `block_ids`, grouped by (region, part).

@@ -61,7 +61,8 @@ async def test_connect_describes_the_peer(nixl_engine, nixl_peer):
     # a second connect to the same address reuses the peer; refresh re-handshakes
     assert await nixl_engine.connect(*nixl_peer.address) is peer
     again = await nixl_engine.connect(*nixl_peer.address, refresh=True)
-    assert again is not peer and not peer.connected
+    assert again is peer and peer.connected, "the same incarnation answered: the peer is kept"
+    assert nixl_engine.snapshot().counters["handshakes"] == 2
     assert nixl_engine.live_handles()["remote_agents"] == 1
 
 
@@ -212,3 +213,28 @@ async def test_notify_only_needs_no_matching_layouts(nixl_engine, nixl_peer):
     nixl_engine.register("kv", [np.zeros(4096, np.uint8)], block_len=1024)  # differs from the peer's
     peer = await nixl_engine.connect(*nixl_peer.address)
     assert (await nixl_engine.read(peer, [], [], notify=b"hit")).notified
+
+
+async def test_restarted_peer_is_handshaken_again_after_a_failure(nixl_engine, nixl_peer_factory):
+    """The peer dies and comes back at the same address with a new agent: no restart on our side."""
+    import numpy as np
+
+    from nixl_async import TransferFailed, TransferTimeout
+    from nixl_async.testing import verify_blocks
+
+    regions = [np.zeros(64 * 4096, np.uint8) for _ in range(2)]
+    nixl_engine.register("kv", regions, block_len=4096)
+    first = nixl_peer_factory(engine_id="prefill-x", seed=1)
+    peer = await nixl_engine.connect(*first.address)
+    await nixl_engine.read(peer, [0], [0])
+    host, port = first.address
+    first.kill()
+    nixl_peer_factory(engine_id="prefill-x", seed=2, port=port)
+    with pytest.raises((TransferFailed, TransferTimeout)):
+        await nixl_engine.read(peer, [1], [1], timeout=5)
+    again = await nixl_engine.connect(host, port, expected_engine_id="prefill-x", refresh=not peer.stale)
+    assert again is not peer and again.agent_name != peer.agent_name and not peer.connected
+    result = await nixl_engine.read(again, [2], [5])
+    assert result.nbytes == 2 * 4096
+    assert verify_blocks(regions, 4096, [2], [5], seed=2) == [], "bytes must come from the new incarnation"
+    assert nixl_engine.live_handles()["remote_agents"] == 1
