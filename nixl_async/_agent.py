@@ -146,6 +146,8 @@ class OwnedAgent:
     def release_xfer(self, handle: XferHandle) -> bool:
         """Release (cancelling if in flight). False when NIXL could not release it yet."""
         self._check()
+        if getattr(handle, "_released", False):
+            return True  # already released: count it once
         try:
             self._agent.release_xfer_handle(handle)
         except NIXL_ERRORS as exc:

@@ -748,21 +748,18 @@ class TransferEngine:
         """
         moved = False
         try:
-            pending: list[Any] = []
             failed_state = None
-            for handle in transfer.posted:
-                state = agent.state(handle)
+            for handle in list(transfer.posted):
+                state = agent.state(handle)  # may raise: `posted` then holds only unreleased handles
                 if state == "DONE":
+                    transfer.posted.remove(handle)
                     self._release(agent, handle)
                     transfer.slices_done += 1
                     moved = True
-                else:
-                    pending.append(handle)
-                    if state != "PROC":
-                        failed_state = state
-            if pending:
+                elif state != "PROC":
+                    failed_state = state
+            if transfer.posted:
                 transfer.last_pending_at = swept
-            transfer.posted = pending
             if failed_state is not None:
                 raise TransferFailed(
                     f"{transfer.op} with {transfer.peer} failed (NIXL state {failed_state})",

@@ -1,0 +1,98 @@
+"""The "decode" service: pulls a prompt's KV blocks from prefill, through the awaitable API.
+
+POST /generate {"request_id": str, "num_blocks": int, "deadline_s": float} asks prefill for the
+blocks, connects to it (one handshake per peer, cached by the engine and repeated on its own
+after a failure), reads the blocks, tells prefill it is done (the notification rides on the
+read), and checks the bytes. Everything runs under the request's deadline; if the client
+disconnects, aiohttp cancels the handler and with it the transfer (its NIXL handles are freed).
+Many requests share one engine; a slow or dead prefill affects only the requests that use it.
+
+Run: python examples/async_server/decode.py --http-port 8200 --prefill-url http://127.0.0.1:8100
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import aiohttp
+from aiohttp import web
+from common import BLOCK_LEN, NUM_BLOCKS, BlockPool, checksum, new_kv_cache
+
+from nixl_async import EngineConfig, HandshakeError, TransferEngine, TransferError
+
+log = logging.getLogger("decode")
+ENGINE = web.AppKey("engine", TransferEngine)
+STATE = web.AppKey("state", dict)
+
+
+async def generate(request: web.Request) -> web.Response:
+    engine, state = request.app[ENGINE], request.app[STATE]
+    body = await request.json()
+    request_id, num_blocks = str(body["request_id"]), int(body["num_blocks"])
+    deadline_s = float(body.get("deadline_s", 5.0))
+    local = state["pool"].take(num_blocks)
+    if local is None:
+        return web.json_response({"request_id": request_id, "error": "out of KV blocks"}, status=503)
+    try:
+        async with asyncio.timeout(deadline_s):
+            async with state["http"].post(state["prefill_url"] + "/prefill", json=body) as resp:
+                resp.raise_for_status()
+                info = await resp.json()
+            peer = await engine.connect(info["host"], info["port"], expected_engine_id=info["engine_id"])
+            await engine.read(peer, local, info["block_ids"], notify=request_id.encode())
+        ok = checksum(state["kv"], local) == info["checksum"]
+        return web.json_response(
+            {"request_id": request_id, "ok": ok, "bytes": num_blocks * BLOCK_LEN * len(state["kv"])}
+        )
+    except TimeoutError:
+        return _error(request_id, 504, "DeadlineExceeded", f"no KV within {deadline_s}s")
+    except (TransferError, HandshakeError, aiohttp.ClientError) as exc:
+        return _error(request_id, 502, type(exc).__name__, str(exc))
+    finally:
+        state["pool"].give(local)
+
+
+def _error(request_id: str, status: int, kind: str, message: str) -> web.Response:
+    log.warning("%s failed: %s: %s", request_id, kind, message)
+    return web.json_response({"request_id": request_id, "ok": False, "error": kind, "message": message}, status=status)
+
+
+async def health(request: web.Request) -> web.Response:
+    snap = request.app[ENGINE].snapshot()
+    return web.json_response({"counters": snap.counters, "live_handles": snap.live_handles})
+
+
+def make_app(prefill_url: str) -> web.Application:
+    app = web.Application()
+
+    async def lifespan(app: web.Application) -> AsyncIterator[None]:
+        config = EngineConfig(engine_id="decode-0", compat={"model": "demo"}, handshake_timeout_s=2.0)
+        async with TransferEngine(config) as engine, aiohttp.ClientSession() as http:
+            kv = new_kv_cache()
+            engine.register("kv", kv, block_len=BLOCK_LEN)
+            app[ENGINE] = engine
+            app[STATE] = {"kv": kv, "pool": BlockPool(NUM_BLOCKS), "http": http, "prefill_url": prefill_url}
+            yield
+
+    app.cleanup_ctx.append(lifespan)
+    app.router.add_post("/generate", generate)
+    app.router.add_get("/health", health)
+    return app
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--http-port", type=int, default=8200)
+    parser.add_argument("--prefill-url", default="http://127.0.0.1:8100")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO)
+    web.run_app(make_app(args.prefill_url), host=args.host, port=args.http_port, handler_cancellation=True,
+                print=lambda *_: print("decode ready", flush=True))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

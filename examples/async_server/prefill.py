@@ -1,0 +1,116 @@
+"""The "prefill" service: computes (here: fills) KV blocks and lends them to a reader.
+
+POST /prefill {"request_id": str, "num_blocks": int} fills that many blocks, keeps them under a
+lease until the reader's notification arrives (or the lease expires, if the reader vanished),
+and answers where to read them: handshake address, engine id, block ids and a checksum.
+
+Run: python examples/async_server/prefill.py --http-port 8100 --handshake-port 5600
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import zlib
+from collections.abc import AsyncIterator
+
+import numpy as np
+from aiohttp import web
+from common import BLOCK_LEN, NUM_BLOCKS, BlockPool, checksum, new_kv_cache
+
+from nixl_async import EngineConfig, NotificationTimeout, TransferEngine
+
+log = logging.getLogger("prefill")
+ENGINE = web.AppKey("engine", TransferEngine)
+STATE = web.AppKey("state", "PrefillState")
+
+
+class PrefillState:
+    def __init__(self, engine: TransferEngine, kv: list[np.ndarray], leases: asyncio.TaskGroup, lease_s: float):
+        self.engine, self.kv, self.leases, self.lease_s = engine, kv, leases, lease_s
+        self.pool = BlockPool(NUM_BLOCKS)
+        self.holding: set[asyncio.Task[None]] = set()
+        self.expired = 0
+        self.released = 0
+
+    async def hold(self, request_id: str, block_ids: list[int]) -> None:
+        """Keep the blocks until the reader says it is done, or the lease runs out."""
+        try:
+            await self.engine.wait_notifications(request_id.encode(), count=1, timeout=self.lease_s)
+            self.released += 1
+        except NotificationTimeout:
+            self.expired += 1
+            log.warning("lease of %s expired: the reader never confirmed", request_id)
+        finally:
+            self.pool.give(block_ids)
+
+
+async def prefill(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = await request.json()
+    request_id, num_blocks = str(body["request_id"]), int(body["num_blocks"])
+    block_ids = state.pool.take(num_blocks)
+    if block_ids is None:
+        return web.json_response({"error": "out of KV blocks, retry later"}, status=503)
+    rng = np.random.default_rng(zlib.crc32(request_id.encode()))
+    for region in state.kv:  # "compute" the KV cache of this prompt
+        for b in block_ids:
+            region[b * BLOCK_LEN : (b + 1) * BLOCK_LEN] = rng.integers(0, 256, BLOCK_LEN, dtype=np.uint8)
+    lease = state.leases.create_task(state.hold(request_id, block_ids))
+    state.holding.add(lease)
+    lease.add_done_callback(state.holding.discard)
+    host, port = state.engine.address or ("", 0)
+    return web.json_response(
+        {
+            "engine_id": state.engine.engine_id,
+            "host": host,
+            "port": port,
+            "block_ids": block_ids,
+            "checksum": checksum(state.kv, block_ids),
+            "lease_s": state.lease_s,
+        }
+    )
+
+
+async def health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return web.json_response({"free_blocks": state.pool.free, "released": state.released, "expired": state.expired})
+
+
+def make_app(handshake_host: str, handshake_port: int, lease_s: float) -> web.Application:
+    app = web.Application()
+
+    async def lifespan(app: web.Application) -> AsyncIterator[None]:
+        # The engine lives exactly as long as the app; leases are tasks of one group.
+        config = EngineConfig(engine_id="prefill-0", compat={"model": "demo"})
+        async with TransferEngine(config) as engine, asyncio.TaskGroup() as leases:
+            kv = new_kv_cache()
+            engine.register("kv", kv, block_len=BLOCK_LEN)
+            await engine.serve(handshake_host, handshake_port)
+            app[ENGINE] = engine
+            app[STATE] = state = PrefillState(engine, kv, leases, lease_s)
+            yield
+            for lease in list(state.holding):  # shutting down: stop waiting for readers
+                lease.cancel()
+
+    app.cleanup_ctx.append(lifespan)
+    app.router.add_post("/prefill", prefill)
+    app.router.add_get("/health", health)
+    return app
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--http-port", type=int, default=8100)
+    parser.add_argument("--handshake-port", type=int, default=5600)
+    parser.add_argument("--lease-s", type=float, default=30.0)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO)
+    web.run_app(make_app(args.host, args.handshake_port, args.lease_s), host=args.host, port=args.http_port,
+                print=lambda *_: print("prefill ready", flush=True))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

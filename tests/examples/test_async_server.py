@@ -1,0 +1,118 @@
+"""The async server example, run for real: two services, concurrent requests, a prefill crash."""
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "async_server"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Service:
+    def __init__(self, script: str, *args: str, env: dict[str, str] | None = None):
+        self.proc = subprocess.Popen(
+            [sys.executable, str(EXAMPLE / script), *args],
+            cwd=EXAMPLE, env={**os.environ, **(env or {})},
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )  # fmt: skip
+
+    async def wait_ready(self, url: str, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        async with aiohttp.ClientSession() as http:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"service exited: {self.proc.stderr.read().decode()[-2000:]}")
+                try:
+                    async with http.get(url + "/health") as resp:
+                        if resp.status == 200:
+                            return
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.1)
+        raise TimeoutError(f"{url} not ready")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+async def _generate(http, url, request_id, num_blocks, deadline_s):
+    started = time.monotonic()
+    async with http.post(
+        url + "/generate", json={"request_id": request_id, "num_blocks": num_blocks, "deadline_s": deadline_s}
+    ) as resp:
+        body = await resp.json()
+    return resp.status, body, time.monotonic() - started
+
+
+@pytest.fixture
+def ports():
+    return {"prefill_http": _free_port(), "handshake": _free_port(), "decode_http": _free_port()}
+
+
+async def test_requests_survive_a_prefill_crash_and_restart(ports):
+    prefill_url = f"http://127.0.0.1:{ports['prefill_http']}"
+    decode_url = f"http://127.0.0.1:{ports['decode_http']}"
+    prefill_args = ["--http-port", str(ports["prefill_http"]), "--handshake-port", str(ports["handshake"]),
+                    "--lease-s", "3"]  # fmt: skip
+    tcp = {"UCX_TLS": "tcp"}  # transfers really in flight, so a crash can interrupt them
+    prefill = Service("prefill.py", *prefill_args, env=tcp)
+    decode = Service("decode.py", "--http-port", str(ports["decode_http"]), "--prefill-url", prefill_url, env=tcp)
+    try:
+        await asyncio.gather(prefill.wait_ready(prefill_url), decode.wait_ready(decode_url))
+        async with aiohttp.ClientSession() as http:
+            # 1) concurrent requests share one engine; every byte is checked
+            results = await asyncio.gather(*(_generate(http, decode_url, f"warm-{i}", 2, 10) for i in range(12)))
+            assert all(status == 200 and body["ok"] for status, body, _ in results), results
+
+            # 2) kill prefill while large reads are in flight: they fail clearly, within their deadline
+            deadline = 3.0
+            inflight = [asyncio.ensure_future(_generate(http, decode_url, f"crash-{i}", 8, deadline)) for i in range(6)]
+            await asyncio.sleep(0.15)
+            prefill.proc.kill()
+            prefill.proc.wait()
+            outcomes = await asyncio.gather(*inflight)
+            for status, body, elapsed in outcomes:
+                assert elapsed < deadline + 1.5, (status, body, elapsed)
+                if status != 200:
+                    assert status in (502, 504) and body["error"] and body["message"], body
+            assert any(status != 200 for status, _, _ in outcomes), "expected at least one interrupted request"
+
+            # 3) decode keeps serving: a restarted prefill (new NIXL agent, same address) is used at once
+            prefill = Service("prefill.py", *prefill_args, env=tcp)
+            await prefill.wait_ready(prefill_url)
+            results = await asyncio.gather(*(_generate(http, decode_url, f"after-{i}", 2, 10) for i in range(6)))
+            assert all(status == 200 and body["ok"] for status, body, _ in results), results
+
+            # 4) a client that disconnects mid-request cancels its transfer; nothing leaks
+            with pytest.raises(asyncio.TimeoutError):
+                async with asyncio.timeout(0.05):
+                    await _generate(http, decode_url, "gone", 16, 10)
+            await asyncio.sleep(1.0)
+            async with http.get(decode_url + "/health") as resp:
+                health = await resp.json()
+            assert health["live_handles"].get("xfers", 0) == 0, health
+            async with http.get(prefill_url + "/health") as resp:
+                assert (await resp.json())["free_blocks"] > 0
+    finally:
+        prefill.stop()
+        decode.stop()
+    assert decode.proc.returncode in (0, -signal.SIGINT), decode.proc.stderr.read().decode()[-2000:]

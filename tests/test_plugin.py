@@ -1,0 +1,64 @@
+"""The pytest plugin (`nixl_async.testing`), tested the way users get it: through pytester."""
+
+pytest_plugins = ["pytester"]
+
+USER_TESTS = """
+import asyncio
+import numpy as np
+import pytest
+from nixl_async import TransferFailed, TransferTimeout
+from nixl_async.testing import verify_blocks
+
+async def test_read_from_a_peer_process(nixl_engine, nixl_peer):
+    regions = [np.zeros(64 * 4096, np.uint8) for _ in range(2)]
+    nixl_engine.register("kv", regions, block_len=4096)
+    peer = await nixl_engine.connect(*nixl_peer.address)
+    await nixl_engine.read(peer, [0, 1], [5, 6])
+    assert verify_blocks(regions, 4096, [0, 1], [5, 6], seed=nixl_peer.spec.seed) == []
+
+async def test_fault_knobs(nixl_engine, nixl_peer_factory):
+    peer_proc = nixl_peer_factory(num_regions=1, num_blocks=16, block_len=1 << 20, tcp=True, seed=9)
+    nixl_engine.register("kv", [np.zeros(16 << 20, np.uint8)], block_len=1 << 20)
+    peer = await nixl_engine.connect(*peer_proc.address)
+    await nixl_engine.read(peer, [0], [0])
+    peer_proc.pause()
+    with pytest.raises((TransferTimeout, TransferFailed)):
+        await nixl_engine.read(peer, range(16), range(16), timeout=0.5)
+    peer_proc.resume()
+    peer_proc.kill()
+    assert peer_proc.proc.poll() is not None
+"""
+
+
+def test_fixtures_work_in_a_users_suite(pytester):
+    pytester.makepyfile(test_user=USER_TESTS)
+    result = pytester.runpytest_subprocess("-o", "asyncio_mode=auto", "-q")
+    result.assert_outcomes(passed=2)
+
+
+def test_leaked_handles_fail_the_test(pytester):
+    pytester.makepyfile(
+        test_leak="""
+async def test_leaks(nixl_engine):
+    nixl_engine._agent.live["xfers"] += 1  # what a leaked NIXL handle looks like to the counter
+"""
+    )
+    result = pytester.runpytest_subprocess("-o", "asyncio_mode=auto", "-q")
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines(["*NIXL handles still live after close*xfers*"])
+
+
+def test_engine_config_marker(pytester):
+    pytester.makepyfile(
+        test_marker="""
+import pytest
+
+@pytest.mark.nixl_engine_config(max_inflight_transfers=3, engine_id="custom")
+async def test_config(nixl_engine):
+    assert nixl_engine.config.max_inflight_transfers == 3
+    assert nixl_engine.engine_id == "custom"
+    assert nixl_engine.address is not None
+"""
+    )
+    result = pytester.runpytest_subprocess("-o", "asyncio_mode=auto", "-q", "--strict-markers")
+    result.assert_outcomes(passed=1)
