@@ -73,6 +73,7 @@ _WIREUP_BRISK_S = 2.0
 # A post slower than this ends the poller's sweep early so other coroutines get the loop.
 _SWEEP_BUDGET_S = 0.001
 _NEVER = float("inf")
+_CLOSE_GRACE_S = 0.2  # progress this long at close when a notification went out recently
 _INITIAL_COPY_RATE = 4e9  # a conservative first guess (CMA here does 4-12 GB/s)
 
 
@@ -187,6 +188,7 @@ class TransferEngine:
         self._connecting: dict[tuple[str, int], asyncio.Task[Peer]] = {}
         self._active: dict[int, Transfer] = {}
         self._next_deadline = _NEVER  # no transfer's deadline comes before this
+        self._last_notification_at = -_NEVER
         self._zombies: list[Any] = []  # handles NIXL would not release yet
         self._ids = itertools.count(1)
         self._inflight_bytes = 0
@@ -248,9 +250,12 @@ class TransferEngine:
         for transfer in list(self._active.values()):
             self._end(transfer, TransferCancelled("the engine was closed", transfer_id=transfer.id, peer=transfer.peer))
         self._notifications.close(closed)
-        # In-flight handles NIXL refused to cancel: give them a moment to finish, then move on.
-        deadline = time.monotonic() + 1.0
-        while self._zombies and time.monotonic() < deadline:
+        # Handles NIXL refused to cancel, and notifications sent moments ago (they leave only as
+        # the worker is progressed): give them a moment, then move on.
+        assert self._loop is not None
+        recent = self._loop.time() - self._last_notification_at < _WIREUP_BRISK_S
+        deadline = time.monotonic() + (_CLOSE_GRACE_S if recent else 1.0)
+        while (self._zombies or recent) and time.monotonic() < deadline:
             self._reap_zombies()
             agent.notifications()
             await asyncio.sleep(0.001)
@@ -659,6 +664,13 @@ class TransferEngine:
             self._wakeup()
         return transfer
 
+    def _sent_notification(self, now: float) -> None:
+        # NIXL gives no handle for a notification: it leaves when our UCX worker is progressed
+        # (after wire-up, for a new peer). Keep polling briskly a while, and let close() wait.
+        self._last_notification_at = now
+        self._pacer.stay_brisk(now + _WIREUP_BRISK_S)
+        self._wakeup()
+
     def _notify_only(self, op: str, peer: Peer, notify: bytes | None, now: float) -> Transfer:
         assert self._loop is not None
         transfer = Transfer(
@@ -680,6 +692,7 @@ class TransferEngine:
             if notify is not None:
                 self._require_agent().send_notification(peer.agent_name, notify)
                 self.stats.counters["notifications_sent"] += 1
+                self._sent_notification(now)
         except NIXL_ERRORS as exc:
             transfer.state = TransferState.FAILED
             transfer.finish(
@@ -835,6 +848,7 @@ class TransferEngine:
         counters["bytes_" + transfer.op.lower()] += transfer.nbytes
         if transfer.notify is not None:
             counters["notifications_sent"] += 1
+            self._sent_notification(self._loop.time())
         self.stats.histograms["transfer_us"].record(elapsed)
         transfer.finish(
             TransferResult(
