@@ -67,6 +67,9 @@ class EngineConfig:
     transfer_timeout_s: float | None = 120.0
     # Handshake side channel.
     handshake_timeout_s: float = 5.0
+    # Optional shared secret: when set, handshakes in both directions must prove it (HMAC over
+    # a single-use server nonce). Never printed: it is left out of repr().
+    auth_secret: bytes | None = field(default=None, repr=False)
     max_request_bytes: int = 64 << 10
     max_frame_bytes: int = 4 << 20
     # Notifications nobody has claimed yet are kept up to this many (oldest dropped first).
@@ -98,6 +101,10 @@ class EngineConfig:
             raise ValueError("EngineConfig.post_target_s must be > 0")
         if self.min_post_bytes > self.max_post_bytes:
             raise ValueError("EngineConfig.min_post_bytes must not exceed max_post_bytes")
+        if isinstance(self.auth_secret, str):
+            object.__setattr__(self, "auth_secret", self.auth_secret.encode())
+        if self.auth_secret is not None and len(self.auth_secret) < 16:
+            raise ValueError("EngineConfig.auth_secret must be at least 16 bytes")
         # Freeze the mappings so the config stays hashable-in-spirit and immutable.
         object.__setattr__(self, "compat", dict(self.compat))
         object.__setattr__(self, "backend_params", dict(self.backend_params))

@@ -382,6 +382,7 @@ class TransferEngine:
             max_request_bytes=self.config.max_request_bytes,
             max_frame_bytes=self.config.max_frame_bytes,
             on_request=self._on_handshake_request,
+            secret=self.config.auth_secret,
         )
         address = await server.start(host, port)
         self._server = server
@@ -473,6 +474,7 @@ class TransferEngine:
                 messages.MetadataRequest(engine_id=self.engine_id),
                 timeout=timeout,
                 max_frame_bytes=self.config.max_frame_bytes,
+                secret=self.config.auth_secret,
             )
             if reply.compat_hash != self._compat_hash:
                 raise IncompatiblePeerError(

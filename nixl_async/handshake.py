@@ -9,13 +9,21 @@ and the server carries on. ZMQ's own frame limit (`max_frame_bytes`) drops abusi
 The client opens a DEALER per handshake and bounds the whole exchange by one timeout: ZMQ
 cannot tell "nobody listens" from "slow", so the timeout is what keeps a dead peer from
 hanging the caller.
+
+With a shared secret, the server answers a request without proof by an `AuthChallenge`
+carrying a fresh single-use nonce; the client asks again with an HMAC over that nonce and its
+request. Refusals are logged with the asker's engine id, never with the secret.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
+import secrets
+import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 import msgspec
@@ -30,6 +38,8 @@ __all__ = ["HandshakeServer", "fetch_metadata"]
 log = logging.getLogger(__name__)
 
 ReplyFor = Callable[[messages.MetadataRequest], bytes]
+_NONCE_TTL_S = 10.0
+_MAX_NONCES = 4096
 
 
 def _error(code: str, message: str) -> bytes:
@@ -51,8 +61,12 @@ class HandshakeServer:
         max_request_bytes: int,
         max_frame_bytes: int,
         on_request: Callable[[], None] | None = None,
+        secret: bytes | None = None,
     ) -> None:
         self._context = context
+        self._secret = secret
+        self._nonces: OrderedDict[bytes, float] = OrderedDict()  # outstanding challenges
+        self.auth_failures = 0
         self._reply_for = reply_for
         self._max_request_bytes = max_request_bytes
         self._max_frame_bytes = max_frame_bytes
@@ -126,6 +140,14 @@ class HandshakeServer:
                 delimiter,
                 _error("version", f"protocol version {request.version} unsupported (want {messages.PROTOCOL_VERSION})"),
             )
+        if self._secret is not None:
+            if not request.mac:
+                return identity, delimiter, messages.encode(messages.AuthChallenge(nonce=self._challenge()))
+            if not self._verify(request):
+                self.rejected += 1
+                self.auth_failures += 1
+                log.warning("refused a handshake from engine %r: bad or stale credentials", request.engine_id)
+                return identity, delimiter, _error("auth_failed", "authentication failed")
         try:
             reply = self._reply_for(request)
         except Exception as exc:  # never let one request take the server down
@@ -134,6 +156,21 @@ class HandshakeServer:
             return identity, delimiter, _error("internal", type(exc).__name__)
         self.served += 1
         return identity, delimiter, reply
+
+    def _challenge(self) -> bytes:
+        now = time.monotonic()
+        while self._nonces and (len(self._nonces) >= _MAX_NONCES or next(iter(self._nonces.values())) < now):
+            self._nonces.popitem(last=False)
+        nonce = secrets.token_bytes(16)
+        self._nonces[nonce] = now + _NONCE_TTL_S
+        return nonce
+
+    def _verify(self, request: messages.MetadataRequest) -> bool:
+        expires = self._nonces.pop(request.nonce, None)  # single use: a replay finds nothing
+        if expires is None or expires < time.monotonic():
+            return False
+        assert self._secret is not None
+        return hmac.compare_digest(request.mac, messages.request_mac(self._secret, request))
 
     async def close(self) -> None:
         if self._task is not None:
@@ -154,11 +191,12 @@ async def fetch_metadata(
     *,
     timeout: float,
     max_frame_bytes: int,
+    secret: bytes | None = None,
 ) -> messages.MetadataReply:
-    """Ask the engine at host:port for its metadata.
+    """Ask the engine at host:port for its metadata (answering its challenge with `secret`).
 
     Raises `HandshakeTimeout` when no reply comes within `timeout`, `HandshakeRejected` for an
-    error reply and `ProtocolError` for a reply that cannot be decoded.
+    error reply or a challenge we cannot answer, and `ProtocolError` for an undecodable reply.
     """
     address = f"{host}:{port}"
     sock = context.socket(zmq.DEALER)
@@ -168,20 +206,36 @@ async def fetch_metadata(
         sock.connect(f"tcp://{address}")
         try:
             async with asyncio.timeout(timeout):
-                await sock.send(messages.encode(request))
-                frames = await sock.recv_multipart()
+                reply = await _exchange(sock, request, address)
+                if isinstance(reply, messages.AuthChallenge):
+                    if secret is None:
+                        raise HandshakeRejected(
+                            f"{address} requires authentication: configure the shared secret", address=address
+                        )
+                    signed = msgspec.structs.replace(request, nonce=reply.nonce)
+                    signed = msgspec.structs.replace(signed, mac=messages.request_mac(secret, signed))
+                    reply = await _exchange(sock, signed, address)
         except TimeoutError:
             raise HandshakeTimeout(f"no handshake reply from {address} within {timeout}s", address=address) from None
     finally:
         sock.close(0)
-    if len(frames) != 1:
-        raise ProtocolError(f"{address} replied with {len(frames)} frames, expected 1", address=address)
-    try:
-        reply = messages.decode_reply(frames[0])
-    except msgspec.DecodeError as exc:
-        raise ProtocolError(f"undecodable handshake reply from {address}: {exc}", address=address) from None
+    if isinstance(reply, messages.AuthChallenge):
+        raise ProtocolError(f"{address} challenged twice", address=address)
     if isinstance(reply, messages.ErrorReply):
         raise HandshakeRejected(f"{address} refused the handshake ({reply.code}): {reply.message}", address=address)
     if reply.version != messages.PROTOCOL_VERSION:
         raise ProtocolError(f"{address} speaks protocol version {reply.version}", address=address)
     return reply
+
+
+async def _exchange(
+    sock: zmq.asyncio.Socket, request: messages.MetadataRequest, address: str
+) -> messages.MetadataReply | messages.ErrorReply | messages.AuthChallenge:
+    await sock.send(messages.encode(request))
+    frames = await sock.recv_multipart()
+    if len(frames) != 1:
+        raise ProtocolError(f"{address} replied with {len(frames)} frames, expected 1", address=address)
+    try:
+        return messages.decode_reply(frames[0])
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"undecodable handshake reply from {address}: {exc}", address=address) from None

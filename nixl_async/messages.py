@@ -9,6 +9,7 @@ New fields go last, with defaults, so older peers still decode newer messages.
 from __future__ import annotations
 
 import hashlib
+import hmac
 from collections.abc import Mapping
 
 import msgspec
@@ -17,6 +18,7 @@ from .layout import BlockLayout
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "AuthChallenge",
     "ErrorReply",
     "MetadataReply",
     "MetadataRequest",
@@ -25,6 +27,7 @@ __all__ = [
     "decode_reply",
     "decode_request",
     "encode",
+    "request_mac",
 ]
 
 PROTOCOL_VERSION = 1
@@ -36,6 +39,9 @@ class MetadataRequest(msgspec.Struct, tag="metadata_request", frozen=True, kw_on
     version: int = PROTOCOL_VERSION
     engine_id: str = ""
     expected_engine_id: str | None = None
+    # Shared-secret authentication: the server's single-use nonce and our HMAC over it.
+    nonce: bytes = b""
+    mac: bytes = b""
 
 
 class MetadataReply(msgspec.Struct, tag="metadata", frozen=True, kw_only=True):
@@ -57,7 +63,13 @@ class ErrorReply(msgspec.Struct, tag="error", frozen=True, kw_only=True):
     message: str
 
 
-Reply = MetadataReply | ErrorReply
+class AuthChallenge(msgspec.Struct, tag="auth_challenge", frozen=True, kw_only=True):
+    """The server wants proof of the shared secret: ask again with an HMAC over this nonce."""
+
+    nonce: bytes
+
+
+Reply = MetadataReply | ErrorReply | AuthChallenge
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(MetadataRequest)
@@ -73,9 +85,15 @@ def decode_request(data: bytes) -> MetadataRequest:
     return _request_decoder.decode(data)
 
 
-def decode_reply(data: bytes) -> MetadataReply | ErrorReply:
+def decode_reply(data: bytes) -> MetadataReply | ErrorReply | AuthChallenge:
     """Decode a reply; raises `msgspec.DecodeError` (incl. `ValidationError`) on bad input."""
     return _reply_decoder.decode(data)
+
+
+def request_mac(secret: bytes, request: MetadataRequest) -> bytes:
+    """HMAC-SHA256 binding the secret to the server's nonce and to the request's fields."""
+    unsigned = msgspec.structs.replace(request, mac=b"")
+    return hmac.new(secret, _encoder.encode(unsigned), hashlib.sha256).digest()
 
 
 def compat_hash(compat: Mapping[str, str]) -> str:

@@ -106,6 +106,7 @@ class PeerSpec(msgspec.Struct, kw_only=True):
     port: int = 0
     compat: dict[str, str] = {}
     handshake_timeout_s: float = 5.0
+    auth_secret: bytes | None = None
 
 
 class Verify(msgspec.Struct, tag="verify", kw_only=True):
@@ -186,7 +187,12 @@ class _PeerServer:
 
         self.spec = spec
         self.engine = TransferEngine(
-            EngineConfig(engine_id=spec.engine_id, compat=spec.compat, handshake_timeout_s=spec.handshake_timeout_s)
+            EngineConfig(
+                engine_id=spec.engine_id,
+                compat=spec.compat,
+                handshake_timeout_s=spec.handshake_timeout_s,
+                auth_secret=spec.auth_secret,
+            )
         )
         region_len = spec.num_blocks * spec.block_len
         self.regions = [np.zeros(region_len, dtype=np.uint8) for _ in range(spec.num_regions)]
