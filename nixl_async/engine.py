@@ -484,8 +484,8 @@ class TransferEngine:
                 )
             agent = self._require_agent()
             old = self._peers.get(reply.engine_id)
-            if old is not None and old.agent_name == reply.agent_name:
-                # The same incarnation answered: keep the peer (and its transfers in flight).
+            if old is not None and old.agent_name == reply.agent_name and not old.stale:
+                # The same incarnation answered and nothing failed: keep the peer and its transfers.
                 old.stale = False
                 old.layouts = {lay.name: lay for lay in reply.layouts}
                 old.extra = dict(reply.extra)
@@ -493,7 +493,9 @@ class TransferEngine:
                 self.stats.counters["handshakes"] += 1
                 return old
             if old is not None:
-                self._forget_peer(old)  # the peer restarted: a new agent replaces the old one
+                # A restart (new agent), or a failure that may have broken the UCX endpoint:
+                # drop the old remote agent and load it afresh.
+                self._forget_peer(old)
             name = agent.add_remote(reply.agent_metadata)
         except BaseException:
             self.stats.counters["handshake_failures"] += 1

@@ -207,7 +207,7 @@ class _PeerServer:
             ctx = zmq.asyncio.Context()
             control = ctx.socket(zmq.ROUTER)
             control.setsockopt(zmq.LINGER, 0)
-            control_port = control.bind_to_random_port("tcp://127.0.0.1")
+            control_port = control.bind_to_random_port(f"tcp://{spec.host}")
             ready = {"engine_id": spec.engine_id, "host": host, "port": port, "control_port": control_port}
             print(_READY, json.dumps(ready), flush=True)
             tasks: set[asyncio.Task[None]] = set()
@@ -285,8 +285,17 @@ def main(argv: Sequence[str] | None = None) -> None:
 class PeerProcess:
     """Start and command a peer process. Usable from sync code and from coroutines."""
 
-    def __init__(self, spec: PeerSpec, *, env: dict[str, str] | None = None, startup_timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        spec: PeerSpec,
+        *,
+        env: dict[str, str] | None = None,
+        startup_timeout: float = 60.0,
+        command_prefix: list[str] | None = None,
+    ) -> None:
+        """`command_prefix` wraps the child, e.g. ``["ip", "netns", "exec", "ns1"]``."""
         self.spec = spec
+        self.command_prefix = list(command_prefix or [])
         self.env = dict(env or {})
         self.startup_timeout = startup_timeout
         self.proc: subprocess.Popen[bytes] | None = None
@@ -312,7 +321,7 @@ class PeerProcess:
         env = {**os.environ, **self.env}
         env.setdefault("PYTHONUNBUFFERED", "1")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "nixl_async.peer", msgspec.json.encode(self.spec).decode()],
+            [*self.command_prefix, sys.executable, "-m", "nixl_async.peer", msgspec.json.encode(self.spec).decode()],
             stdout=subprocess.PIPE,
             stderr=self._stderr,
             stdin=subprocess.DEVNULL,
@@ -348,7 +357,7 @@ class PeerProcess:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         try:
-            sock.connect(f"tcp://127.0.0.1:{self.control_port}")
+            sock.connect(f"tcp://{self.host}:{self.control_port}")
             async with asyncio.timeout(timeout):
                 await sock.send(_encoder.encode(cmd))
                 payload = await sock.recv()
@@ -362,7 +371,7 @@ class PeerProcess:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         try:
-            sock.connect(f"tcp://127.0.0.1:{self.control_port}")
+            sock.connect(f"tcp://{self.host}:{self.control_port}")
             sock.send(_encoder.encode(cmd))
             if not sock.poll(int(timeout * 1000)):
                 raise TimeoutError(f"peer {self.engine_id} did not answer {type(cmd).__name__} in {timeout}s")
