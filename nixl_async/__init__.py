@@ -16,6 +16,7 @@ from .exceptions import (
     HandshakeTimeout,
     IncompatiblePeerError,
     LayoutError,
+    LeaseExpired,
     NixlAsyncError,
     NotificationTimeout,
     PeerUnknownError,
@@ -27,7 +28,7 @@ from .exceptions import (
     WrongThreadError,
 )
 from .layout import BlockLayout, BlockView, LayoutKind, MemType, ViewSpec
-from .notifications import Notification
+from .notifications import Lease, Notification
 from .stats import StatsSnapshot
 from .sync import FinishedRequests, PeerInfo, SyncEngine
 from .transfer import Transfer, TransferResult, TransferState
@@ -47,6 +48,8 @@ __all__ = [
     "IncompatiblePeerError",
     "LayoutError",
     "LayoutKind",
+    "Lease",
+    "LeaseExpired",
     "MemType",
     "NixlAsyncError",
     "Notification",

@@ -28,6 +28,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Self
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 import zmq
@@ -42,6 +43,7 @@ from .exceptions import (
     EngineIdMismatch,
     IncompatiblePeerError,
     LayoutError,
+    LeaseExpired,
     PeerUnknownError,
     TransferCancelled,
     TransferFailed,
@@ -57,7 +59,7 @@ from .layout import (
     as_block_ids,
     pair_descriptor_ids,
 )
-from .notifications import Notification, NotificationBox
+from .notifications import Lease, Notification, NotificationBox
 from .stats import EngineStats, StatsSnapshot
 from .transfer import Transfer, TransferResult, TransferState, plan_slices
 
@@ -80,7 +82,17 @@ _INITIAL_COPY_RATE = 4e9  # a conservative first guess (CMA here does 4-12 GB/s)
 class Peer:
     """A remote engine we completed a handshake with."""
 
-    __slots__ = ("address", "agent_name", "compat_hash", "connected", "engine_id", "extra", "layouts", "stale")
+    __slots__ = (
+        "address",
+        "agent_name",
+        "clock_offset_s",
+        "compat_hash",
+        "connected",
+        "engine_id",
+        "extra",
+        "layouts",
+        "stale",
+    )
 
     def __init__(self, reply: messages.MetadataReply, address: tuple[str, int]) -> None:
         self.engine_id = reply.engine_id
@@ -91,6 +103,7 @@ class Peer:
         self.address = address
         self.connected = True
         self.stale = False  # a transfer with it failed: the next connect() handshakes again
+        self.clock_offset_s = 0.0  # its wall clock minus ours, estimated at the handshake
 
     def __repr__(self) -> str:
         return f"<Peer {self.engine_id} at {self.address[0]}:{self.address[1]} agent={self.agent_name}>"
@@ -175,7 +188,7 @@ class TransferEngine:
         self._poller: asyncio.Task[None] | None = None
         self._closing = False
         self._compat_hash = messages.compat_hash(self.config.compat)
-        self._reply_cache: bytes | None = None
+        self._reply_cache: messages.MetadataReply | None = None
         self.extra: dict[str, str] = {}
         self._layouts: dict[str, _LocalLayout] = {}
         self._local_layouts: dict[str, BlockLayout] = {}
@@ -404,18 +417,16 @@ class TransferEngine:
             )
         if self._reply_cache is None:
             agent = self._require_agent()
-            self._reply_cache = messages.encode(
-                messages.MetadataReply(
-                    version=messages.PROTOCOL_VERSION,
-                    engine_id=self.engine_id,
-                    agent_name=agent.name,
-                    agent_metadata=agent.metadata(),
-                    compat_hash=self._compat_hash,
-                    layouts=[local.layout for local in self._layouts.values()],
-                    extra=self.extra,
-                )
+            self._reply_cache = messages.MetadataReply(
+                version=messages.PROTOCOL_VERSION,
+                engine_id=self.engine_id,
+                agent_name=agent.name,
+                agent_metadata=agent.metadata(),
+                compat_hash=self._compat_hash,
+                layouts=[local.layout for local in self._layouts.values()],
+                extra=dict(self.extra),
             )
-        return self._reply_cache
+        return messages.encode(msgspec.structs.replace(self._reply_cache, wall_clock=time.time()))
 
     def set_extra(self, **extra: str) -> None:
         """Free-form strings sent to peers in the handshake (adapters put TP rank etc. here)."""
@@ -466,6 +477,7 @@ class TransferEngine:
     async def _handshake(self, host: str, port: int, timeout: float) -> Peer:
         assert self._zmq is not None and self._loop is not None
         started = self._loop.time()
+        asked_at = time.time()
         try:
             reply = await fetch_metadata(
                 self._zmq,
@@ -476,6 +488,8 @@ class TransferEngine:
                 max_frame_bytes=self.config.max_frame_bytes,
                 secret=self.config.auth_secret,
             )
+            answered_at = time.time()
+            offset = reply.wall_clock - (asked_at + answered_at) / 2 if reply.wall_clock else 0.0
             if reply.compat_hash != self._compat_hash:
                 raise IncompatiblePeerError(
                     f"{host}:{port} (engine {reply.engine_id!r}) has compatibility hash {reply.compat_hash}, "
@@ -487,6 +501,7 @@ class TransferEngine:
             if old is not None and old.agent_name == reply.agent_name and not old.stale:
                 # The same incarnation answered and nothing failed: keep the peer and its transfers.
                 old.stale = False
+                old.clock_offset_s = offset
                 old.layouts = {lay.name: lay for lay in reply.layouts}
                 old.extra = dict(reply.extra)
                 self._peers_by_address[(host, port)] = old
@@ -502,6 +517,7 @@ class TransferEngine:
             raise
         peer = Peer(reply, (host, port))
         peer.agent_name = name
+        peer.clock_offset_s = offset
         self._peers[peer.engine_id] = peer
         self._peers_by_agent[name] = peer
         self._peers_by_address[(host, port)] = peer
@@ -555,6 +571,7 @@ class TransferEngine:
         remote: ViewLike = None,
         notify: bytes | None = None,
         timeout: float | None = None,
+        lease_expires_at: float | None = None,
     ) -> Transfer:
         """Submit a READ of the peer's `remote_blocks` into our `local_blocks`.
 
@@ -563,11 +580,15 @@ class TransferEngine:
         side). `notify` is delivered to the peer once all data has moved. With empty block lists
         only the notification is sent (a full prefix-cache hit). `timeout` sets a deadline
         counted from now (default `EngineConfig.transfer_timeout_s`), enforced even if nobody
-        awaits the transfer.
+        awaits the transfer. `lease_expires_at` is the producer's lease expiry (its `time.time()`,
+        see `lend`): past it the read is refused with `LeaseExpired` before anything is posted,
+        and the transfer's deadline never runs beyond it.
 
         Raises `LayoutError` (a `ValueError`) for bad ids or views before anything is posted.
         """
-        return await self._submit("READ", peer, local_blocks, remote_blocks, local, remote, notify, timeout)
+        return await self._submit(
+            "READ", peer, local_blocks, remote_blocks, local, remote, notify, timeout, lease_expires_at
+        )
 
     async def start_write(
         self,
@@ -579,9 +600,12 @@ class TransferEngine:
         remote: ViewLike = None,
         notify: bytes | None = None,
         timeout: float | None = None,
+        lease_expires_at: float | None = None,
     ) -> Transfer:
         """Submit a WRITE of our `local_blocks` into the peer's `remote_blocks` (see `start_read`)."""
-        return await self._submit("WRITE", peer, local_blocks, remote_blocks, local, remote, notify, timeout)
+        return await self._submit(
+            "WRITE", peer, local_blocks, remote_blocks, local, remote, notify, timeout, lease_expires_at
+        )
 
     async def read(self, peer: Peer, local_blocks: BlockIds, remote_blocks: BlockIds, **kwargs: Any) -> TransferResult:
         """`start_read` and wait for it."""
@@ -618,6 +642,7 @@ class TransferEngine:
         remote: ViewLike,
         notify: bytes | None,
         timeout: float | None,
+        lease_expires_at: float | None = None,
     ) -> Transfer:
         agent = self._require_agent()
         assert self._loop is not None
@@ -636,6 +661,15 @@ class TransferEngine:
         nbytes = len(lidx) * local_view.piece_len
         if timeout is None:
             timeout = self.config.transfer_timeout_s
+        if lease_expires_at is not None:
+            remaining = lease_expires_at - (time.time() + peer.clock_offset_s)
+            if remaining <= 0:
+                self.stats.counters["lease_refusals"] += 1
+                raise LeaseExpired(
+                    f"the lease from {peer.engine_id} expired {-remaining:.3f}s ago: its blocks may hold other data",
+                    peer=peer.engine_id,
+                )
+            timeout = remaining if timeout is None else min(timeout, remaining)
         deadline = None if timeout is None else now + timeout
 
         await self._admit(nbytes, deadline)
@@ -915,6 +949,17 @@ class TransferEngine:
         self._require_agent()
         self._wakeup()
         return await self._notifications.wait(message, count, timeout)
+
+    def lend(self, message: bytes, *, readers: int = 1, ttl_s: float) -> Lease:
+        """Hold blocks for `readers` remote readers, who notify `message` when done.
+
+        Give readers `lease.expires_at` (our wall clock); they refuse to read past it. Await
+        the lease: True once every reader notified, False when it expired first (the readers
+        vanished). Either way the caller may then reuse the blocks.
+        """
+        self._require_agent()
+        self._wakeup()
+        return Lease(self._notifications, message, readers, ttl_s)
 
     def notifications(self) -> AsyncIterator[Notification]:
         """An async iterator over every notification arriving from now on."""

@@ -15,7 +15,8 @@ remote ones (what a peer said or failed to say), so a caller can tell "fix my ca
     ├── TransferError                a transfer did not complete
     │   ├── TransferFailed           NIXL reported an error (dead peer, cut link, ...)
     │   ├── TransferTimeout          the transfer's deadline passed first
-    │   └── TransferCancelled        the transfer was cancelled
+    │   ├── TransferCancelled        the transfer was cancelled
+    │   └── LeaseExpired             the producer's lease on the blocks ran out: not read
     ├── NotificationTimeout          awaited notifications did not all arrive in time
     └── PeerUnknownError (KeyError)  no peer with that engine id is connected
 """
@@ -30,6 +31,7 @@ __all__ = [
     "HandshakeTimeout",
     "IncompatiblePeerError",
     "LayoutError",
+    "LeaseExpired",
     "NixlAsyncError",
     "NotificationTimeout",
     "PeerUnknownError",
@@ -105,6 +107,13 @@ class TransferTimeout(TransferError, TimeoutError):
 
 class TransferCancelled(TransferError):
     """The transfer was cancelled; its handles were released."""
+
+
+class LeaseExpired(TransferError):
+    """The producer's lease on those blocks has run out (they may hold other data now).
+
+    Raised before anything is posted: a late read is refused, never served stale bytes.
+    """
 
 
 class NotificationTimeout(NixlAsyncError, TimeoutError):

@@ -54,6 +54,7 @@ class MetadataReply(msgspec.Struct, tag="metadata", frozen=True, kw_only=True):
     compat_hash: str
     layouts: list[BlockLayout]
     extra: dict[str, str] = {}
+    wall_clock: float = 0.0  # the server's time.time() when answering: readers estimate clock offsets
 
 
 class ErrorReply(msgspec.Struct, tag="error", frozen=True, kw_only=True):

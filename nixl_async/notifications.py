@@ -12,14 +12,16 @@ message before or after it arrives, and may need the same message from several s
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Generator
+from typing import Any
 
 import msgspec
 
 from .exceptions import NotificationTimeout
 
-__all__ = ["Notification", "NotificationBox"]
+__all__ = ["Lease", "Notification", "NotificationBox"]
 
 
 class Notification(msgspec.Struct, frozen=True):
@@ -149,3 +151,40 @@ class NotificationBox:
                 if not waiter.future.done():
                     waiter.future.set_exception(exc)
         self._waiters.clear()
+
+
+class Lease:
+    """Blocks lent to remote readers until they all notify `message`, or `expires_at` passes.
+
+    `expires_at` is this host's ``time.time()``; readers compare it with their own clock
+    corrected by the offset measured at the handshake. Await the lease (or `wait()`): True
+    when every reader notified, False when it expired first.
+    """
+
+    def __init__(self, box: NotificationBox, message: bytes, readers: int, ttl_s: float) -> None:
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        self.message = message
+        self.readers = readers
+        self.expires_at = time.time() + ttl_s
+        self._task = asyncio.get_running_loop().create_task(self._hold(box, ttl_s))
+
+    async def _hold(self, box: NotificationBox, ttl_s: float) -> bool:
+        try:
+            await box.wait(self.message, self.readers, timeout=ttl_s)
+        except NotificationTimeout:
+            return False
+        return True
+
+    def done(self) -> bool:
+        return self._task.done()
+
+    def cancel(self) -> None:
+        """Stop holding (e.g. shutdown); notifications that arrived are kept for others."""
+        self._task.cancel()
+
+    async def wait(self) -> bool:
+        return await asyncio.shield(self._task)
+
+    def __await__(self) -> Generator[Any, None, bool]:
+        return self.wait().__await__()

@@ -131,6 +131,7 @@ class Transfer(msgspec.Struct, tag="transfer", kw_only=True):
     remote_blocks: list[int]
     notify: bytes | None = None
     timeout: float | None = None
+    lease_expires_at: float | None = None
 
 
 class Notify(msgspec.Struct, tag="notify", kw_only=True):
@@ -254,7 +255,9 @@ class _PeerServer:
             case Transfer(op=op, host=host, port=port, local_blocks=lb, remote_blocks=rb, notify=notify, timeout=t):
                 peer = await engine.connect(host, port)
                 start = engine.start_read if op == "READ" else engine.start_write
-                result = await (await start(peer, lb, rb, notify=notify, timeout=t))
+                result = await (
+                    await start(peer, lb, rb, notify=notify, timeout=t, lease_expires_at=cmd.lease_expires_at)
+                )
                 return msgspec.to_builtins(result)
             case Notify(host=host, port=port, message=message):
                 await engine.notify(await engine.connect(host, port), message)

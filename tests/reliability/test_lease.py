@@ -1,0 +1,53 @@
+"""Producer-side leases: blocks lent to a reader are released on notification or expiry, and a
+late read is refused before anything is posted."""
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from nixl_async.peer import PeerCommandError, Stats, Transfer
+from nixl_async.testing import fill_pattern
+
+BLOCK = 4096
+
+
+async def test_lease_expires_when_the_reader_vanishes_and_late_reads_are_refused(nixl_engine, nixl_peer):
+    regions = [np.zeros(64 * BLOCK, np.uint8) for _ in range(2)]
+    fill_pattern(regions, seed=77)
+    nixl_engine.register("kv", regions, block_len=BLOCK)
+    host, port = nixl_engine.address
+
+    lease = nixl_engine.lend(b"req-gone", readers=1, ttl_s=0.4)
+    started = time.monotonic()
+    assert await asyncio.wait_for(lease.wait(), 5) is False, "nobody read: the lease must expire"
+    assert 0.35 < time.monotonic() - started < 2.0
+
+    late = Transfer(op="READ", host=host, port=port, local_blocks=[0], remote_blocks=[3],
+                    notify=b"req-gone", lease_expires_at=lease.expires_at)  # fmt: skip
+    with pytest.raises(PeerCommandError, match="LeaseExpired"):
+        await nixl_peer.request(late)
+    counters = (await nixl_peer.request(Stats()))["counters"]
+    assert counters.get("transfers_submitted", 0) == 0 and counters["lease_refusals"] == 1
+
+
+async def test_reader_within_its_lease_releases_the_blocks(nixl_engine, nixl_peer_factory):
+    regions = [np.zeros(64 * BLOCK, np.uint8) for _ in range(2)]
+    fill_pattern(regions, seed=78)
+    nixl_engine.register("kv", regions, block_len=BLOCK)
+    host, port = nixl_engine.address
+    readers = [nixl_peer_factory(), nixl_peer_factory()]
+
+    lease = nixl_engine.lend(b"req-ok", readers=2, ttl_s=30)
+    for reader in readers:
+        await reader.request(Transfer(op="READ", host=host, port=port, local_blocks=[1, 2], remote_blocks=[5, 6],
+                                      notify=b"req-ok", lease_expires_at=lease.expires_at))  # fmt: skip
+    assert await asyncio.wait_for(lease.wait(), 10) is True
+    for reader in readers:
+        assert (await reader.request(Stats()))["counters"]["transfers_done"] == 1
+
+
+async def test_handshake_measures_the_clock_offset(nixl_engine, nixl_peer):
+    peer = await nixl_engine.connect(*nixl_peer.address)
+    assert abs(peer.clock_offset_s) < 0.05  # same host: the clocks agree
