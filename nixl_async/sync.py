@@ -154,74 +154,38 @@ class SyncEngine:
             error = future.exception()
         self._finished.put((request_id, error))
 
-    def submit_read(
-        self,
-        request_id: str,
-        host: str,
-        port: int,
-        local_blocks: BlockIds,
-        remote_blocks: BlockIds,
-        *,
-        expected_engine_id: str | None = None,
-        local: ViewSpec | str | None = None,
-        remote: ViewSpec | str | None = None,
-        notify: bytes | None = None,
-        timeout: float | None = None,
-        handshake_timeout: float | None = None,
-    ) -> None:
-        """Connect (if needed) and read; returns at once. The outcome shows in `get_finished()`."""
-        self._submit(
-            request_id,
-            self._transfer(
-                "READ", host, port, local_blocks, remote_blocks, expected_engine_id,
-                local, remote, notify, timeout, handshake_timeout,
-            ),
-        )  # fmt: skip
+    def submit_read(self, request_id: str, host: str, port: int, local_blocks: BlockIds, remote_blocks: BlockIds,
+                    **options: Any) -> None:  # fmt: skip
+        """Connect (if needed) and read; returns at once. The outcome shows in `get_finished()`.
 
-    def submit_write(
-        self,
-        request_id: str,
-        host: str,
-        port: int,
-        local_blocks: BlockIds,
-        remote_blocks: BlockIds,
-        *,
-        expected_engine_id: str | None = None,
-        local: ViewSpec | str | None = None,
-        remote: ViewSpec | str | None = None,
-        notify: bytes | None = None,
-        timeout: float | None = None,
-        handshake_timeout: float | None = None,
-    ) -> None:
-        """Connect (if needed) and write; returns at once. The outcome shows in `get_finished()`."""
-        self._submit(
-            request_id,
-            self._transfer(
-                "WRITE", host, port, local_blocks, remote_blocks, expected_engine_id,
-                local, remote, notify, timeout, handshake_timeout,
-            ),
-        )  # fmt: skip
+        Options: `expected_engine_id`, `local`, `remote` (layout names or `ViewSpec`s), `notify`,
+        `timeout`, `handshake_timeout`, `lease_expires_at` (see `TransferEngine.start_read`).
+        """
+        self._submit(request_id, self._transfer("READ", host, port, local_blocks, remote_blocks, **options))
+
+    def submit_write(self, request_id: str, host: str, port: int, local_blocks: BlockIds, remote_blocks: BlockIds,
+                     **options: Any) -> None:  # fmt: skip
+        """Connect (if needed) and write; returns at once (options as for `submit_read`)."""
+        self._submit(request_id, self._transfer("WRITE", host, port, local_blocks, remote_blocks, **options))
 
     def submit_transfers(
         self, request_id: str, parts: Sequence[dict[str, Any]], *, timeout: float | None = None
     ) -> None:
         """Several reads/writes (e.g. one per remote TP rank) finishing as one request.
 
-        Each part is a dict of `submit_read`'s keyword arguments plus ``op`` ("READ"/"WRITE").
-        The request fails if any part fails; the other parts are cancelled.
+        Each part is a dict with ``host``, ``port``, ``local_blocks``, ``remote_blocks``, optionally
+        ``op`` ("READ" or "WRITE") and any `submit_read` option. The request fails if any part
+        fails; the other parts are then cancelled.
         """
 
         async def run() -> None:
             async with asyncio.TaskGroup() as group:
                 for part in parts:
-                    p = dict(part)
-                    group.create_task(
-                        self._transfer(
-                            p.pop("op", "READ"), p.pop("host"), p.pop("port"), p.pop("local_blocks"),
-                            p.pop("remote_blocks"), p.pop("expected_engine_id", None), p.pop("local", None),
-                            p.pop("remote", None), p.pop("notify", None), timeout, p.pop("handshake_timeout", None),
-                        )
-                    )  # fmt: skip
+                    options = {"timeout": timeout, **part}
+                    op = options.pop("op", "READ")
+                    host, port = options.pop("host"), options.pop("port")
+                    local_blocks, remote_blocks = options.pop("local_blocks"), options.pop("remote_blocks")
+                    group.create_task(self._transfer(op, host, port, local_blocks, remote_blocks, **options))
 
         self._submit(request_id, _unwrap_group(run()))
 
@@ -247,19 +211,22 @@ class SyncEngine:
         port: int,
         local_blocks: BlockIds,
         remote_blocks: BlockIds,
-        expected_engine_id: str | None,
-        local: ViewSpec | str | None,
-        remote: ViewSpec | str | None,
-        notify: bytes | None,
-        timeout: float | None,
-        handshake_timeout: float | None,
+        *,
+        expected_engine_id: str | None = None,
+        local: ViewSpec | str | None = None,
+        remote: ViewSpec | str | None = None,
+        notify: bytes | None = None,
+        timeout: float | None = None,
+        handshake_timeout: float | None = None,
+        lease_expires_at: float | None = None,
     ) -> None:
         engine = self.engine
         peer = await engine.connect(host, port, expected_engine_id=expected_engine_id, timeout=handshake_timeout)
         start = engine.start_read if op == "READ" else engine.start_write
         transfer = await start(
-            peer, local_blocks, remote_blocks, local=local, remote=remote, notify=notify, timeout=timeout
-        )
+            peer, local_blocks, remote_blocks, local=local, remote=remote, notify=notify, timeout=timeout,
+            lease_expires_at=lease_expires_at,
+        )  # fmt: skip
         await transfer
 
     def cancel(self, request_id: str) -> bool:
