@@ -1019,9 +1019,14 @@ class TransferEngine:
             activity = False
             if self._active:
                 swept = time.perf_counter()
+                finished = False
                 for n, transfer in enumerate(list(self._active.values()), 1):
+                    if finished:  # let the awaiters of finished transfers run before the next post
+                        await asyncio.sleep(0)
+                        finished = False
+                        swept = time.perf_counter()
                     if transfer.state is not TransferState.POSTING:
-                        continue  # ended while we yielded below
+                        continue  # ended while we yielded
                     if transfer.future.cancelled():  # its awaiter was cancelled
                         self._end(
                             transfer, TransferCancelled("the awaiting task was cancelled", transfer_id=transfer.id)
@@ -1029,6 +1034,7 @@ class TransferEngine:
                         continue
                     if self._pump(agent, transfer, 1, swept):
                         activity = True
+                        finished = transfer.state is not TransferState.POSTING
                     # A post can be a multi-ms copy, and 10k state checks add up: bound the stall.
                     if (activity or not n % 256) and time.perf_counter() - swept > _SWEEP_BUDGET_S:
                         await asyncio.sleep(0)

@@ -28,6 +28,7 @@ def test_demo_quick_writes_verified_json(tmp_path):
     assert report["verified"] is True
     assert report["bytes_moved"] == 4 * 128 * 8 * 65536
     assert report["throughput_gbps"] > 0 and report["request_latency_p99_us"] >= report["request_latency_p50_us"]
+    assert 0 < report["completion_latency_p50_us"] <= report["completion_latency_p99_us"]
     assert "every byte verified: yes" in proc.stdout
 
 
