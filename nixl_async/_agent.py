@@ -22,6 +22,7 @@ from .layout import BlockView, DescArray, IdArray, MemType
 
 __all__ = ["NIXL_ERRORS", "OwnedAgent", "RegisteredMemory"]
 
+from nixl import _bindings
 from nixl._api import nixl_agent, nixl_agent_config
 
 if not os.environ.get("NIXL_LOG_LEVEL"):  # NIXL logs every agent at INFO; keep it quiet by default
@@ -29,8 +30,11 @@ if not os.environ.get("NIXL_LOG_LEVEL"):  # NIXL logs every agent at INFO; keep 
 
 log = logging.getLogger(__name__)
 
-# NIXL's bindings raise their own exception classes; they all derive from Exception.
-NIXL_ERRORS: tuple[type[BaseException], ...] = (Exception,)
+# NIXL's bindings raise their own exception classes (nixlBackendError, nixlRemoteDisconnectError,
+# ...), each derived from Exception directly. Catch exactly those, so our own bugs stay visible.
+NIXL_ERRORS: tuple[type[BaseException], ...] = tuple(
+    cls for name, cls in vars(_bindings).items() if name.startswith("nixl") and name.endswith("Error")
+) or (Exception,)
 
 XferHandle = Any
 DlistHandle = Any
