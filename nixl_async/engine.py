@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import time
@@ -465,7 +466,7 @@ class TransferEngine:
                     name=f"handshake:{host}:{port}",
                 )
                 self._connecting[key] = task
-                task.add_done_callback(lambda t, key=key: self._connecting.pop(key, None))
+                task.add_done_callback(functools.partial(self._connect_done, key))
             peer = await asyncio.shield(task)
         if expected_engine_id is not None and peer.engine_id != expected_engine_id:
             raise EngineIdMismatch(
@@ -473,6 +474,9 @@ class TransferEngine:
                 address=f"{host}:{port}",
             )
         return peer
+
+    def _connect_done(self, key: tuple[str, int], _task: asyncio.Task[Peer]) -> None:
+        self._connecting.pop(key, None)
 
     async def _handshake(self, host: str, port: int, timeout: float) -> Peer:
         assert self._zmq is not None and self._loop is not None
@@ -910,10 +914,11 @@ class TransferEngine:
         for handle in transfer.posted:
             self._release(agent, handle)
         transfer.posted = []
-        transfer.state = {
+        states: dict[type[BaseException], TransferState] = {
             TransferCancelled: TransferState.CANCELLED,
             TransferTimeout: TransferState.TIMED_OUT,
-        }.get(type(error), TransferState.FAILED)
+        }
+        transfer.state = states.get(type(error), TransferState.FAILED)
         self._retire(transfer)
         if isinstance(error, TransferFailed):
             peer = self._peers_by_agent.get(transfer.remote_agent)

@@ -77,7 +77,7 @@ _request_decoder = msgspec.msgpack.Decoder(MetadataRequest)
 _reply_decoder = msgspec.msgpack.Decoder(Reply)
 
 
-def encode(message: MetadataRequest | MetadataReply | ErrorReply) -> bytes:
+def encode(message: MetadataRequest | MetadataReply | ErrorReply | AuthChallenge) -> bytes:
     return _encoder.encode(message)
 
 

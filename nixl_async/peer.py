@@ -76,8 +76,8 @@ def fill_pattern(regions: Sequence[npt.NDArray[Any]], seed: int) -> None:
 def verify_blocks(
     regions: Sequence[npt.NDArray[Any]],
     block_len: int,
-    blocks: Sequence[int],
-    source_blocks: Sequence[int],
+    blocks: Sequence[int] | npt.NDArray[np.integer[Any]],
+    source_blocks: Sequence[int] | npt.NDArray[np.integer[Any]],
     seed: int,
 ) -> list[int]:
     """Blocks (of `blocks`) whose bytes differ from the pattern of the paired source block."""
@@ -251,7 +251,7 @@ class _PeerServer:
                 return None
             case Checksums(blocks=blocks):
                 bl = spec.block_len
-                return [[zlib.crc32(r[b * bl : (b + 1) * bl]) for b in blocks] for r in self.regions]
+                return [[zlib.crc32(r[b * bl : (b + 1) * bl].data) for b in blocks] for r in self.regions]
             case Transfer(op=op, host=host, port=port, local_blocks=lb, remote_blocks=rb, notify=notify, timeout=t):
                 peer = await engine.connect(host, port)
                 start = engine.start_read if op == "READ" else engine.start_write
@@ -370,8 +370,7 @@ class PeerProcess:
 
     def request_sync(self, cmd: Any, timeout: float = 60.0) -> Any:
         """`request` for threads without a loop."""
-        ctx = zmq.Context.instance()
-        sock = ctx.socket(zmq.DEALER)
+        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         try:
             sock.connect(f"tcp://{self.host}:{self.control_port}")

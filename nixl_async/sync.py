@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import queue
 import threading
 from collections.abc import Coroutine, Sequence
@@ -143,7 +144,7 @@ class SyncEngine:
                 raise ValueError(f"request {request_id!r} already has work in flight")
             future = asyncio.run_coroutine_threadsafe(coro, self._loop)
             self._inflight[request_id] = future
-        future.add_done_callback(lambda f, rid=request_id: self._on_done(rid, f))
+        future.add_done_callback(functools.partial(self._on_done, request_id))
 
     def _on_done(self, request_id: str, future: concurrent.futures.Future[Any]) -> None:
         with self._lock:

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Set up (if needed) and run the whole test suite on real NIXL. Extra arguments go to pytest.
+# Set up (if needed), lint (ruff), type-check (mypy), then run the whole test suite on real NIXL.
+# Extra arguments go to pytest.
 # pytest's exit code 5 ("no tests collected") is a failure here, never a silent pass.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
+.venv/bin/ruff check . || exit 1
+.venv/bin/mypy nixl_async adapters/vllm || exit 1
 .venv/bin/python -m pytest "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
