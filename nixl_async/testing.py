@@ -9,8 +9,9 @@ Registered through the ``pytest11`` entry point, so installing nixl-async gives 
   pattern; ``tcp=True`` makes its transfers go over UCX's TCP transport so they are genuinely
   in flight. Peers are stopped at teardown (killed if they do not exit);
 - ``nixl_peer``: one default peer from that factory;
-- `PeerProcess` fault knobs (``kill()``, ``pause()``, ``resume()``) and the pattern helpers
-  (`fill_pattern`, `pattern_block`, `verify_blocks`) re-exported here.
+- `PeerProcess` fault knobs (``kill()``, ``pause()``, ``resume()``), the pattern helpers
+  (`fill_pattern`, `pattern_block`, `verify_blocks`) re-exported here, and `transfers_settled`
+  (await it after cancelling transfers, before asserting that no handle is live).
 
 Example::
 
@@ -27,6 +28,7 @@ installed costs a pytest run nothing.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -45,6 +47,7 @@ __all__ = [
     "assert_no_live_handles",
     "fill_pattern",
     "pattern_block",
+    "transfers_settled",
     "verify_blocks",
 ]
 
@@ -64,6 +67,19 @@ def assert_no_live_handles(engine: TransferEngine) -> None:
     live = engine.live_handles()
     if live:
         pytest.fail(f"NIXL handles still live after close: {live}")
+
+
+async def transfers_settled(engine: TransferEngine, timeout: float = 3.0) -> int:
+    """Wait until the engine holds no NIXL transfer handle; return how many remain after `timeout`.
+
+    A handle NIXL could not cancel at once (a read in flight over TCP) is released by the poller
+    once the transfer settles, so right after a cancellation a few may still be live.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while (live := engine.live_handles().get("xfers", 0)) and loop.time() < deadline:
+        await asyncio.sleep(0.01)
+    return live
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from nixl_async import (
     WrongThreadError,
 )
 from nixl_async.peer import Verify, WaitNotifications
-from nixl_async.testing import fill_pattern, pattern_block, verify_blocks
+from nixl_async.testing import fill_pattern, pattern_block, transfers_settled, verify_blocks
 
 BLOCK = 4096
 
@@ -177,11 +177,7 @@ async def test_cancel_releases_the_in_flight_handle(nixl_engine, nixl_peer_facto
     with pytest.raises(TransferCancelled):
         await transfer
     assert transfer.state is TransferState.CANCELLED
-    for _ in range(200):  # a handle NIXL could not cancel at once is released once it settles
-        if not nixl_engine.live_handles().get("xfers"):
-            break
-        await asyncio.sleep(0.01)
-    assert not nixl_engine.live_handles().get("xfers")
+    assert await transfers_settled(nixl_engine) == 0
     assert nixl_engine.snapshot().counters["transfers_cancelled"] == 1
     # the engine still works afterwards
     await nixl_engine.read(peer, [0], [1])
@@ -305,8 +301,4 @@ async def test_paused_peer_cannot_hang_a_caller(nixl_engine, nixl_peer_factory):
         assert asyncio.get_running_loop().time() - started < 5
     finally:
         peer_proc.resume()
-    for _ in range(300):
-        if not nixl_engine.live_handles().get("xfers"):
-            break
-        await asyncio.sleep(0.01)
-    assert not nixl_engine.live_handles().get("xfers")
+    assert await transfers_settled(nixl_engine) == 0

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from nixl_async import HandshakeTimeout, TransferFailed, TransferTimeout
-from nixl_async.testing import verify_blocks
+from nixl_async.testing import transfers_settled, verify_blocks
 
 BLOCK, BLOCKS = 1 << 20, 32
 
@@ -40,11 +40,7 @@ async def test_sigkill_mid_transfer_fails_only_that_peer(nixl_engine, nixl_peer_
     assert any(isinstance(o, BaseException) for o in outcomes), "expected the kill to interrupt a read"
     await asyncio.gather(*(t.wait() for t in healthy_reads))
     assert verify_blocks(regions, BLOCK, range(BLOCKS, 2 * BLOCKS), range(BLOCKS), seed=2) == []
-    for _ in range(300):
-        if not nixl_engine.live_handles().get("xfers"):
-            break
-        await asyncio.sleep(0.01)
-    assert not nixl_engine.live_handles().get("xfers")
+    assert await transfers_settled(nixl_engine) == 0
     # and the healthy peer still serves new reads
     await nixl_engine.read(to_healthy, [0], [5])
 

@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 from nixl_async import TransferCancelled, TransferTimeout
-from nixl_async.testing import verify_blocks
+from nixl_async.testing import transfers_settled, verify_blocks
 
 TRANSFERS = int(os.environ.get("NIXL_ASYNC_SOAK_TRANSFERS", "20000"))
 BATCH = 2_000  # sample every BATCH transfers; the first two samples are warm-up
@@ -77,11 +77,7 @@ async def test_soak_over_four_peers(nixl_engine, nixl_peer_factory):
     started = time.perf_counter()
     for done in range(0, TRANSFERS, BATCH):
         await asyncio.gather(*(one() for _ in range(min(BATCH, TRANSFERS - done))))
-        for _ in range(200):  # handles NIXL could not cancel at once are released shortly after
-            if not nixl_engine.live_handles().get("xfers"):
-                break
-            await asyncio.sleep(0.01)
-        samples.append((_rss_mib(), nixl_engine.live_handles().get("xfers", 0)))
+        samples.append((_rss_mib(), await transfers_settled(nixl_engine, timeout=2.0)))
     elapsed = time.perf_counter() - started
 
     rss = [s[0] for s in samples[2:]]
