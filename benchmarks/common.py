@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -42,12 +41,6 @@ def cpu_meter() -> Iterator[dict[str, float]]:
     yield out
     out["seconds"] = time.perf_counter() - t0
     out["cpu_percent"] = (time.process_time() - cpu0) / out["seconds"] * 100
-
-
-def process_cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def fetch_reply(host: str, port: int, timeout: float = 10.0) -> messages.MetadataReply:

@@ -50,7 +50,7 @@ from .exceptions import (
     TransferFailed,
     TransferTimeout,
 )
-from .handshake import HandshakeServer, fetch_metadata
+from .handshake import HandshakeServer, Refusal, fetch_metadata
 from .layout import (
     BlockLayout,
     BlockView,
@@ -304,7 +304,14 @@ class TransferEngine:
 
     def snapshot(self) -> StatsSnapshot:
         """Counters, latency histograms and live handles, as a plain value."""
-        return self.stats.snapshot(self.live_handles())
+        extra = {"notifications_dropped": self._notifications.dropped}
+        if self._server is not None:
+            extra.update(
+                handshakes_answered=self._server.served,
+                handshakes_rejected=self._server.rejected,
+                handshake_auth_failures=self._server.auth_failures,
+            )
+        return self.stats.snapshot(self.live_handles(), extra)
 
     # -- memory ---------------------------------------------------------------------------
     def register(
@@ -410,11 +417,8 @@ class TransferEngine:
 
     def _reply_for(self, request: messages.MetadataRequest) -> bytes:
         if request.expected_engine_id not in (None, self.engine_id):
-            return messages.encode(
-                messages.ErrorReply(
-                    code="engine_id_mismatch",
-                    message=f"this is engine {self.engine_id!r}, not {request.expected_engine_id!r}",
-                )
+            raise Refusal(
+                "engine_id_mismatch", f"this is engine {self.engine_id!r}, not {request.expected_engine_id!r}"
             )
         if self._reply_cache is None:
             agent = self._require_agent()

@@ -33,13 +33,21 @@ import zmq.asyncio
 from . import messages
 from .exceptions import HandshakeRejected, HandshakeTimeout, ProtocolError
 
-__all__ = ["HandshakeServer", "fetch_metadata"]
+__all__ = ["HandshakeServer", "Refusal", "fetch_metadata"]
 
 log = logging.getLogger(__name__)
 
 ReplyFor = Callable[[messages.MetadataRequest], bytes]
 _NONCE_TTL_S = 10.0
 _MAX_NONCES = 4096
+
+
+class Refusal(Exception):
+    """Raised by a reply builder to refuse a request: answered as an `ErrorReply`, counted as rejected."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def _error(code: str, message: str) -> bytes:
@@ -150,6 +158,9 @@ class HandshakeServer:
                 return identity, delimiter, _error("auth_failed", "authentication failed")
         try:
             reply = self._reply_for(request)
+        except Refusal as refusal:
+            self.rejected += 1
+            return identity, delimiter, _error(refusal.code, str(refusal))
         except Exception as exc:  # never let one request take the server down
             log.exception("handshake reply failed")
             self.rejected += 1

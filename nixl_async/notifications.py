@@ -47,8 +47,7 @@ class NotificationBox:
         self._unclaimed_total = 0
         self._waiters: dict[bytes, deque[_Waiter]] = {}
         self._subscribers: set[asyncio.Queue[Notification | None]] = set()
-        self.dropped = 0
-        self.delivered = 0
+        self.dropped = 0  # unclaimed notifications pushed out by newer ones
 
     @property
     def has_waiters(self) -> bool:
@@ -59,7 +58,6 @@ class NotificationBox:
         return self._unclaimed_total
 
     def deliver(self, sender: str, message: bytes) -> None:
-        self.delivered += 1
         for queue in self._subscribers:
             queue.put_nowait(Notification(sender, message))
         waiters = self._waiters.get(message)

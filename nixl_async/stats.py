@@ -76,9 +76,10 @@ class EngineStats:
         self.counters: Counter[str] = Counter()
         self.histograms = {name: LatencyHistogram() for name in self.HISTOGRAMS}
 
-    def snapshot(self, live_handles: dict[str, int]) -> StatsSnapshot:
+    def snapshot(self, live_handles: dict[str, int], extra_counters: dict[str, int] | None = None) -> StatsSnapshot:
+        """`extra_counters` come from the parts that count for themselves (handshake server, mailbox)."""
         return StatsSnapshot(
-            dict(self.counters),
+            {**self.counters, **(extra_counters or {})},
             {name: h.snapshot() for name, h in self.histograms.items()},
             dict(live_handles),
         )

@@ -24,7 +24,7 @@ import queue
 import threading
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
@@ -35,8 +35,6 @@ from .layout import BlockLayout, ViewSpec
 from .stats import StatsSnapshot
 
 __all__ = ["FinishedRequests", "PeerInfo", "SyncEngine"]
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ import zmq
 import zmq.asyncio
 
 from nixl_async import EngineConfig, HandshakeRejected, TransferEngine, messages
+from nixl_async.peer import Stats
 
 SECRET = b"correct horse battery staple 42!"
 WRONG = b"incorrect horse battery staple 0"
@@ -26,6 +27,8 @@ async def test_only_holders_of_the_secret_get_in(nixl_peer_factory):
             await engine.connect(*peer_proc.address)
     for exc in (no_key.value, wrong_key.value):
         assert SECRET.decode() not in str(exc) and WRONG.decode() not in str(exc)
+    counters = (await peer_proc.request(Stats()))["counters"]
+    assert counters["handshake_auth_failures"] == 1 and counters["handshakes_answered"] == 1
     log = peer_proc.stderr()
     assert "refused a handshake from engine 'wrong-key'" in log
     assert SECRET.decode() not in log and WRONG.decode() not in log

@@ -180,6 +180,8 @@ async def test_server_survives_malformed_queries(nixl_engine):
         await sock.send(messages.encode(messages.MetadataRequest(engine_id="probe")))
         reply = messages.decode_reply(await asyncio.wait_for(sock.recv(), 5))
         assert isinstance(reply, messages.MetadataReply) and reply.engine_id == nixl_engine.engine_id
+        counters = nixl_engine.snapshot().counters
+        assert counters["handshakes_rejected"] == 7 and counters["handshakes_answered"] == 1
     finally:
         ctx.destroy(0)
 
