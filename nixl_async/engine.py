@@ -450,8 +450,9 @@ class TransferEngine:
         """Handshake with the engine at host:port and return it as a `Peer`.
 
         A peer already connected at that address is returned without a new handshake unless
-        `refresh` is set or a transfer with it failed since; if the handshake then finds a new
-        agent (the peer restarted), the old one's descriptor lists and remote agent are dropped.
+        `refresh` is set, a transfer with it failed since, or it is not the `expected_engine_id`
+        (another engine may have taken the address); if the handshake then finds a new agent or
+        engine there, the old one's descriptor lists and remote agent are dropped.
         Concurrent connects to one address share one handshake; connects to different addresses
         run concurrently.
 
@@ -461,7 +462,8 @@ class TransferEngine:
         self._require_agent()
         key = (host, port)
         peer = self._peers_by_address.get(key)
-        if peer is None or refresh or not peer.connected or peer.stale:
+        moved = peer is not None and expected_engine_id is not None and peer.engine_id != expected_engine_id
+        if peer is None or refresh or moved or not peer.connected or peer.stale:
             task = self._connecting.get(key)
             if task is None:
                 assert self._loop is not None
@@ -519,6 +521,10 @@ class TransferEngine:
                 # A restart (new agent), or a failure that may have broken the UCX endpoint:
                 # drop the old remote agent and load it afresh.
                 self._forget_peer(old)
+            previous = self._peers_by_address.get((host, port))
+            if previous is not None and previous.engine_id != reply.engine_id and previous.connected:
+                # Another engine now answers at this address: the one we knew there is gone.
+                self._forget_peer(previous)
             name = agent.add_remote(reply.agent_metadata)
         except BaseException:
             self.stats.counters["handshake_failures"] += 1
@@ -970,10 +976,14 @@ class TransferEngine:
         self._wakeup()
         return Lease(self._notifications, message, readers, ttl_s)
 
-    def notifications(self) -> AsyncIterator[Notification]:
-        """An async iterator over every notification arriving from now on."""
+    def notifications(self, *, claim: bool = False) -> AsyncIterator[Notification]:
+        """An async iterator over every notification arriving from now on.
+
+        `claim=True`: notifications no waiter wants go only to this iterator instead of also
+        being kept for a later `wait_notifications`.
+        """
         self._require_agent()
-        return self._notifications.subscribe()
+        return self._notifications.subscribe(claim=claim)
 
     # -- the poller -----------------------------------------------------------------------
     def _wakeup(self) -> None:

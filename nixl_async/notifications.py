@@ -47,6 +47,7 @@ class NotificationBox:
         self._unclaimed_total = 0
         self._waiters: dict[bytes, deque[_Waiter]] = {}
         self._subscribers: set[asyncio.Queue[Notification | None]] = set()
+        self._claiming = 0  # subscriptions that take every notification nobody waits for
         self.dropped = 0  # unclaimed notifications pushed out by newer ones
 
     @property
@@ -74,7 +75,8 @@ class NotificationBox:
                 del self._waiters[message]
             return
         self._waiters.pop(message, None)
-        self._keep(message, [sender])
+        if not self._claiming:
+            self._keep(message, [sender])
 
     def _keep(self, message: bytes, senders: list[str]) -> None:
         box = self._unclaimed.setdefault(message, deque())
@@ -130,15 +132,22 @@ class NotificationBox:
             if not waiters:
                 del self._waiters[message]
 
-    async def subscribe(self) -> AsyncIterator[Notification]:
-        """Every notification delivered from now on, in order, until the iterator is closed."""
+    async def subscribe(self, *, claim: bool = False) -> AsyncIterator[Notification]:
+        """Every notification delivered from now on, in order, until the iterator is closed.
+
+        With `claim`, the subscriber takes ownership of what no waiter wanted: such
+        notifications are no longer kept as unclaimed (a consumer that counts every message
+        itself, like a producer counting its readers, would otherwise fill the mailbox).
+        """
         queue: asyncio.Queue[Notification | None] = asyncio.Queue()
         self._subscribers.add(queue)
+        self._claiming += claim
         try:
             while (item := await queue.get()) is not None:
                 yield item
         finally:
             self._subscribers.discard(queue)
+            self._claiming -= claim
 
     def close(self, exc: BaseException) -> None:
         """Fail every waiter and end every subscription (the engine is closing)."""

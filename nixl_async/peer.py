@@ -105,6 +105,7 @@ class PeerSpec(msgspec.Struct, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 0
     compat: dict[str, str] = {}
+    extra: dict[str, str] = {}  # announced in the handshake (e.g. an adapter's block size)
     handshake_timeout_s: float = 5.0
     auth_secret: bytes | None = None
 
@@ -203,6 +204,8 @@ class _PeerServer:
         spec = self.spec
         async with self.engine:
             self.engine.register(spec.layout_name, self.regions, block_len=spec.block_len, kind=spec.kind)
+            if spec.extra:
+                self.engine.set_extra(**spec.extra)
             self.fill(spec.seed)
             host, port = await self.engine.serve(spec.host, spec.port)
             ctx = zmq.asyncio.Context()

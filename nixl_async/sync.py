@@ -22,7 +22,7 @@ import contextlib
 import functools
 import queue
 import threading
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +32,7 @@ from .config import EngineConfig
 from .engine import BlockIds, TransferEngine
 from .exceptions import EngineClosedError
 from .layout import BlockLayout, ViewSpec
+from .notifications import Notification
 from .stats import StatsSnapshot
 
 __all__ = ["FinishedRequests", "PeerInfo", "SyncEngine"]
@@ -85,6 +86,7 @@ class SyncEngine:
         self._finished: queue.SimpleQueue[tuple[str, BaseException | None]] = queue.SimpleQueue()
         self._inflight: dict[str, concurrent.futures.Future[Any]] = {}
         self._lock = threading.Lock()
+        self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
 
     # -- blocking calls -------------------------------------------------------------------
@@ -152,6 +154,33 @@ class SyncEngine:
         else:
             error = future.exception()
         self._finished.put((request_id, error))
+
+    def submit(self, request_id: str, func: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> None:
+        """Run ``await func(engine, *args)`` on the loop as `request_id`; returns at once.
+
+        For work that must look at a peer before deciding what to move (an adapter planning
+        reads from the peer's layout). The outcome shows in `get_finished()`.
+        """
+        self._submit(request_id, func(self.engine, *args))
+
+    def feed_notifications(self) -> queue.SimpleQueue[Notification]:
+        """A queue that receives every notification from now on (claimed: not kept elsewhere).
+
+        A thread drains it with ``get_nowait()``, never waiting on the loop. The feed stops
+        when the engine closes.
+        """
+        feed: queue.SimpleQueue[Notification] = queue.SimpleQueue()
+
+        async def pump() -> None:
+            async for item in self.engine.notifications(claim=True):
+                feed.put(item)
+
+        def start() -> None:
+            self._tasks.add(task := asyncio.get_running_loop().create_task(pump()))
+            task.add_done_callback(self._tasks.discard)
+
+        self.call(start)
+        return feed
 
     def submit_read(self, request_id: str, host: str, port: int, local_blocks: BlockIds, remote_blocks: BlockIds,
                     **options: Any) -> None:  # fmt: skip

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Set up (if needed), lint (ruff), type-check (mypy), then run the whole test suite on real NIXL.
-# Extra arguments go to pytest.
+# Set up (if needed, vLLM included), lint (ruff), type-check (mypy), then run the whole test suite on real NIXL
+# and, for the adapter, real vLLM (the end-to-end P/D tests start vLLM servers: ~2 min). Extra arguments go to pytest.
 # pytest's exit code 5 ("no tests collected") is a failure here, never a silent pass.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
+bash scripts/setup-vllm.sh || exit 1
+export NIXL_ASYNC_REQUIRE_VLLM=1  # the vLLM tests must run here, never skip
 .venv/bin/ruff check . || exit 1
 .venv/bin/mypy nixl_async adapters/vllm || exit 1
 .venv/bin/python -m pytest "$@"

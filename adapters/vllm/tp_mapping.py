@@ -13,6 +13,12 @@ windows (see `nixl_async.layout.BlockView`):
   of the group are only notified, so they can free their copies.
 
 Every writer rank frees a request's blocks after ``expected_consumers`` notifications.
+
+When the writer's blocks hold fewer tokens than ours (block-size ratio r), r remote blocks fill
+one local block. In a head-major block a head's rows for remote block k sit at token offset
+``k * remote_block_size`` inside that head's local rows, so `split_for_block_ratio` pairs them
+head by head: one transfer per head window, its local window cut into r pieces, piece k taking
+remote block k. Descriptors land every byte in place; nothing is permuted after the read.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from dataclasses import dataclass
 from nixl_async.exceptions import LayoutError
 from nixl_async.layout import ViewSpec
 
-__all__ = ["RankRead", "expected_consumers", "plan_reads"]
+__all__ = ["RankRead", "ReadPart", "expected_consumers", "plan_reads", "split_for_block_ratio"]
 
 
 @dataclass(frozen=True)
@@ -83,3 +89,63 @@ def plan_reads(
 def expected_consumers(*, remote_tp: int, local_tp: int) -> int:
     """How many reader ranks notify each writer rank for one request (fan-in count)."""
     return max(1, local_tp // remote_tp)
+
+
+@dataclass(frozen=True)
+class ReadPart:
+    """One transfer: `local_blocks` through the `local` view from `remote_blocks` through `remote`."""
+
+    local_blocks: list[int]
+    remote_blocks: list[int]
+    local: ViewSpec
+    remote: ViewSpec
+
+
+def split_for_block_ratio(
+    step: RankRead,
+    local_blocks: list[int],
+    remote_blocks: list[int],
+    *,
+    ratio: int,
+    local_part_len: int,
+    head_len: int | None,
+) -> list[ReadPart]:
+    """The transfers that carry `step` when each local block holds `ratio` remote blocks.
+
+    `step` comes from `plan_reads` called with the remote part length scaled by `ratio` (as if
+    the remote blocks were as large as ours). `head_len` is the bytes of one head in a local
+    block (head-major caches), or None when a block is token-major (MLA): then the remote
+    blocks are simply consecutive pieces of the window. The last local block may be partly
+    filled (fewer than `ratio` remote blocks left).
+    """
+    if ratio == 1:
+        return [ReadPart(list(local_blocks), list(remote_blocks), step.local, step.remote)]
+    if ratio < 1:
+        raise LayoutError(f"remote blocks larger than local ones (ratio {ratio}) cannot be split")
+    full, tail = divmod(len(remote_blocks), ratio)
+    if len(local_blocks) != full + (tail > 0):
+        raise LayoutError(
+            f"{len(remote_blocks)} remote blocks at ratio {ratio} need {full + (tail > 0)} local blocks, "
+            f"got {len(local_blocks)}"
+        )
+    local_off = step.local.chunk_offset
+    local_len = step.local.chunk_len if step.local.chunk_len is not None else local_part_len - local_off
+    remote_off = step.remote.chunk_offset
+    if remote_off % ratio:
+        raise LayoutError(f"remote window offset {remote_off} is not a multiple of the ratio {ratio}")
+    remote_off //= ratio
+    unit = local_len if head_len is None else head_len
+    if local_len % unit or unit % ratio:
+        raise LayoutError(f"a {local_len}-byte window does not cut into heads of {unit} bytes at ratio {ratio}")
+    piece = unit // ratio
+    parts: list[ReadPart] = []
+    for j in range(local_len // unit):
+        remote_view = ViewSpec(chunk_offset=remote_off + j * piece, chunk_len=piece)
+        if full:
+            local_view = ViewSpec(chunk_offset=local_off + j * unit, chunk_len=unit, split=ratio)
+            parts.append(ReadPart(list(local_blocks[:full]), list(remote_blocks[: full * ratio]), local_view,
+                                  remote_view))  # fmt: skip
+        if tail:
+            local_view = ViewSpec(chunk_offset=local_off + j * unit, chunk_len=tail * piece, split=tail)
+            parts.append(ReadPart([local_blocks[full]], list(remote_blocks[full * ratio :]), local_view, remote_view))
+    return parts

@@ -240,3 +240,25 @@ async def test_restarted_peer_is_handshaken_again_after_a_failure(nixl_engine, n
     assert result.nbytes == 2 * 4096
     assert verify_blocks(regions, 4096, [2], [5], seed=2) == [], "bytes must come from the new incarnation"
     assert nixl_engine.live_handles()["remote_agents"] == 1
+
+
+async def test_new_engine_at_a_known_address_replaces_the_old_one(nixl_engine, nixl_peer_factory):
+    """vLLM gives a restarted instance a new engine id: asking for it re-handshakes, no error."""
+    import numpy as np
+
+    from nixl_async.testing import verify_blocks
+
+    regions = [np.zeros(64 * 4096, np.uint8) for _ in range(2)]
+    nixl_engine.register("kv", regions, block_len=4096)
+    first = nixl_peer_factory(engine_id="prefill-old", seed=1)
+    old = await nixl_engine.connect(*first.address, expected_engine_id="prefill-old")
+    host, port = first.address
+    first.kill()
+    nixl_peer_factory(engine_id="prefill-new", seed=2, port=port)
+    new = await nixl_engine.connect(host, port, expected_engine_id="prefill-new")
+    assert new.engine_id == "prefill-new" and not old.connected
+    await nixl_engine.read(new, [3], [4])
+    assert verify_blocks(regions, 4096, [3], [4], seed=2) == []
+    assert nixl_engine.live_handles()["remote_agents"] == 1
+    with pytest.raises(EngineIdMismatch):  # and a wrong expectation still fails, after one fresh look
+        await nixl_engine.connect(host, port, expected_engine_id="prefill-old")

@@ -1,0 +1,280 @@
+"""Start vLLM prefill/decode servers and a P/D proxy: for the example, the tests and the benchmark.
+
+Not part of the connector (it runs nothing inside vLLM); it encodes how P/D is run on a
+CPU-only machine (shared/reference/vllm-on-cpu.md): servers started with
+``python -m vllm.entrypoints.openai.api_server`` in their own process group (a new session
+made the flow hang), shared-memory segments removed after a kill, one side-channel port
+range per instance.
+
+The proxy does what vLLM's example proxies do for NixlConnector: send the prompt to prefill
+with ``max_tokens=1`` and ``do_remote_decode``, then to decode with the ``kv_transfer_params``
+prefill returned. It works the same for either connector.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ProxyProcess", "VllmServer", "kv_transfer_config", "pd_complete", "run_proxy"]
+
+CONNECTORS = {
+    # name -> (kv_connector, kv_connector_module_path)
+    "nixl_async": ("NixlAsyncConnector", "nixl_async_vllm.connector"),
+    "vllm": ("NixlConnector", "nixl_async_benchmarks.stock_nixl"),
+}
+
+
+def kv_transfer_config(connector: str, role: str, extra: Mapping[str, Any] | None = None) -> str:
+    """The ``--kv-transfer-config`` JSON: only the connector name and module differ between the two."""
+    name, module = CONNECTORS[connector]
+    config: dict[str, Any] = {"kv_connector": name, "kv_connector_module_path": module, "kv_role": role,
+                              "kv_buffer_device": "cpu"}  # fmt: skip
+    if extra:
+        config["kv_connector_extra_config"] = dict(extra)
+    return json.dumps(config)
+
+
+def _get(url: str, timeout: float = 2.0) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout) as reply:
+        return bytes(reply.read())
+
+
+@dataclass
+class VllmServer:
+    """One ``vllm.entrypoints.openai.api_server`` process (own process group; killed with it)."""
+
+    model: str
+    port: int
+    side_channel_port: int
+    kv_config: str | None = None  # --kv-transfer-config JSON; None: no disaggregation
+    cpu: int = 0  # VLLM_CPU_OMP_THREADS_BIND
+    max_model_len: int = 512
+    kv_cache_bytes: int = 64 << 20
+    extra_env: dict[str, str] = field(default_factory=dict)
+    log_path: Path | None = None
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+            "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16",
+            "--max-model-len", str(self.max_model_len), "--max-num-seqs", "8",
+            "--max-num-batched-tokens", str(max(512, self.max_model_len)), "--enforce-eager", "--seed", "0",
+            "--kv-cache-memory-bytes", str(self.kv_cache_bytes),
+        ]  # fmt: skip
+        if self.kv_config is not None:
+            cmd += ["--kv-transfer-config", self.kv_config]
+        return cmd
+
+    def environment(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE" or v}
+        env.update(
+            VLLM_HOST_IP="127.0.0.1",
+            VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
+            VLLM_NIXL_SIDE_CHANNEL_PORT=str(self.side_channel_port),
+            UCX_NET_DEVICES="lo",
+            VLLM_CPU_OMP_THREADS_BIND=str(self.cpu),
+            PYTHONUNBUFFERED="1",
+        )
+        env.update(self.extra_env)
+        return env
+
+    def start(self) -> VllmServer:
+        log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        self.process = subprocess.Popen(
+            self.command(), env=self.environment(), stdout=log, stderr=subprocess.STDOUT, process_group=0
+        )
+        return self
+
+    def wait_ready(self, timeout: float = 240.0) -> None:
+        assert self.process is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"vLLM server on port {self.port} exited with {self.process.returncode}"
+                                   f"{self._log_tail()}")  # fmt: skip
+            with contextlib.suppress(OSError):
+                _get(f"{self.url}/health")
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"vLLM server on port {self.port} not ready after {timeout}s{self._log_tail()}")
+
+    def _log_tail(self) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return "\n--- log tail ---\n" + self.log_path.read_text(errors="replace")[-4000:]
+
+    def metric(self, name: str) -> float | None:
+        """A gauge from /metrics (first sample), e.g. ``vllm:kv_cache_usage_perc``."""
+        for line in _get(f"{self.url}/metrics").decode().splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                return float(line.rsplit(" ", 1)[1])
+        return None
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (API server, engine core, workers) and clean /dev/shm."""
+        if self.process is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+        self.process = None
+        _clean_shm()
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after a grace period."""
+        if self.process is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=15)
+        self.kill()
+
+
+def _clean_shm() -> None:
+    uid = os.getuid()
+    for path in glob.glob("/dev/shm/*"):
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_uid == uid and not _in_use(path):
+                os.unlink(path)
+
+
+def _in_use(path: str) -> bool:
+    """Whether a live process of ours maps `path` (a segment of a server still running)."""
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        with contextlib.suppress(OSError), open(maps) as f:
+            if path in f.read():
+                return True
+    return False
+
+
+# -- the proxy ---------------------------------------------------------------------------------
+PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                  "remote_block_ids": None, "remote_host": None, "remote_port": None}  # fmt: skip
+
+
+async def pd_complete(session: Any, prefill_url: str, decode_url: str, body: dict[str, Any]) -> Any:
+    """Prefill (one token, KV kept for decode), then decode with prefill's kv_transfer_params.
+
+    Returns decode's response (an aiohttp response, not yet read, for streaming).
+    """
+    first = dict(body, max_tokens=1, stream=False, kv_transfer_params=PREFILL_PARAMS)
+    first.pop("stream_options", None)
+    async with session.post(f"{prefill_url}/v1/completions", json=first) as reply:
+        if reply.status != 200:
+            raise RuntimeError(f"prefill answered {reply.status}: {await reply.text()}")
+        params = (await reply.json()).get("kv_transfer_params")
+    return await session.post(f"{decode_url}/v1/completions", json=dict(body, kv_transfer_params=params))
+
+
+def run_proxy(port: int, prefill_url: str, decode_url: str) -> None:
+    """Serve ``POST /v1/completions`` as one P/D request (streaming passes through)."""
+    import aiohttp
+    from aiohttp import web
+
+    async def complete(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        session: aiohttp.ClientSession = request.app["session"]
+        try:
+            reply = await pd_complete(session, prefill_url, decode_url, body)
+        except (RuntimeError, aiohttp.ClientError) as exc:
+            return web.json_response({"error": str(exc)}, status=502)
+        async with reply:
+            out = web.StreamResponse(status=reply.status, headers={"Content-Type": reply.content_type})
+            await out.prepare(request)
+            async for chunk in reply.content.iter_any():
+                await out.write(chunk)
+            await out.write_eof()
+            return out
+
+    async def health(_request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def lifespan(app: web.Application) -> Any:
+        app["session"] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600))
+        yield
+        await app["session"].close()
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", complete)
+    app.router.add_get("/health", health)
+    app.cleanup_ctx.append(lifespan)
+    web.run_app(app, host="127.0.0.1", port=port, print=None)
+
+
+@dataclass
+class ProxyProcess:
+    port: int
+    prefill_url: str
+    decode_url: str
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> ProxyProcess:
+        cmd = [sys.executable, "-m", "nixl_async_vllm.launch", "proxy", "--port", str(self.port),
+               "--prefill", self.prefill_url, "--decode", self.decode_url]  # fmt: skip
+        self.process = subprocess.Popen(cmd, process_group=0)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                _get(f"{self.url}/health")
+                return self
+            time.sleep(0.1)
+        raise TimeoutError("proxy did not start")
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+            self.process = None
+
+
+@contextlib.contextmanager
+def running(*servers: VllmServer, timeout: float = 300.0) -> Iterator[None]:
+    """Start servers together (they load in parallel), wait for all, stop them on exit."""
+    try:
+        for server in servers:
+            server.start()
+        for server in servers:
+            server.wait_ready(timeout)
+        yield
+    finally:
+        for server in servers:
+            server.kill()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m nixl_async_vllm.launch")
+    sub = parser.add_subparsers(dest="what", required=True)
+    proxy = sub.add_parser("proxy", help="run the P/D proxy")
+    proxy.add_argument("--port", type=int, required=True)
+    proxy.add_argument("--prefill", required=True)
+    proxy.add_argument("--decode", required=True)
+    args = parser.parse_args(argv)
+    if args.what == "proxy":
+        run_proxy(args.port, args.prefill, args.decode)
+
+
+if __name__ == "__main__":
+    main()

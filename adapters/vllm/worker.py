@@ -1,0 +1,374 @@
+"""Worker side: vLLM's per-step calls translated into work for the engine's loop.
+
+vLLM calls `start_load_kv` and `get_transfer_results` from its worker thread once per step.
+Neither may wait on transfers, so:
+
+- `start_load_kv` hands each request to the loop (`SyncEngine.submit`) and returns;
+- the request's coroutine (`_receive`, run on the loop) handshakes with the producer ranks it
+  needs, plans the reads from their layouts (`tp_mapping`), reads and notifies;
+- `get_transfer_results` drains what finished (`SyncEngine.get_finished`) and the producer's
+  notifications (`SyncEngine.feed_notifications`) without waiting, and counts readers.
+
+On the producer side a finished request's blocks are held until every reader notified
+``"{request_id}:{readers}"`` or the lease expires.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from nixl_async import (
+    BlockLayout,
+    LayoutError,
+    MemType,
+    Notification,
+    Peer,
+    SyncEngine,
+    TransferEngine,
+    TransferResult,
+)
+
+from . import cpu_quirks
+from .settings import AdapterSettings, rank_engine_id
+from .tp_mapping import RankRead, expected_consumers, plan_reads, split_for_block_ratio
+
+__all__ = ["ConnectorWorker", "KVGeometry", "RecvJob", "receive", "select_remote_blocks"]
+
+log = logging.getLogger(f"vllm.{__name__}")  # under "vllm", so it shows in vLLM's log
+
+LAYOUT = "kv"
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """This rank's KV cache as the transfer planner sees it."""
+
+    tp_size: int
+    tp_rank: int
+    block_size: int  # tokens per block
+    part_len: int  # bytes of one block part (one layer's block, or its K or V half)
+    head_len: int | None  # bytes of one head in a block part; None for token-major (MLA) caches
+    mla: bool
+
+
+@dataclass(frozen=True)
+class RecvJob:
+    """One request to pull: everything `_receive` needs, copied out of vLLM's metadata."""
+
+    request_id: str
+    remote_request_id: str
+    remote_engine_id: str
+    host: str
+    port: int
+    remote_tp: int
+    local_blocks: list[int]
+    remote_blocks: list[int]
+    local_hit_blocks: int | None  # blocks the reader already had (prefix cache)
+    expires_at: float | None  # producer's wall clock
+
+
+def select_remote_blocks(job: RecvJob, ratio: int) -> list[int]:
+    """The producer blocks that fill `job.local_blocks` (a local prefix hit skips the head)."""
+    remote = job.remote_blocks
+    if job.local_hit_blocks is not None:
+        skip = job.local_hit_blocks * ratio
+    else:
+        skip = max(0, len(remote) - len(job.local_blocks) * ratio)
+    return remote[skip:]
+
+
+def _kv_regions(kv_caches: dict[str, Any], num_blocks: int) -> tuple[list[Any], int, int | None]:
+    """(per-layer block tensors, bytes per block, bytes per head or None) of vLLM's caches.
+
+    vLLM hands one view per layer, ``[num_blocks, ...]`` (CPU: ``[blocks, heads, tokens,
+    K|V]``) or ``[2, num_blocks, ...]`` (K and V apart). Layers that share a cache alias the
+    same memory and are registered once.
+    """
+    seen: set[int] = set()
+    regions: list[Any] = []
+    for tensor in kv_caches.values():
+        parts = [tensor[0], tensor[1]] if tensor.shape[0] == 2 and tensor.shape[1] == num_blocks else [tensor]
+        for part in parts:
+            if part.shape[0] != num_blocks:
+                raise LayoutError(f"a KV cache of shape {tuple(part.shape)} does not have {num_blocks} blocks first")
+            if part.data_ptr() not in seen:
+                seen.add(part.data_ptr())
+                regions.append(part)
+    first = regions[0]
+    block_len = first.stride(0) * first.element_size()
+    for part in regions:
+        if part.stride(0) * part.element_size() != block_len or part[0].numel() * part.element_size() != block_len:
+            raise LayoutError("KV cache blocks must be compact and equal in every layer (layout LBHNC)")
+    head_len = block_len // first.shape[1] if first.dim() == 4 else None
+    return regions, block_len, head_len
+
+
+class ConnectorWorker:
+    def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        cpu_quirks.prepare_process()  # before our agent's UCX threads exist
+        self.vllm_config = vllm_config
+        self.settings = AdapterSettings.from_vllm(vllm_config)
+        self.engine_id = engine_id
+        self.kv_cache_config = kv_cache_config
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.use_mla = bool(vllm_config.model_config.use_mla)
+        self.block_size = vllm_config.cache_config.block_size
+        self.buffer_device = vllm_config.kv_transfer_config.kv_buffer_device
+        self.sync = SyncEngine(
+            self.settings.engine_config(rank_engine_id(engine_id, self.tp_rank), _compat(vllm_config))
+        )
+        self._notifications: queue.SimpleQueue[Notification] = self.sync.feed_notifications()
+        self.geometry: KVGeometry | None = None
+        self._device_caches: dict[str, Any] = {}
+        self._host_caches: dict[str, Any] = {}
+        self._copy_blocks: Any = None
+        # reader side
+        self._awaiting: dict[str, list[int]] = {}  # request -> local blocks, for requests vLLM parked
+        self._invalid_blocks: set[int] = set()
+        self._results: queue.SimpleQueue[TransferResult] = queue.SimpleQueue()
+        # producer side
+        self._to_process: set[str] = set()
+        self._send_deadlines: dict[str, float] = {}
+        self._readers_seen: Counter[str] = Counter()
+        self._readers_needed: dict[str, int] = {}
+        self._stats: Any = None
+
+    # -- registration ----------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        num_blocks = self.kv_cache_config.num_blocks
+        regions, block_len, head_len = _kv_regions(kv_caches, num_blocks)
+        first = regions[0]
+        if first.device.type == "cuda" and self.buffer_device == "cpu":
+            # Host staging: NIXL moves host copies; `wait_for_save` / receive copy to and from the device.
+            self._device_caches = kv_caches
+            self._host_caches = {
+                name: torch.empty_like(t, device="cpu", pin_memory=True) for name, t in kv_caches.items()
+            }
+            regions, block_len, head_len = _kv_regions(self._host_caches, num_blocks)
+            first = regions[0]
+        mem_type, device = (MemType.VRAM, first.device.index or 0) if first.device.type == "cuda" else (MemType.DRAM, 0)
+        layout = BlockLayout.from_regions(
+            LAYOUT, [r.data_ptr() for r in regions], num_blocks=num_blocks, block_len=block_len,
+            mem_type=mem_type, device_id=device, block_size=self.block_size,
+        )  # fmt: skip
+        self.sync.register_layout(layout)
+        self._regions = regions  # the engine does not own vLLM's tensors; keep them referenced
+        self.geometry = KVGeometry(self.tp_size, self.tp_rank, self.block_size, layout.part_len,
+                                   None if self.use_mla else head_len, self.use_mla)  # fmt: skip
+        self.sync.set_extra(block_size=str(self.block_size), tp_size=str(self.tp_size), tp_rank=str(self.tp_rank))
+        host, port = self.sync.serve(self.settings.bind_host(), self.settings.side_channel_port + self.tp_rank)
+        log.info("nixl_async worker %s rank %d: %d layers x %d blocks of %d bytes, serving %s:%d",
+                 self.engine_id, self.tp_rank, len(regions), num_blocks, block_len, host, port)  # fmt: skip
+
+    def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:
+        self._copy_blocks = copy_operation
+
+    # -- per step ---------------------------------------------------------------------------
+    def start_load_kv(self, metadata: Any) -> None:
+        """Hand this step's work to the loop; returns without waiting for any of it."""
+        if metadata is None:
+            return
+        now = time.perf_counter()
+        for request_id, deadline in metadata.reqs_to_send.items():
+            self._send_deadlines[request_id] = now + (deadline - metadata.scheduler_clock)
+        self._to_process |= metadata.reqs_in_batch
+        for request_id in metadata.reqs_not_processed:
+            self._to_process.discard(request_id)
+            self._forget_send(request_id)
+        for request_id, req in metadata.reqs_to_recv.items():
+            self._start_receive(request_id, req)
+
+    def _start_receive(self, request_id: str, req: Any) -> None:
+        remote = req.remote
+        if remote is None:
+            return
+        local = [int(b) for b in req.local_block_ids[0]] if req.local_block_ids else []
+        job = RecvJob(
+            request_id=request_id,
+            remote_request_id=remote.request_id,
+            remote_engine_id=remote.engine_id,
+            host=remote.host,
+            port=int(remote.port),
+            remote_tp=int(req.tp_size),
+            local_blocks=local,
+            remote_blocks=[int(b) for b in remote.block_ids[0]] if remote.block_ids else [],
+            local_hit_blocks=req.local_num_computed_blocks[0] if req.local_num_computed_blocks else None,
+            expires_at=remote.blocks_expiry_time,
+        )
+        if req.awaiting_kvs:
+            self._awaiting[request_id] = local
+        try:
+            self.sync.submit(request_id, self._receive, job)
+        except ValueError:  # the same request is still in flight (vLLM re-sent it): keep the first
+            log.warning("request %s is already being received; ignoring the repeat", request_id)
+
+    async def _receive(self, engine: TransferEngine, job: RecvJob) -> None:
+        if self.geometry is None:
+            raise LayoutError("register_kv_caches() has not run")
+        for result in await receive(engine, self.geometry, job):
+            self._results.put(result)
+
+    def wait_for_save(self, metadata: Any) -> None:
+        """Host staging only: copy the blocks a producer just computed to the registered host copy."""
+        if not self._host_caches or self._copy_blocks is None or metadata is None:
+            return
+        for req in metadata.reqs_to_save.values():
+            ids = [int(b) for b in req.local_block_ids[0]]
+            if ids:
+                self._copy_blocks(self._device_caches, self._host_caches, ids, ids, "d2h")
+
+    def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending, finished receiving, failed receiving) since the last step."""
+        recving, failed = set(), set()
+        finished = self.sync.get_finished()
+        for request_id in finished.done:
+            blocks = self._awaiting.pop(request_id, None)
+            if blocks is not None:
+                if self._host_caches and self._copy_blocks is not None and blocks:
+                    self._copy_blocks(self._host_caches, self._device_caches, blocks, blocks, "h2d")
+                recving.add(request_id)
+        for request_id, error in finished.failed.items():
+            log.warning("KV load for request %s failed: %s: %s", request_id, type(error).__name__, error)
+            self._record("num_failed_transfers", 1)
+            blocks = self._awaiting.pop(request_id, None)
+            if blocks is not None:
+                self._invalid_blocks.update(blocks)
+                recving.add(request_id)
+                failed.add(request_id)
+        return self._finished_sending(), recving, failed
+
+    def _finished_sending(self) -> set[str]:
+        while True:
+            try:
+                note = self._notifications.get_nowait()
+            except queue.Empty:
+                break
+            request_id, _, count = note.message.decode(errors="replace").rpartition(":")
+            if not count.isdigit() or not (request_id in self._to_process or request_id in self._send_deadlines):
+                log.warning(
+                    "ignoring notification %r from %s: no such request is being sent", note.message, note.sender
+                )
+                self._record("num_notifications_after_expiry", 1)
+                continue
+            self._readers_seen[request_id] += 1
+            self._readers_needed[request_id] = int(count)
+        done = set()
+        now = time.perf_counter()
+        for request_id, deadline in self._send_deadlines.items():
+            if self._readers_seen[request_id] >= self._readers_needed.get(request_id, 1 << 30):
+                done.add(request_id)
+            elif now >= deadline:
+                log.warning("request %s: reader did not finish within the lease; freeing its blocks", request_id)
+                self._record("num_kv_expired_reqs", 1)
+                done.add(request_id)
+        for request_id in done:
+            self._forget_send(request_id)
+        return done
+
+    def _forget_send(self, request_id: str) -> None:
+        self._send_deadlines.pop(request_id, None)
+        self._to_process.discard(request_id)
+        self._readers_seen.pop(request_id, None)
+        self._readers_needed.pop(request_id, None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        blocks, self._invalid_blocks = self._invalid_blocks, set()
+        return blocks
+
+    # -- stats -------------------------------------------------------------------------------
+    def _stats_object(self) -> Any:
+        if self._stats is None:
+            from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats
+
+            self._stats = NixlKVConnectorStats()
+        return self._stats
+
+    def _record(self, key: str, value: float) -> None:
+        self._stats_object().data[key].append(value)
+
+    def get_kv_connector_stats(self) -> Any:
+        stats = self._stats_object()
+        while True:
+            try:
+                result = self._results.get_nowait()
+            except queue.Empty:
+                break
+            stats.data["transfer_duration"].append(result.seconds)
+            stats.data["post_duration"].append(0.0)
+            stats.data["bytes_transferred"].append(result.nbytes)
+            stats.data["num_descriptors"].append(result.descriptors)
+        return None if stats.is_empty() else stats.clone_and_reset()
+
+    def shutdown(self) -> None:
+        self.sync.close()
+
+
+async def receive(engine: TransferEngine, geometry: KVGeometry, job: RecvJob) -> list[TransferResult]:
+    """Pull one request on the engine's loop: handshake, plan from the producer's layout, read, notify.
+
+    Every producer rank this rank reads (or, for MLA siblings and full prefix hits, only
+    notifies) hears ``"{remote_request_id}:{readers}"`` once this rank is done with it.
+    """
+    first_rank = geometry.tp_rank * job.remote_tp // geometry.tp_size
+    first = await _connect(engine, job, first_rank)
+    remote_layout = first.layout(LAYOUT)
+    remote_block_size = int(first.extra.get("block_size", geometry.block_size))
+    if remote_block_size <= 0 or geometry.block_size % remote_block_size:
+        raise LayoutError(f"remote block size {remote_block_size} does not divide ours ({geometry.block_size})")
+    ratio = geometry.block_size // remote_block_size
+    plan = plan_reads(
+        local_tp=geometry.tp_size, local_rank=geometry.tp_rank, remote_tp=job.remote_tp, mla=geometry.mla,
+        local_part_len=geometry.part_len, remote_part_len=remote_layout.part_len * ratio,
+    )  # fmt: skip
+    notify = f"{job.remote_request_id}:{expected_consumers(remote_tp=job.remote_tp, local_tp=geometry.tp_size)}"
+    remote_blocks = select_remote_blocks(job, ratio)
+    peers = await asyncio.gather(*(_connect(engine, job, step.remote_rank) for step in plan))
+    results: list[TransferResult] = []
+
+    async def one_rank(step: RankRead, peer: Peer) -> None:
+        if not step.read or not job.local_blocks:  # MLA sibling, or a full prefix hit: only let it free
+            await engine.notify(peer, notify.encode())
+            return
+        parts = split_for_block_ratio(step, job.local_blocks, remote_blocks, ratio=ratio,
+                                      local_part_len=geometry.part_len, head_len=geometry.head_len)  # fmt: skip
+        piggyback = notify.encode() if len(parts) == 1 else None  # else one notification after all parts
+        transfers = [
+            await engine.start_read(peer, p.local_blocks, p.remote_blocks, local=p.local, remote=p.remote,
+                                    notify=piggyback, lease_expires_at=job.expires_at)
+            for p in parts
+        ]  # fmt: skip
+        results.extend(await asyncio.gather(*transfers))
+        if piggyback is None:
+            await engine.notify(peer, notify.encode())
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            for step, peer in zip(plan, peers, strict=True):
+                group.create_task(one_rank(step, peer))
+    except BaseExceptionGroup as group_error:  # callers want the typed error, not a group
+        raise group_error.exceptions[0] from None
+    return results
+
+
+async def _connect(engine: TransferEngine, job: RecvJob, rank: int) -> Peer:
+    return await engine.connect(
+        job.host, job.port + rank, expected_engine_id=rank_engine_id(job.remote_engine_id, rank)
+    )
+
+
+def _compat(vllm_config: Any) -> dict[str, str]:
+    """What must agree between producer and reader (TP size and block size may differ)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import compute_nixl_compatibility_hash
+
+    return {"vllm": compute_nixl_compatibility_hash(vllm_config, "nixl_async", transfer_mode="pull")}

@@ -1,0 +1,163 @@
+"""The adapter's read path (`worker.receive`) at worker level, over real NIXL, without vLLM.
+
+Prefill ranks are peer processes holding caches shaped as vLLM's CPU backend allocates them
+(``[blocks, heads, tokens, 2 * head_dim]`` bf16 per layer, head-major; MLA: ``[blocks, tokens,
+latent]``), serving at ``base port + rank`` under ``{engine_id}/tp{rank}`` as the adapter does.
+Decode ranks run `receive` on their own engine. The expected bytes come from an independent
+oracle: token by token, head by head, from the prefill ranks' fill pattern.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from nixl_async import EngineConfig, LeaseExpired, TransferEngine
+from nixl_async.peer import WaitNotifications
+from nixl_async.testing import pattern_block
+from nixl_async_vllm.settings import rank_engine_id
+from nixl_async_vllm.tp_mapping import expected_consumers
+from nixl_async_vllm.worker import KVGeometry, RecvJob, receive
+
+LAYERS, HEADS, HEAD_DIM, LOCAL_BLOCK_SIZE, NUM_BLOCKS = 2, 4, 8, 16, 40
+ROW = 2 * HEAD_DIM * 2  # K|V of one head for one token, bf16
+MLA_ROW = 64  # one latent per token, bf16
+REMOTE_BLOCKS = [9, 3, 17, 5, 11, 2, 7, 30, 14]  # prefill's blocks for the request, in order
+LOCAL_CANDIDATES = [20, 21, 4, 33, 8, 12, 1, 25, 36]
+LOCAL_HIT = 1  # decode already holds the first local block (prefix cache)
+
+
+def _free_port_pair() -> int:
+    """A base port with base and base+1 free (the adapter's ranks serve at base + rank)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + 4 > 65535:
+            continue
+        try:
+            for k in range(1, 4):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", base + k))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no free consecutive ports")
+
+
+def _page(heads: int, block_size: int, mla: bool) -> int:
+    return block_size * (MLA_ROW if mla else heads * ROW)
+
+
+def _expected(rank, tp_p, tp_d, mla, ratio, layer, local_index) -> np.ndarray:
+    """Bytes of decode rank `rank`'s local block `local_index` (of the request), token by token."""
+    bs_p = LOCAL_BLOCK_SIZE // ratio
+    heads_p, heads_d = HEADS // tp_p, HEADS // tp_d
+    out = np.zeros((1 if mla else heads_d, LOCAL_BLOCK_SIZE, MLA_ROW if mla else ROW), np.uint8)
+    for t in range(LOCAL_BLOCK_SIZE):
+        pos = (LOCAL_HIT + local_index) * LOCAL_BLOCK_SIZE + t
+        block_index, token = divmod(pos, bs_p)
+        if block_index >= len(REMOTE_BLOCKS):
+            continue  # past the prompt: untouched
+        remote_block = REMOTE_BLOCKS[block_index]
+        if mla:
+            src = pattern_block(100, layer, remote_block, _page(0, bs_p, True)).reshape(bs_p, MLA_ROW)
+            out[0, t] = src[token]
+            continue
+        for h in range(heads_d):
+            p, hp = divmod(rank * heads_d + h, heads_p)
+            src = pattern_block(100 + p, layer, remote_block, _page(heads_p, bs_p, False))
+            out[h, t] = src.reshape(heads_p, bs_p, ROW)[hp, token]
+    return out.reshape(-1)
+
+
+async def _decode_rank(rank, tp_p, tp_d, mla, ratio, port, local_blocks, expires_at=None):
+    heads_d = HEADS // tp_d
+    shape = (NUM_BLOCKS, LOCAL_BLOCK_SIZE, MLA_ROW // 2) if mla else (NUM_BLOCKS, heads_d, LOCAL_BLOCK_SIZE, ROW // 2)
+    caches = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(LAYERS)]
+    geometry = KVGeometry(
+        tp_size=tp_d, tp_rank=rank, block_size=LOCAL_BLOCK_SIZE, part_len=_page(heads_d, LOCAL_BLOCK_SIZE, mla),
+        head_len=None if mla else LOCAL_BLOCK_SIZE * ROW, mla=mla,
+    )  # fmt: skip
+    job = RecvJob(
+        request_id="req-d", remote_request_id="req-p", remote_engine_id="prefill", host="127.0.0.1", port=port,
+        remote_tp=tp_p, local_blocks=local_blocks, remote_blocks=REMOTE_BLOCKS, local_hit_blocks=LOCAL_HIT,
+        expires_at=expires_at,
+    )  # fmt: skip
+    async with TransferEngine(EngineConfig(engine_id=f"decode/tp{rank}")) as engine:
+        engine.register("kv", caches, num_blocks=NUM_BLOCKS)
+        results = await receive(engine, geometry, job)
+    return [c.view(torch.uint8).numpy().reshape(NUM_BLOCKS, -1) for c in caches], results
+
+
+def _spawn_prefill(factory, tp_p, mla, ratio):
+    """(base port, prefill rank processes)."""
+    port = _free_port_pair()
+    bs_p = LOCAL_BLOCK_SIZE // ratio
+    return port, [
+        factory(
+            engine_id=rank_engine_id("prefill", p), port=port + p, num_regions=LAYERS, num_blocks=NUM_BLOCKS,
+            block_len=_page(HEADS // tp_p, bs_p, mla), seed=100 if mla else 100 + p,
+            extra={"block_size": str(bs_p)},
+        )
+        for p in range(tp_p)
+    ]  # fmt: skip
+
+
+async def _assert_notified(prefill, readers: int) -> None:
+    """Each prefill rank heard "req-p:<readers>" from exactly `readers` distinct decode ranks."""
+    for proc in prefill:
+        senders = await proc.request(WaitNotifications(message=f"req-p:{readers}".encode(), count=readers, timeout=10))
+        assert len(set(senders)) == readers
+
+
+CASES = [
+    # tp_p, tp_d, mla, ratio (local block size / remote block size)
+    (1, 1, False, 1),
+    (1, 2, False, 1),
+    (2, 1, False, 1),
+    (1, 2, True, 1),
+    (2, 1, True, 1),
+    (1, 1, False, 2),
+    (1, 2, False, 2),
+    (2, 1, False, 2),
+    (1, 1, True, 2),
+]
+
+
+@pytest.mark.parametrize(
+    ("tp_p", "tp_d", "mla", "ratio"), CASES, ids=[f"p{a}-d{b}{'-mla' if m else ''}-ratio{r}" for a, b, m, r in CASES]
+)
+async def test_every_byte_lands_where_vllm_expects_it(nixl_peer_factory, tp_p, tp_d, mla, ratio):
+    port, prefill = _spawn_prefill(nixl_peer_factory, tp_p, mla, ratio)
+    remote_left = len(REMOTE_BLOCKS) - LOCAL_HIT * ratio
+    local_blocks = LOCAL_CANDIDATES[: -(-remote_left // ratio)]  # the tail block may be partly filled
+    outcomes = await asyncio.gather(*(_decode_rank(d, tp_p, tp_d, mla, ratio, port, local_blocks) for d in range(tp_d)))
+    for rank, (caches, results) in enumerate(outcomes):
+        assert results, "something must have been read"
+        for layer, cache in enumerate(caches):
+            for i, block in enumerate(local_blocks):
+                want = _expected(rank, tp_p, tp_d, mla, ratio, layer, i)
+                assert np.array_equal(cache[block], want), (rank, layer, i)
+            untouched = [b for b in range(NUM_BLOCKS) if b not in local_blocks]
+            assert not cache[untouched].any(), "blocks outside the request must stay untouched"
+    await _assert_notified(prefill, expected_consumers(remote_tp=tp_p, local_tp=tp_d))
+
+
+async def test_full_prefix_hit_only_notifies(nixl_peer_factory):
+    port, prefill = _spawn_prefill(nixl_peer_factory, 1, False, 1)
+    caches, results = await _decode_rank(0, 1, 1, False, 1, port, [])
+    assert results == [] and not any(c.any() for c in caches)
+    await _assert_notified(prefill, 1)  # so prefill frees its blocks at once
+
+
+async def test_read_after_the_producer_lease_is_refused(nixl_peer_factory):
+    port, _prefill = _spawn_prefill(nixl_peer_factory, 1, False, 1)
+    local = LOCAL_CANDIDATES[: len(REMOTE_BLOCKS) - LOCAL_HIT]
+    with pytest.raises(LeaseExpired):  # the blocks may belong to another request by now
+        await _decode_rank(0, 1, 1, False, 1, port, local, expires_at=time.time() - 1)
