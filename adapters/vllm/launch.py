@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ProxyProcess", "VllmServer", "kv_transfer_config", "pd_complete", "run_proxy"]
+__all__ = ["ProxyProcess", "VllmServer", "kv_transfer_config", "make_prompt", "pd_complete", "run_proxy"]
 
 CONNECTORS = {
     # name -> (kv_connector, kv_connector_module_path)
@@ -164,6 +164,18 @@ def _in_use(path: str) -> bool:
             if path in f.read():
                 return True
     return False
+
+
+PROMPT_TEXT = (
+    "the river runs past the old mill and under the stone bridge before it reaches the sea while "
+    "the baker lights the oven and a computer keeps its working data in memory"
+)
+
+
+def make_prompt(tag: str, words: int) -> str:
+    """A prompt of about `words` words whose head (`tag`) makes it unique, so no prefix cache hits it."""
+    vocab = PROMPT_TEXT.split(" ")
+    return f"{tag}: " + " ".join(vocab[(i * 7 + len(tag)) % len(vocab)] for i in range(words))
 
 
 # -- the proxy ---------------------------------------------------------------------------------

@@ -19,7 +19,6 @@ import asyncio
 import logging
 import queue
 import time
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +36,7 @@ from nixl_async import (
 )
 
 from . import cpu_quirks
+from .send_book import SendBook
 from .settings import AdapterSettings, rank_engine_id
 from .tp_mapping import RankRead, expected_consumers, plan_reads, split_for_block_ratio
 
@@ -137,11 +137,7 @@ class ConnectorWorker:
         self._awaiting: dict[str, list[int]] = {}  # request -> local blocks, for requests vLLM parked
         self._invalid_blocks: set[int] = set()
         self._results: queue.SimpleQueue[TransferResult] = queue.SimpleQueue()
-        # producer side
-        self._to_process: set[str] = set()
-        self._send_deadlines: dict[str, float] = {}
-        self._readers_seen: Counter[str] = Counter()
-        self._readers_needed: dict[str, int] = {}
+        self._sends = SendBook()  # producer side
         self._stats: Any = None
 
     # -- registration ----------------------------------------------------------------------
@@ -180,12 +176,11 @@ class ConnectorWorker:
         if metadata is None:
             return
         now = time.perf_counter()
-        for request_id, deadline in metadata.reqs_to_send.items():
-            self._send_deadlines[request_id] = now + (deadline - metadata.scheduler_clock)
-        self._to_process |= metadata.reqs_in_batch
+        for request_id, deadline in metadata.reqs_to_send.items():  # the scheduler's clock, rebased on ours
+            self._sends.hold(request_id, now + (deadline - metadata.scheduler_clock))
+        self._sends.in_batch(metadata.reqs_in_batch)
         for request_id in metadata.reqs_not_processed:
-            self._to_process.discard(request_id)
-            self._forget_send(request_id)
+            self._sends.drop(request_id)
         for request_id, req in metadata.reqs_to_recv.items():
             self._start_receive(request_id, req)
 
@@ -254,33 +249,14 @@ class ConnectorWorker:
                 note = self._notifications.get_nowait()
             except queue.Empty:
                 break
-            request_id, _, count = note.message.decode(errors="replace").rpartition(":")
-            if not count.isdigit() or not (request_id in self._to_process or request_id in self._send_deadlines):
-                log.warning(
-                    "ignoring notification %r from %s: no such request is being sent", note.message, note.sender
-                )
+            if not self._sends.notified(note.message):
+                log.warning("ignoring notification %r from %s: no such request is held", note.message, note.sender)
                 self._record("num_notifications_after_expiry", 1)
-                continue
-            self._readers_seen[request_id] += 1
-            self._readers_needed[request_id] = int(count)
-        done = set()
-        now = time.perf_counter()
-        for request_id, deadline in self._send_deadlines.items():
-            if self._readers_seen[request_id] >= self._readers_needed.get(request_id, 1 << 30):
-                done.add(request_id)
-            elif now >= deadline:
-                log.warning("request %s: reader did not finish within the lease; freeing its blocks", request_id)
-                self._record("num_kv_expired_reqs", 1)
-                done.add(request_id)
-        for request_id in done:
-            self._forget_send(request_id)
-        return done
-
-    def _forget_send(self, request_id: str) -> None:
-        self._send_deadlines.pop(request_id, None)
-        self._to_process.discard(request_id)
-        self._readers_seen.pop(request_id, None)
-        self._readers_needed.pop(request_id, None)
+        read, expired = self._sends.collect(time.perf_counter())
+        for request_id in expired:
+            log.warning("request %s: reader did not finish within the lease; freeing its blocks", request_id)
+            self._record("num_kv_expired_reqs", 1)
+        return read | expired
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         blocks, self._invalid_blocks = self._invalid_blocks, set()

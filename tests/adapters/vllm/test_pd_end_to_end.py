@@ -21,25 +21,12 @@ if os.environ.get("NIXL_ASYNC_REQUIRE_VLLM") != "1":
 
 import aiohttp
 
-from nixl_async_vllm.launch import ProxyProcess, VllmServer, kv_transfer_config
+from nixl_async_vllm.launch import ProxyProcess, VllmServer, kv_transfer_config, make_prompt
 
 pytestmark = pytest.mark.vllm
 
 MAX_TOKENS = 12
 LEASE_S = 600  # long, so blocks freed in the test were freed by decode's notification, not by expiry
-TEXT = (
-    "the river runs past the old mill and under the stone bridge before it reaches the sea while "
-    "the baker lights the oven and a computer keeps its working data in memory"
-)
-WORDS = TEXT.split(" ")
-
-
-def make_prompt(tag: str, words: int) -> str:
-    """A unique prompt (unique head, so no server has it cached) of about `words` words."""
-    body = " ".join(WORDS[(i * 7 + len(tag)) % len(WORDS)] for i in range(words))
-    return f"{tag}: {body}"
-
-
 # 8 unique prompts: one shorter than a block (128 tokens), one spanning several blocks.
 PROMPTS = [make_prompt(f"request {i}", n) for i, n in enumerate([4, 30, 60, 75, 110, 150, 200, 260])]
 

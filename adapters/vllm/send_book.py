@@ -1,0 +1,73 @@
+"""Producer-side bookkeeping: when a finished request's blocks may be freed. Pure state, no I/O.
+
+vLLM keeps a finished prefill request's blocks until the connector reports it in
+``finished_sending``. That happens when every reader rank has notified
+``"{request_id}:{readers}"``, or when the lease runs out (the reader vanished). Notifications
+may arrive before vLLM hands over the lease (the request is then only "in batch"); they are
+counted and kept until it does. Notifications for requests we never heard of are refused, so a
+stray or late message cannot free someone else's blocks.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+__all__ = ["SendBook", "parse_notification"]
+
+
+def parse_notification(message: bytes) -> tuple[str, int] | None:
+    """``b"req-1:2"`` -> ``("req-1", 2)``; None when malformed."""
+    request_id, sep, readers = message.decode(errors="replace").rpartition(":")
+    if not sep or not request_id or not readers.isdigit() or int(readers) <= 0:
+        return None
+    return request_id, int(readers)
+
+
+class SendBook:
+    def __init__(self) -> None:
+        self._in_batch: set[str] = set()  # being computed; a notification may come early
+        self._deadlines: dict[str, float] = {}  # finished, blocks held until then
+        self._seen: Counter[str] = Counter()
+        self._needed: dict[str, int] = {}
+
+    def in_batch(self, request_ids: set[str]) -> None:
+        self._in_batch |= request_ids
+
+    def hold(self, request_id: str, deadline: float) -> None:
+        """Blocks of `request_id` are held for readers until `deadline` (our monotonic clock)."""
+        self._deadlines[request_id] = deadline
+
+    def drop(self, request_id: str) -> None:
+        """Forget a request (aborted, or reported)."""
+        self._in_batch.discard(request_id)
+        self._deadlines.pop(request_id, None)
+        self._seen.pop(request_id, None)
+        self._needed.pop(request_id, None)
+
+    def notified(self, message: bytes) -> bool:
+        """Count one reader's notification; False (ignored) if malformed or for an unknown request."""
+        parsed = parse_notification(message)
+        if parsed is None:
+            return False
+        request_id, readers = parsed
+        if request_id not in self._in_batch and request_id not in self._deadlines:
+            return False
+        self._seen[request_id] += 1
+        self._needed[request_id] = readers
+        return True
+
+    def collect(self, now: float) -> tuple[set[str], set[str]]:
+        """(read by all readers, lease expired): both may be freed now; they are forgotten."""
+        read, expired = set(), set()
+        for request_id, deadline in self._deadlines.items():
+            needed = self._needed.get(request_id)
+            if needed is not None and self._seen[request_id] >= needed:
+                read.add(request_id)
+            elif now >= deadline:
+                expired.add(request_id)
+        for request_id in read | expired:
+            self.drop(request_id)
+        return read, expired
+
+    def __len__(self) -> int:
+        return len(self._deadlines)

@@ -1,0 +1,52 @@
+"""Producer bookkeeping (pure logic): fan-in counting, early notifications, leases, strays."""
+
+from nixl_async_vllm.send_book import SendBook, parse_notification
+
+
+def test_blocks_are_freed_after_every_reader_notified():
+    book = SendBook()
+    book.in_batch({"r1"})
+    book.hold("r1", deadline=100.0)
+    assert book.notified(b"r1:2")
+    assert book.collect(now=1.0) == (set(), set()), "one of two readers is not enough"
+    assert book.notified(b"r1:2")
+    assert book.collect(now=1.0) == ({"r1"}, set())
+    assert len(book) == 0 and not book.notified(b"r1:2"), "a reported request is forgotten"
+
+
+def test_notifications_arriving_before_the_lease_are_kept():
+    book = SendBook()
+    book.in_batch({"r1"})
+    assert book.notified(b"r1:1")  # decode was faster than our scheduler's next step
+    assert book.collect(now=1.0) == (set(), set()), "nothing to free before vLLM hands the blocks over"
+    book.hold("r1", deadline=100.0)
+    assert book.collect(now=1.0) == ({"r1"}, set())
+
+
+def test_lease_expiry_frees_blocks_of_a_vanished_reader():
+    book = SendBook()
+    book.hold("r1", deadline=10.0)
+    book.hold("r2", deadline=20.0)
+    assert book.collect(now=9.9) == (set(), set())
+    assert book.collect(now=10.0) == (set(), {"r1"})
+    assert book.collect(now=25.0) == (set(), {"r2"})
+
+
+def test_stray_and_malformed_notifications_free_nothing():
+    book = SendBook()
+    book.hold("r1", deadline=100.0)
+    for message in (b"other:1", b"r1", b"r1:x", b"r1:0", b":1", b"\xff\xfe:1"):
+        assert not book.notified(message), message
+    assert book.collect(now=1.0) == (set(), set())
+
+
+def test_aborted_request_is_dropped():
+    book = SendBook()
+    book.in_batch({"r1"})
+    book.drop("r1")
+    assert not book.notified(b"r1:1")
+
+
+def test_parse_notification_keeps_colons_in_request_ids():
+    assert parse_notification(b"cmpl-1:a:b:3") == ("cmpl-1:a:b", 3)
+    assert parse_notification(b"no-count") is None
