@@ -72,6 +72,12 @@ class EngineConfig:
     auth_secret: bytes | None = field(default=None, repr=False)
     max_request_bytes: int = 64 << 10
     max_frame_bytes: int = 4 << 20
+    # How notifications travel: "nixl" (NIXL active messages) or "side_channel" (a message to the
+    # peer's handshake socket). NIXL's way makes UCX hold our next operation to that peer until
+    # the peer's worker is progressed, which an idle peer does only every few ms; the side
+    # channel wakes the peer's loop through its socket and holds nothing. WRITE notifications
+    # always ride on the WRITE (ordering at the target).
+    notify_via: str = "nixl"
     # Notifications nobody has claimed yet are kept up to this many (oldest dropped first).
     max_unclaimed_notifications: int = 65536
     poll: PollConfig = field(default_factory=PollConfig)
@@ -99,6 +105,8 @@ class EngineConfig:
             raise ValueError("EngineConfig.handshake_timeout_s must be > 0")
         if self.post_target_s <= 0:
             raise ValueError("EngineConfig.post_target_s must be > 0")
+        if self.notify_via not in ("nixl", "side_channel"):
+            raise ValueError(f"EngineConfig.notify_via must be 'nixl' or 'side_channel', got {self.notify_via!r}")
         if self.min_post_bytes > self.max_post_bytes:
             raise ValueError("EngineConfig.min_post_bytes must not exceed max_post_bytes")
         if isinstance(self.auth_secret, str):

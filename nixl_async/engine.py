@@ -80,6 +80,9 @@ _CLOSE_GRACE_S = 0.2  # progress this long at close when a notification went out
 _INITIAL_COPY_RATE = 4e9  # a conservative first guess (CMA here does 4-12 GB/s)
 
 
+_NOTIFY_ERRORS: tuple[type[BaseException], ...] = (*NIXL_ERRORS, KeyError, zmq.ZMQError)
+
+
 class Peer:
     """A remote engine we completed a handshake with."""
 
@@ -199,6 +202,7 @@ class TransferEngine:
         self._peers: dict[str, Peer] = {}  # by engine id
         self._peers_by_agent: dict[str, Peer] = {}
         self._peers_by_address: dict[tuple[str, int], Peer] = {}
+        self._notify_sockets: dict[tuple[str, int], zmq.Socket[bytes]] = {}  # notify_via="side_channel"
         self._connecting: dict[tuple[str, int], asyncio.Task[Peer]] = {}
         self._active: dict[int, Transfer] = {}
         self._next_deadline = _NEVER  # no transfer's deadline comes before this
@@ -288,6 +292,9 @@ class TransferEngine:
         self._local_layouts.clear()
         self._views.clear()
         self._wake_room_waiters()
+        for sock in self._notify_sockets.values():
+            sock.close()
+        self._notify_sockets.clear()
         if self._zmq is not None:
             self._zmq.destroy(linger=0)
         if self._zombies:
@@ -403,6 +410,7 @@ class TransferEngine:
             max_request_bytes=self.config.max_request_bytes,
             max_frame_bytes=self.config.max_frame_bytes,
             on_request=self._on_handshake_request,
+            on_notify=self._on_side_channel_notification,
             secret=self.config.auth_secret,
         )
         address = await server.start(host, port)
@@ -568,6 +576,9 @@ class TransferEngine:
         for key in [k for k in self._remote_dlists if k[0] == peer.agent_name]:
             agent.release_dlist(self._remote_dlists.pop(key))
         agent.remove_remote(peer.agent_name)
+        sock = self._notify_sockets.pop(peer.address, None)
+        if sock is not None:
+            sock.close()
         peer.connected = False
         self._peers.pop(peer.engine_id, None)
         self._peers_by_agent.pop(peer.agent_name, None)
@@ -716,6 +727,28 @@ class TransferEngine:
             self._wakeup()
         return transfer
 
+    def _send_notification(self, peer: Peer, message: bytes) -> None:
+        """Send `message` to `peer` the configured way (see `EngineConfig.notify_via`)."""
+        if self.config.notify_via == "nixl":
+            self._require_agent().send_notification(peer.agent_name, message)
+            return
+        sock = self._notify_sockets.get(peer.address)
+        if sock is None:
+            assert self._zmq is not None
+            sock = zmq.Context.shadow(self._zmq).socket(zmq.DEALER)  # a plain socket: send() is immediate
+            sock.setsockopt(zmq.LINGER, 1000)  # let a last notification leave at close
+            sock.setsockopt(zmq.SNDHWM, 10000)
+            sock.connect(f"tcp://{peer.address[0]}:{peer.address[1]}")
+            self._notify_sockets[peer.address] = sock
+        secret = self.config.auth_secret
+        mac = messages.notify_mac(secret, self.engine_id, message) if secret else b""
+        payload = messages.encode(messages.NotifyMessage(engine_id=self.engine_id, message=message, mac=mac))
+        sock.send(payload, flags=zmq.NOBLOCK)  # queued by ZMQ; raises zmq.Again when the queue is full
+
+    def _on_side_channel_notification(self, sender: str, message: bytes) -> None:
+        self._notifications.deliver(sender, message)
+        self.stats.counters["notifications_received"] += 1
+
     def _sent_notification(self, now: float) -> None:
         # NIXL gives no handle for a notification: it leaves when our UCX worker is progressed
         # (after wire-up, for a new peer). Keep polling briskly a while, and let close() wait.
@@ -742,10 +775,10 @@ class TransferEngine:
         )
         try:
             if notify is not None:
-                self._require_agent().send_notification(peer.agent_name, notify)
+                self._send_notification(peer, notify)
                 self.stats.counters["notifications_sent"] += 1
                 self._sent_notification(now)
-        except NIXL_ERRORS as exc:
+        except _NOTIFY_ERRORS as exc:
             transfer.state = TransferState.FAILED
             transfer.finish(
                 TransferFailed(
@@ -837,11 +870,16 @@ class TransferEngine:
                 and transfer.next_slice < len(transfer.slices)
                 and len(transfer.posted) < self.config.slices_in_flight
             ):
+                # A WRITE's notification rides on its last slice (NIXL orders it after the data at
+                # the target). A READ's is sent by `_complete` once the data has landed here: chained
+                # to the READ it keeps the READ "PROC" until the *producer's* worker is progressed
+                # (measured: 2-50 ms with an idle producer polling slowly).
+                chained = transfer.op == "WRITE" and transfer.notify is not None
                 last = transfer.is_last_slice_next
-                if last and len(transfer.slices) > 1 and transfer.notify is not None and transfer.posted:
+                if last and chained and len(transfer.slices) > 1 and transfer.posted:
                     break  # the notification goes only after every other slice is done
                 lidx, ridx = transfer.slices[transfer.next_slice]
-                notif = transfer.notify if (last and transfer.notify is not None) else b""
+                notif = transfer.notify if (last and chained and transfer.notify is not None) else b""
                 started = time.perf_counter()
                 handle = agent.make_xfer(transfer.op, transfer.local_dlist, lidx, transfer.remote_dlist, ridx, notif)
                 transfer.next_slice += 1
@@ -877,6 +915,13 @@ class TransferEngine:
             )
             return True
         if transfer.slices_done == len(transfer.slices):
+            if transfer.op == "READ" and transfer.notify is not None:
+                try:
+                    self._send_notification(self._peers_by_agent[transfer.remote_agent], transfer.notify)
+                except _NOTIFY_ERRORS as exc:
+                    self._end(transfer, TransferFailed(f"the data was read but notifying {transfer.peer} failed: {exc}",
+                                                       transfer_id=transfer.id, peer=transfer.peer))  # fmt: skip
+                    return True
             self._complete(transfer)
         return moved
 
@@ -986,6 +1031,16 @@ class TransferEngine:
         return self._notifications.subscribe(claim=claim)
 
     # -- the poller -----------------------------------------------------------------------
+    def poll_soon(self) -> None:
+        """Ask the poller for a sweep now (progress NIXL, drain notifications), even if idle.
+
+        For a producer whose peers are reading: UCX may hold a reader's next operation until
+        our worker acknowledges its last notification, and an idle poller sleeps up to
+        `PollConfig.idle_interval_s`. A host that knows when activity is due (a vLLM step)
+        calls this instead of making the poller spin.
+        """
+        self._wakeup()
+
     def _wakeup(self) -> None:
         if self._wake is not None and not self._wake.done():
             self._wake.set_result(None)

@@ -69,6 +69,7 @@ class HandshakeServer:
         max_request_bytes: int,
         max_frame_bytes: int,
         on_request: Callable[[], None] | None = None,
+        on_notify: Callable[[str, bytes], None] | None = None,
         secret: bytes | None = None,
     ) -> None:
         self._context = context
@@ -79,6 +80,8 @@ class HandshakeServer:
         self._max_request_bytes = max_request_bytes
         self._max_frame_bytes = max_frame_bytes
         self._on_request = on_request
+        self._on_notify = on_notify
+        self.notifications = 0
         self._socket: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
         self.host = ""
@@ -108,8 +111,6 @@ class HandshakeServer:
         assert sock is not None
         while True:
             frames = await sock.recv_multipart(copy=True)
-            if self._on_request is not None:
-                self._on_request()
             reply = self._answer(frames)
             if reply is None:
                 continue
@@ -141,6 +142,9 @@ class HandshakeServer:
         except msgspec.DecodeError as exc:
             self.rejected += 1
             return identity, delimiter, _error("bad_request", f"undecodable request: {exc}")
+        if isinstance(request, messages.NotifyMessage):
+            self._take_notification(request)
+            return None  # notifications are never answered
         if request.version != messages.PROTOCOL_VERSION:
             self.rejected += 1
             return (
@@ -156,6 +160,8 @@ class HandshakeServer:
                 self.auth_failures += 1
                 log.warning("refused a handshake from engine %r: bad or stale credentials", request.engine_id)
                 return identity, delimiter, _error("auth_failed", "authentication failed")
+        if self._on_request is not None:
+            self._on_request()
         try:
             reply = self._reply_for(request)
         except Refusal as refusal:
@@ -167,6 +173,20 @@ class HandshakeServer:
             return identity, delimiter, _error("internal", type(exc).__name__)
         self.served += 1
         return identity, delimiter, reply
+
+    def _take_notification(self, note: messages.NotifyMessage) -> None:
+        if self._secret is not None and not hmac.compare_digest(
+            note.mac, messages.notify_mac(self._secret, note.engine_id, note.message)
+        ):
+            self.rejected += 1
+            self.auth_failures += 1
+            log.warning("dropped a notification claiming to come from engine %r: bad credentials", note.engine_id)
+            return
+        if self._on_notify is None:
+            self.rejected += 1
+            return
+        self.notifications += 1
+        self._on_notify(note.engine_id, note.message)
 
     def _challenge(self) -> bytes:
         now = time.monotonic()

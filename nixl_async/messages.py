@@ -22,11 +22,14 @@ __all__ = [
     "ErrorReply",
     "MetadataReply",
     "MetadataRequest",
+    "NotifyMessage",
     "Reply",
+    "Request",
     "compat_hash",
     "decode_reply",
     "decode_request",
     "encode",
+    "notify_mac",
     "request_mac",
 ]
 
@@ -70,18 +73,34 @@ class AuthChallenge(msgspec.Struct, tag="auth_challenge", frozen=True, kw_only=T
     nonce: bytes
 
 
+class NotifyMessage(msgspec.Struct, tag="notify", frozen=True, kw_only=True):
+    """A notification sent over the side channel instead of NIXL (never answered).
+
+    Why: a NIXL notification is an active message, and UCX holds the sender's next operation
+    to that peer until the receiver's worker is progressed; the side channel wakes the
+    receiver's loop through its socket instead. With a shared secret, `mac` is an HMAC over
+    sender and message.
+    """
+
+    version: int = PROTOCOL_VERSION
+    engine_id: str
+    message: bytes
+    mac: bytes = b""
+
+
 Reply = MetadataReply | ErrorReply | AuthChallenge
+Request = MetadataRequest | NotifyMessage
 
 _encoder = msgspec.msgpack.Encoder()
-_request_decoder = msgspec.msgpack.Decoder(MetadataRequest)
+_request_decoder = msgspec.msgpack.Decoder(Request)
 _reply_decoder = msgspec.msgpack.Decoder(Reply)
 
 
-def encode(message: MetadataRequest | MetadataReply | ErrorReply | AuthChallenge) -> bytes:
+def encode(message: MetadataRequest | MetadataReply | ErrorReply | AuthChallenge | NotifyMessage) -> bytes:
     return _encoder.encode(message)
 
 
-def decode_request(data: bytes) -> MetadataRequest:
+def decode_request(data: bytes) -> MetadataRequest | NotifyMessage:
     """Decode a request; raises `msgspec.DecodeError` (incl. `ValidationError`) on bad input."""
     return _request_decoder.decode(data)
 
@@ -95,6 +114,11 @@ def request_mac(secret: bytes, request: MetadataRequest) -> bytes:
     """HMAC-SHA256 binding the secret to the server's nonce and to the request's fields."""
     unsigned = msgspec.structs.replace(request, mac=b"")
     return hmac.new(secret, _encoder.encode(unsigned), hashlib.sha256).digest()
+
+
+def notify_mac(secret: bytes, engine_id: str, message: bytes) -> bytes:
+    """HMAC-SHA256 of a side-channel notification's sender and content."""
+    return hmac.new(secret, _encoder.encode(["notify", engine_id, message]), hashlib.sha256).digest()
 
 
 def compat_hash(compat: Mapping[str, str]) -> str:

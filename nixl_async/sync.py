@@ -163,6 +163,14 @@ class SyncEngine:
         """
         self._submit(request_id, func(self.engine, *args))
 
+    def poke(self) -> None:
+        """Have the loop progress NIXL and drain notifications soon (`TransferEngine.poll_soon`).
+
+        Returns at once; cheap enough to call once per inference-engine step.
+        """
+        if not self._closed:
+            self._loop.call_soon_threadsafe(self.engine.poll_soon)
+
     def feed_notifications(self) -> queue.SimpleQueue[Notification]:
         """A queue that receives every notification from now on (claimed: not kept elsewhere).
 

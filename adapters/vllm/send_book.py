@@ -71,3 +71,8 @@ class SendBook:
 
     def __len__(self) -> int:
         return len(self._deadlines)
+
+    @property
+    def expecting_readers(self) -> bool:
+        """Whether any request is being computed for, or held for, a reader."""
+        return bool(self._in_batch or self._deadlines)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -118,6 +119,10 @@ class ConnectorWorker:
         cpu_quirks.prepare_process()  # before our agent's UCX threads exist
         self.vllm_config = vllm_config
         self.settings = AdapterSettings.from_vllm(vllm_config)
+        if self.settings.switch_interval_s < sys.getswitchinterval():
+            # Our loop thread shares the interpreter with vLLM's worker thread, which rarely
+            # blocks; every hand-over to the loop otherwise waits for Python's 5 ms switch interval.
+            sys.setswitchinterval(self.settings.switch_interval_s)
         self.engine_id = engine_id
         self.kv_cache_config = kv_cache_config
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
@@ -244,6 +249,10 @@ class ConnectorWorker:
         return self._finished_sending(), recving, failed
 
     def _finished_sending(self) -> set[str]:
+        if self._sends.expecting_readers:
+            # Readers' operations can wait on our UCX worker (it acknowledges their notifications):
+            # progress it once per step while anyone may read from us, as vLLM's own worker does.
+            self.sync.poke()
         while True:
             try:
                 note = self._notifications.get_nowait()

@@ -26,6 +26,7 @@ from nixl_async_vllm.launch import ProxyProcess, VllmServer, kv_transfer_config,
 pytestmark = pytest.mark.vllm
 
 MAX_TOKENS = 12
+SECRET = "pd-test-secret-0123456789"
 LEASE_S = 600  # long, so blocks freed in the test were freed by decode's notification, not by expiry
 # 8 unique prompts: one shorter than a block (128 tokens), one spanning several blocks.
 PROMPTS = [make_prompt(f"request {i}", n) for i, n in enumerate([4, 30, 60, 75, 110, 150, 200, 260])]
@@ -48,12 +49,15 @@ def cluster(tmp_path_factory):
     root = tmp_path_factory.mktemp("pd")
     _make_models(root)
     model = str(root / "model")
-    extra = {"kv_lease_duration": LEASE_S, "transfer_timeout": 20}
+    # Authentication on: every handshake and notification of the run proves the shared secret,
+    # given through the environment so that vLLM's startup log (which prints this config) never shows it.
+    extra = {"kv_lease_duration": LEASE_S, "transfer_timeout": 20, "auth_secret_env": "PD_TEST_SECRET"}
+    secret_env = {"PD_TEST_SECRET": SECRET}
     servers = {
         "prefill": VllmServer(model, 18100, 15600, kv_transfer_config("nixl_async", "kv_producer", extra), cpu=0,
-                              log_path=root / "prefill.log"),
+                              log_path=root / "prefill.log", extra_env=secret_env),
         "decode": VllmServer(model, 18200, 15700, kv_transfer_config("nixl_async", "kv_consumer", extra), cpu=1,
-                             log_path=root / "decode.log"),
+                             log_path=root / "decode.log", extra_env=secret_env),
         "single": VllmServer(model, 18300, 15800, None, cpu=0, log_path=root / "single.log"),
     }  # fmt: skip
     proxy = ProxyProcess(18400, servers["prefill"].url, servers["decode"].url)
@@ -154,3 +158,10 @@ async def test_request_whose_prefill_died_finishes_instead_of_hanging(cluster):
     assert status != 200 or '"finish_reason"' in text, text
     # ...and decode keeps serving: the next plain request succeeds.
     await _complete(servers["decode"].url, make_prompt("after the failure", 20), _model(root))
+
+
+def test_the_shared_secret_never_reaches_a_log(cluster):
+    root, _servers, _proxy = cluster
+    for log in ("prefill.log", "decode.log"):
+        text = (root / log).read_text(errors="replace")
+        assert "NixlAsyncConnector" in text and SECRET not in text

@@ -1,0 +1,64 @@
+"""`kv_connector_extra_config` -> engine settings (pure translation; vLLM's envs read for the side channel)."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+
+if os.environ.get("NIXL_ASYNC_REQUIRE_VLLM") != "1":
+    pytest.importorskip("vllm", reason="vLLM not installed (bash scripts/setup-vllm.sh)")
+
+from nixl_async_vllm.settings import AdapterSettings, rank_engine_id
+
+SECRET = "correct horse battery staple"
+
+
+def _config(extra, tp=2, dp_index=0):
+    return SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra),
+        parallel_config=SimpleNamespace(
+            tensor_parallel_size=tp, decode_context_parallel_size=1, data_parallel_index=dp_index
+        ),
+    )
+
+
+def test_extra_config_reaches_the_engine(monkeypatch):
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", "6000")
+    extra = {"auth_secret": SECRET, "kv_lease_duration": 12, "transfer_timeout": "7.5", "handshake_timeout": 2}
+    settings = AdapterSettings.from_vllm(_config(extra, tp=2, dp_index=1))
+    assert settings.lease_s == 12 and settings.side_channel_port == 6002  # DP rank 1 of TP 2: ports 6002, 6003
+    config = settings.engine_config(rank_engine_id("eng", 1), {"model": "m"})
+    assert config.auth_secret == SECRET.encode() and config.transfer_timeout_s == 7.5
+    assert config.handshake_timeout_s == 2 and config.notify_via == "side_channel"
+    assert config.engine_id == "eng/tp1" and config.compat["model"] == "m"
+    assert SECRET not in repr(settings) and SECRET not in repr(config), "the secret never shows in logs"
+
+
+def test_defaults_match_vllm_nixl_connector():
+    settings = AdapterSettings.from_vllm(_config({}))
+    assert settings.lease_s == 30 and settings.auth_secret is None and settings.transfer_timeout_s == 120
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"kv_lease_duration": 0}, {"transfer_timeout": "soon"}, {"auth_secret": "short"}, {"switch_interval_s": -1}],
+)
+def test_bad_settings_are_refused_with_a_clear_error(extra):
+    with pytest.raises(ValueError, match=r"kv_connector_extra_config|auth_secret"):
+        AdapterSettings.from_vllm(_config(extra)).engine_config("e", {})
+
+
+def test_secret_from_an_environment_variable_or_a_file(monkeypatch, tmp_path):
+    monkeypatch.setenv("PD_SECRET", SECRET)
+    assert AdapterSettings.from_vllm(_config({"auth_secret_env": "PD_SECRET"})).auth_secret == SECRET.encode()
+    path = tmp_path / "secret"
+    path.write_text(SECRET + "\n")
+    assert AdapterSettings.from_vllm(_config({"auth_secret_file": str(path)})).auth_secret == SECRET.encode()
+    for extra in ({"auth_secret_env": "NOT_SET_ANYWHERE"}, {"auth_secret_file": str(tmp_path / "missing")},
+                  {"auth_secret": SECRET, "auth_secret_env": "PD_SECRET"}):  # fmt: skip
+        with pytest.raises(ValueError, match="kv_connector_extra_config") as info:
+            AdapterSettings.from_vllm(_config(extra))
+        assert SECRET not in str(info.value)
