@@ -66,6 +66,7 @@ class VllmServer:
     extra_env: dict[str, str] = field(default_factory=dict)
     log_path: Path | None = None
     process: subprocess.Popen[bytes] | None = None
+    _started_at: float = 0.0
 
     @property
     def url(self) -> str:
@@ -98,6 +99,7 @@ class VllmServer:
 
     def start(self) -> VllmServer:
         log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        self._started_at = time.time()
         self.process = subprocess.Popen(
             self.command(), env=self.environment(), stdout=log, stderr=subprocess.STDOUT, process_group=0
         )
@@ -136,7 +138,7 @@ class VllmServer:
             os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
         self.process = None
-        _clean_shm()
+        _clean_shm(since=self._started_at)
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after a grace period."""
@@ -149,11 +151,13 @@ class VllmServer:
         self.kill()
 
 
-def _clean_shm() -> None:
+def _clean_shm(since: float) -> None:
+    """Remove shared-memory segments created since `since` by us that no live process maps."""
     uid = os.getuid()
     for path in glob.glob("/dev/shm/*"):
         with contextlib.suppress(OSError):
-            if os.stat(path).st_uid == uid and not _in_use(path):
+            info = os.stat(path)
+            if info.st_uid == uid and info.st_ctime >= since - 1 and not _in_use(path):
                 os.unlink(path)
 
 
