@@ -156,6 +156,8 @@ async def test_request_whose_prefill_died_finishes_instead_of_hanging(cluster):
     # kv_load_failure_policy "fail" (vLLM's default): the request ends with an error, quickly.
     assert elapsed < 30, f"took {elapsed:.1f}s"
     assert status != 200 or '"finish_reason"' in text, text
+    # decode's connector reported the request failed with its blocks invalid, and vLLM applied its policy
+    assert "KV load failure" in (root / "decode.log").read_text(errors="replace")
     # ...and decode keeps serving: the next plain request succeeds.
     await _complete(servers["decode"].url, make_prompt("after the failure", 20), _model(root))
 
