@@ -516,8 +516,10 @@ class TransferEngine:
                 )
             agent = self._require_agent()
             old = self._peers.get(reply.engine_id)
-            if old is not None and old.agent_name == reply.agent_name and not old.stale:
-                # The same incarnation answered and nothing failed: keep the peer and its transfers.
+            busy = old is not None and any(t.remote_agent == old.agent_name for t in self._active.values())
+            if old is not None and old.agent_name == reply.agent_name and (not old.stale or busy):
+                # The same incarnation answered, and nothing failed or other transfers with it are
+                # still moving (one failed request must not cancel healthy ones): keep the peer.
                 old.stale = False
                 old.clock_offset_s = offset
                 old.layouts = {lay.name: lay for lay in reply.layouts}
@@ -632,6 +634,25 @@ class TransferEngine:
             "WRITE", peer, local_blocks, remote_blocks, local, remote, notify, timeout, lease_expires_at
         )
 
+    async def settle(self, transfers: Sequence[Transfer], timeout: float | None = None) -> bool:
+        """Cancel the unfinished `transfers` and wait until NIXL holds none of their handles.
+
+        After a request fails, its memory may be handed to someone else only once no sibling
+        transfer can still write into it; cancelling is not enough when NIXL refuses to release
+        a handle at once (a READ in flight over TCP). False if handles remain after `timeout`.
+        """
+        handles = {id(h) for t in transfers for h in t.posted}
+        for transfer in transfers:
+            transfer.cancel("settling a failed request")
+        assert self._loop is not None
+        deadline = None if timeout is None else self._loop.time() + timeout
+        while any(id(h) in handles for h in self._zombies):
+            if deadline is not None and self._loop.time() >= deadline:
+                return False
+            self._reap_zombies()
+            await asyncio.sleep(0.001)
+        return True
+
     async def read(self, peer: Peer, local_blocks: BlockIds, remote_blocks: BlockIds, **kwargs: Any) -> TransferResult:
         """`start_read` and wait for it."""
         return await (await self.start_read(peer, local_blocks, remote_blocks, **kwargs))
@@ -696,6 +717,7 @@ class TransferEngine:
                 )
             timeout = remaining if timeout is None else min(timeout, remaining)
         deadline = None if timeout is None else now + timeout
+        lease_deadline = None if lease_expires_at is None else now + remaining
 
         await self._admit(nbytes, deadline)
         agent = self._require_agent()  # the engine may have closed while we waited
@@ -714,6 +736,7 @@ class TransferEngine:
             future=self._loop.create_future(),
             cancel_cb=self._end,
         )
+        transfer.lease_deadline = lease_deadline
         self._active[transfer.id] = transfer
         if deadline is not None and deadline < self._next_deadline:
             self._next_deadline = deadline
@@ -915,6 +938,12 @@ class TransferEngine:
             )
             return True
         if transfer.slices_done == len(transfer.slices):
+            assert self._loop is not None
+            if transfer.lease_deadline is not None and self._loop.time() >= transfer.lease_deadline:
+                # The data arrived, but maybe after the producer reused the blocks: not to be trusted.
+                self._end(transfer, LeaseExpired(f"the lease from {transfer.peer} ran out during the {transfer.op}",
+                                                 peer=transfer.peer))  # fmt: skip
+                return True
             if transfer.op == "READ" and transfer.notify is not None:
                 try:
                     self._send_notification(self._peers_by_agent[transfer.remote_agent], transfer.notify)
@@ -1084,45 +1113,52 @@ class TransferEngine:
         assert loop is not None
         counters = self.stats.counters
         while True:
-            agent = self._agent
-            assert agent is not None
-            counters["polls"] += 1
-            # Incoming notifications are not "activity": they promise no more work for us, and
-            # spinning on them would steal the core a peer's copy needs (2-core machines).
-            self._drain_notifications(agent)
-            activity = False
-            if self._active:
-                swept = time.perf_counter()
-                finished = False
-                for n, transfer in enumerate(list(self._active.values()), 1):
-                    if finished:  # let the awaiters of finished transfers run before the next post
-                        await asyncio.sleep(0)
-                        finished = False
-                        swept = time.perf_counter()
-                    if transfer.state is not TransferState.POSTING:
-                        continue  # ended while we yielded
-                    if transfer.future.cancelled():  # its awaiter was cancelled
-                        self._end(
-                            transfer, TransferCancelled("the awaiting task was cancelled", transfer_id=transfer.id)
-                        )
-                        continue
-                    if self._pump(agent, transfer, 1, swept):
-                        activity = True
-                        finished = transfer.state is not TransferState.POSTING
-                    # A post can be a multi-ms copy, and 10k state checks add up: bound the stall.
-                    if (activity or not n % 256) and time.perf_counter() - swept > _SWEEP_BUDGET_S:
-                        await asyncio.sleep(0)
-                        swept = time.perf_counter()
-                if loop.time() >= self._next_deadline:
-                    self._expire(loop.time())
-            if self._zombies:
-                self._reap_zombies()
-            now = loop.time()
-            if activity:
-                self._pacer.activity(now)
-            delay = self._pacer.delay(now, busy=bool(self._active), waiting=self._notifications.has_waiters)
-            if delay == 0.0:
-                await asyncio.sleep(0)
-            else:
-                counters["poller_sleeps"] += 1
-                await self._sleep(delay)
+            try:
+                agent = self._agent
+                assert agent is not None
+                counters["polls"] += 1
+                # Incoming notifications are not "activity": they promise no more work for us, and
+                # spinning on them would steal the core a peer's copy needs (2-core machines).
+                self._drain_notifications(agent)
+                activity = False
+                if self._active:
+                    swept = time.perf_counter()
+                    finished = False
+                    for n, transfer in enumerate(list(self._active.values()), 1):
+                        if finished:  # let the awaiters of finished transfers run before the next post
+                            await asyncio.sleep(0)
+                            finished = False
+                            swept = time.perf_counter()
+                        if transfer.state is not TransferState.POSTING:
+                            continue  # ended while we yielded
+                        if transfer.future.cancelled():  # its awaiter was cancelled
+                            self._end(
+                                transfer, TransferCancelled("the awaiting task was cancelled", transfer_id=transfer.id)
+                            )
+                            continue
+                        if self._pump(agent, transfer, 1, swept):
+                            activity = True
+                            finished = transfer.state is not TransferState.POSTING
+                        # A post can be a multi-ms copy, and 10k state checks add up: bound the stall.
+                        if (activity or not n % 256) and time.perf_counter() - swept > _SWEEP_BUDGET_S:
+                            await asyncio.sleep(0)
+                            swept = time.perf_counter()
+                    if loop.time() >= self._next_deadline:
+                        self._expire(loop.time())
+                if self._zombies:
+                    self._reap_zombies()
+                now = loop.time()
+                if activity:
+                    self._pacer.activity(now)
+                delay = self._pacer.delay(now, busy=bool(self._active), waiting=self._notifications.has_waiters)
+                if delay == 0.0:
+                    await asyncio.sleep(0)
+                else:
+                    counters["poller_sleeps"] += 1
+                    await self._sleep(delay)
+            except Exception as exc:  # a bug must not silently stop every deadline and completion
+                log.exception("engine poller error; failing the transfers in flight")
+                for transfer in list(self._active.values()):
+                    self._end(transfer, TransferFailed(f"engine poller error: {type(exc).__name__}",
+                                                       transfer_id=transfer.id, peer=transfer.peer))  # fmt: skip
+                await asyncio.sleep(0.01)

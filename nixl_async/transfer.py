@@ -72,6 +72,7 @@ class Transfer:
         "done_seen_at",
         "id",
         "last_pending_at",
+        "lease_deadline",
         "local_dlist",
         "nbytes",
         "next_slice",
@@ -117,6 +118,7 @@ class Transfer:
         self.descriptors = int(sum(len(s[0]) for s in slices))
         self.piece_len = nbytes // self.descriptors if self.descriptors else 0
         self.deadline = deadline
+        self.lease_deadline: float | None = None  # loop time past which the producer may reuse its blocks
         self.submitted_at = submitted_at
         self.state = TransferState.POSTING
         self.next_slice = 0

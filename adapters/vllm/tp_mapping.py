@@ -15,10 +15,11 @@ windows (see `nixl_async.layout.BlockView`):
 Every writer rank frees a request's blocks after ``expected_consumers`` notifications.
 
 When the writer's blocks hold fewer tokens than ours (block-size ratio r), r remote blocks fill
-one local block. In a head-major block a head's rows for remote block k sit at token offset
-``k * remote_block_size`` inside that head's local rows, so `split_for_block_ratio` pairs them
-head by head: one transfer per head window, its local window cut into r pieces, piece k taking
-remote block k. Descriptors land every byte in place; nothing is permuted after the read.
+one local block. In a head-major block each head's K (and V) is a contiguous *run* of tokens,
+and remote block k's tokens sit at offset ``k * remote_block_size`` inside every local run, so
+`split_for_block_ratio` pairs them run by run: one transfer per run, its local window cut into
+r pieces, piece k taking remote block k's run. Descriptors land every byte in place; nothing is
+permuted after the read.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from nixl_async.exceptions import LayoutError
 from nixl_async.layout import ViewSpec
 
-__all__ = ["RankRead", "ReadPart", "expected_consumers", "plan_reads", "split_for_block_ratio"]
+__all__ = ["RankRead", "ReadPart", "expected_consumers", "plan_reads", "remote_ranks", "split_for_block_ratio"]
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,14 @@ def plan_reads(
     ]
 
 
+def remote_ranks(*, local_tp: int, local_rank: int, remote_tp: int) -> list[int]:
+    """Every remote rank a local rank hears from or must notify (whatever the layouts)."""
+    if local_tp >= remote_tp:
+        return [local_rank * remote_tp // local_tp]
+    r = _ratio(remote_tp, local_tp, "heterogeneous TP")
+    return list(range(local_rank * r, local_rank * r + r))
+
+
 def expected_consumers(*, remote_tp: int, local_tp: int) -> int:
     """How many reader ranks notify each writer rank for one request (fan-in count)."""
     return max(1, local_tp // remote_tp)
@@ -108,15 +117,15 @@ def split_for_block_ratio(
     *,
     ratio: int,
     local_part_len: int,
-    head_len: int | None,
+    run_len: int | None,
 ) -> list[ReadPart]:
     """The transfers that carry `step` when each local block holds `ratio` remote blocks.
 
     `step` comes from `plan_reads` called with the remote part length scaled by `ratio` (as if
-    the remote blocks were as large as ours). `head_len` is the bytes of one head in a local
-    block (head-major caches), or None when a block is token-major (MLA): then the remote
-    blocks are simply consecutive pieces of the window. The last local block may be partly
-    filled (fewer than `ratio` remote blocks left).
+    the remote blocks were as large as ours). `run_len` is the bytes of one token run in a local
+    block (one head's K or V for all its tokens), or None when a block is token-major (MLA):
+    then the remote blocks are simply consecutive pieces of the window. The last local block may
+    be partly filled (fewer than `ratio` remote blocks left).
     """
     if ratio == 1:
         return [ReadPart(list(local_blocks), list(remote_blocks), step.local, step.remote)]
@@ -134,9 +143,9 @@ def split_for_block_ratio(
     if remote_off % ratio:
         raise LayoutError(f"remote window offset {remote_off} is not a multiple of the ratio {ratio}")
     remote_off //= ratio
-    unit = local_len if head_len is None else head_len
+    unit = local_len if run_len is None else run_len
     if local_len % unit or unit % ratio:
-        raise LayoutError(f"a {local_len}-byte window does not cut into heads of {unit} bytes at ratio {ratio}")
+        raise LayoutError(f"a {local_len}-byte window does not cut into runs of {unit} bytes at ratio {ratio}")
     piece = unit // ratio
     parts: list[ReadPart] = []
     for j in range(local_len // unit):

@@ -32,6 +32,7 @@ from nixl_async import (
     Notification,
     Peer,
     SyncEngine,
+    Transfer,
     TransferEngine,
     TransferResult,
 )
@@ -39,7 +40,7 @@ from nixl_async import (
 from . import cpu_quirks
 from .send_book import SendBook
 from .settings import AdapterSettings, rank_engine_id
-from .tp_mapping import RankRead, expected_consumers, plan_reads, split_for_block_ratio
+from .tp_mapping import RankRead, expected_consumers, plan_reads, remote_ranks, split_for_block_ratio
 
 __all__ = ["ConnectorWorker", "KVGeometry", "RecvJob", "receive", "select_remote_blocks"]
 
@@ -56,7 +57,7 @@ class KVGeometry:
     tp_rank: int
     block_size: int  # tokens per block
     part_len: int  # bytes of one block part (one layer's block, or its K or V half)
-    head_len: int | None  # bytes of one head in a block part; None for token-major (MLA) caches
+    run_len: int | None  # bytes of one head's K (or V) for all tokens of a block; None when token-major (MLA)
     mla: bool
 
 
@@ -81,22 +82,28 @@ def select_remote_blocks(job: RecvJob, ratio: int) -> list[int]:
     remote = job.remote_blocks
     if job.local_hit_blocks is not None:
         skip = job.local_hit_blocks * ratio
-    else:
-        skip = max(0, len(remote) - len(job.local_blocks) * ratio)
+    else:  # the local blocks cover the end of the prompt; the last remote group may be short
+        skip = max(0, (-(-len(remote) // ratio) - len(job.local_blocks)) * ratio)
     return remote[skip:]
 
 
 def _kv_regions(kv_caches: dict[str, Any], num_blocks: int) -> tuple[list[Any], int, int | None]:
-    """(per-layer block tensors, bytes per block, bytes per head or None) of vLLM's caches.
+    """(per-layer block tensors, bytes per block, bytes per token run or None) of vLLM's caches.
 
-    vLLM hands one view per layer, ``[num_blocks, ...]`` (CPU: ``[blocks, heads, tokens,
-    K|V]``) or ``[2, num_blocks, ...]`` (K and V apart). Layers that share a cache alias the
-    same memory and are registered once.
+    vLLM hands one view per layer, either ``[num_blocks, heads, tokens, 2 * head_dim]`` with K and
+    V packed (the CPU backend: a head's bytes are all its tokens' K, then all their V) or
+    ``[2, num_blocks, heads, tokens, head_dim]`` (K and V apart, registered as two regions).
+    A *token run* is the contiguous bytes of one head's K (or V) for every token of a block:
+    the unit a block-size ratio cuts (see `tp_mapping.split_for_block_ratio`). Heads must come
+    before tokens (layout LBHNC). Layers sharing a cache alias the same memory: registered once.
     """
     seen: set[int] = set()
     regions: list[Any] = []
+    kv_apart = False
     for tensor in kv_caches.values():
-        parts = [tensor[0], tensor[1]] if tensor.shape[0] == 2 and tensor.shape[1] == num_blocks else [tensor]
+        parts = [tensor]
+        if tensor.shape[0] == 2 and tensor.dim() > 1 and tensor.shape[1] == num_blocks:
+            parts, kv_apart = [tensor[0], tensor[1]], True
         for part in parts:
             if part.shape[0] != num_blocks:
                 raise LayoutError(f"a KV cache of shape {tuple(part.shape)} does not have {num_blocks} blocks first")
@@ -108,8 +115,12 @@ def _kv_regions(kv_caches: dict[str, Any], num_blocks: int) -> tuple[list[Any], 
     for part in regions:
         if part.stride(0) * part.element_size() != block_len or part[0].numel() * part.element_size() != block_len:
             raise LayoutError("KV cache blocks must be compact and equal in every layer (layout LBHNC)")
-    head_len = block_len // first.shape[1] if first.dim() == 4 else None
-    return regions, block_len, head_len
+    if first.dim() != 4:
+        return regions, block_len, None  # token-major (MLA): no heads
+    if not first.stride(1) > first.stride(2):
+        raise LayoutError("KV cache blocks must be head-major (layout LBHNC: heads before tokens)")
+    head_len = first.stride(1) * first.element_size()
+    return regions, block_len, head_len if kv_apart else head_len // 2
 
 
 class ConnectorWorker:
@@ -148,7 +159,7 @@ class ConnectorWorker:
     # -- registration ----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         num_blocks = self.kv_cache_config.num_blocks
-        regions, block_len, head_len = _kv_regions(kv_caches, num_blocks)
+        regions, block_len, run_len = _kv_regions(kv_caches, num_blocks)
         first = regions[0]
         if first.device.type == "cuda" and self.buffer_device == "cpu":
             # Host staging: NIXL moves host copies; `wait_for_save` / receive copy to and from the device.
@@ -156,7 +167,7 @@ class ConnectorWorker:
             self._host_caches = {
                 name: torch.empty_like(t, device="cpu", pin_memory=True) for name, t in kv_caches.items()
             }
-            regions, block_len, head_len = _kv_regions(self._host_caches, num_blocks)
+            regions, block_len, run_len = _kv_regions(self._host_caches, num_blocks)
             first = regions[0]
         mem_type, device = (MemType.VRAM, first.device.index or 0) if first.device.type == "cuda" else (MemType.DRAM, 0)
         layout = BlockLayout.from_regions(
@@ -166,7 +177,7 @@ class ConnectorWorker:
         self.sync.register_layout(layout)
         self._regions = regions  # the engine does not own vLLM's tensors; keep them referenced
         self.geometry = KVGeometry(self.tp_size, self.tp_rank, self.block_size, layout.part_len,
-                                   None if self.use_mla else head_len, self.use_mla)  # fmt: skip
+                                   None if self.use_mla else run_len, self.use_mla)  # fmt: skip
         self.sync.set_extra(block_size=str(self.block_size), tp_size=str(self.tp_size), tp_rank=str(self.tp_rank))
         host, port = self.sync.serve(self.settings.bind_host(), self.settings.side_channel_port + self.tp_rank)
         log.info("nixl_async worker %s rank %d: %d layers x %d blocks of %d bytes, serving %s:%d",
@@ -299,12 +310,24 @@ class ConnectorWorker:
         self.sync.close()
 
 
+LEASE_MARGIN_S = 2.0  # a read must end this long before the producer's lease, for clock-offset error
+
+
 async def receive(engine: TransferEngine, geometry: KVGeometry, job: RecvJob) -> list[TransferResult]:
     """Pull one request on the engine's loop: handshake, plan from the producer's layout, read, notify.
 
     Every producer rank this rank reads (or, for MLA siblings and full prefix hits, only
-    notifies) hears ``"{remote_request_id}:{readers}"`` once this rank is done with it.
+    notifies) hears ``"{remote_request_id}:{readers}"`` once this rank is done with it. If any
+    part fails, every other part is cancelled and settled (NIXL holds none of their handles)
+    before the error is raised: vLLM may reuse the request's blocks as soon as it hears of it.
     """
+    notify = f"{job.remote_request_id}:{expected_consumers(remote_tp=job.remote_tp, local_tp=geometry.tp_size)}"
+    if not job.local_blocks:  # nothing to read (a full prefix hit, an aborted request): only let them free
+        ranks = remote_ranks(local_tp=geometry.tp_size, local_rank=geometry.tp_rank, remote_tp=job.remote_tp)
+        peers = await asyncio.gather(*(_connect(engine, job, rank) for rank in ranks))
+        for peer in peers:
+            await engine.notify(peer, notify.encode())
+        return []
     first_rank = geometry.tp_rank * job.remote_tp // geometry.tp_size
     first = await _connect(engine, job, first_rank)
     remote_layout = first.layout(LAYOUT)
@@ -316,24 +339,26 @@ async def receive(engine: TransferEngine, geometry: KVGeometry, job: RecvJob) ->
         local_tp=geometry.tp_size, local_rank=geometry.tp_rank, remote_tp=job.remote_tp, mla=geometry.mla,
         local_part_len=geometry.part_len, remote_part_len=remote_layout.part_len * ratio,
     )  # fmt: skip
-    notify = f"{job.remote_request_id}:{expected_consumers(remote_tp=job.remote_tp, local_tp=geometry.tp_size)}"
     remote_blocks = select_remote_blocks(job, ratio)
+    lease = None if job.expires_at is None else job.expires_at - LEASE_MARGIN_S
     peers = await asyncio.gather(*(_connect(engine, job, step.remote_rank) for step in plan))
     results: list[TransferResult] = []
+    started: list[Transfer] = []
 
     async def one_rank(step: RankRead, peer: Peer) -> None:
-        if not step.read or not job.local_blocks:  # MLA sibling, or a full prefix hit: only let it free
+        if not step.read:  # an MLA sibling: its copy is not read, only freed
             await engine.notify(peer, notify.encode())
             return
         parts = split_for_block_ratio(step, job.local_blocks, remote_blocks, ratio=ratio,
-                                      local_part_len=geometry.part_len, head_len=geometry.head_len)  # fmt: skip
+                                      local_part_len=geometry.part_len, run_len=geometry.run_len)  # fmt: skip
         piggyback = notify.encode() if len(parts) == 1 else None  # else one notification after all parts
-        transfers = [
-            await engine.start_read(peer, p.local_blocks, p.remote_blocks, local=p.local, remote=p.remote,
-                                    notify=piggyback, lease_expires_at=job.expires_at)
-            for p in parts
-        ]  # fmt: skip
-        results.extend(await asyncio.gather(*transfers))
+        mine = []
+        for p in parts:
+            transfer = await engine.start_read(peer, p.local_blocks, p.remote_blocks, local=p.local, remote=p.remote,
+                                               notify=piggyback, lease_expires_at=lease)  # fmt: skip
+            started.append(transfer)
+            mine.append(transfer)
+        results.extend(await asyncio.gather(*mine))
         if piggyback is None:
             await engine.notify(peer, notify.encode())
 
@@ -342,6 +367,8 @@ async def receive(engine: TransferEngine, geometry: KVGeometry, job: RecvJob) ->
             for step, peer in zip(plan, peers, strict=True):
                 group.create_task(one_rank(step, peer))
     except BaseExceptionGroup as group_error:  # callers want the typed error, not a group
+        if not await engine.settle(started, timeout=engine.config.transfer_timeout_s):
+            log.error("request %s: NIXL still holds reads into its blocks after cancelling them", job.request_id)
         raise group_error.exceptions[0] from None
     return results
 

@@ -183,6 +183,27 @@ async def test_cancel_releases_the_in_flight_handle(nixl_engine, nixl_peer_facto
     await nixl_engine.read(peer, [0], [1])
 
 
+async def test_settle_returns_only_once_nixl_holds_no_handle_of_the_transfers(nixl_engine, nixl_peer_factory):
+    """What a failed request needs before its memory is reused: siblings cancelled *and* released."""
+    block_len, blocks = 1 << 20, 64
+    peer_proc = nixl_peer_factory(num_regions=1, num_blocks=blocks, block_len=block_len, tcp=True)
+    nixl_engine.register("kv", _regions(1, blocks, block_len), block_len=block_len)
+    peer = await nixl_engine.connect(*peer_proc.address)
+    done = await nixl_engine.start_read(peer, [0], [0])
+    await done
+    running = await nixl_engine.start_read(peer, range(1, blocks), range(1, blocks))
+    for _ in range(100):
+        if nixl_engine.live_handles().get("xfers"):
+            break
+        await asyncio.sleep(0)
+    assert running.state is TransferState.POSTING
+    assert await nixl_engine.settle([done, running], timeout=10)
+    assert running.state is TransferState.CANCELLED and done.state is TransferState.DONE
+    assert nixl_engine.live_handles().get("xfers", 0) == 0, "settle() returned while NIXL still held a handle"
+    with pytest.raises(TransferCancelled):
+        await running
+
+
 async def test_deadline_expiry_and_asyncio_timeout(nixl_engine, nixl_peer_factory):
     block_len, blocks = 1 << 20, 64
     peer_proc = nixl_peer_factory(num_regions=1, num_blocks=blocks, block_len=block_len, tcp=True)

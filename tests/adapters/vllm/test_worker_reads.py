@@ -3,8 +3,10 @@
 Prefill ranks are peer processes holding caches shaped as vLLM's CPU backend allocates them
 (``[blocks, heads, tokens, 2 * head_dim]`` bf16 per layer, head-major; MLA: ``[blocks, tokens,
 latent]``), serving at ``base port + rank`` under ``{engine_id}/tp{rank}`` as the adapter does.
-Decode ranks run `receive` on their own engine. The expected bytes come from an independent
-oracle: token by token, head by head, from the prefill ranks' fill pattern.
+The CPU backend reads a head's bytes as ``[2 * tokens, head_dim]``: every token's K, then every
+token's V (`cpu_attn.py`), so the oracle indexes (head, K|V, token). Decode ranks run `receive`
+on their own engine. The expected bytes come from that oracle, built from the prefill ranks'
+fill pattern, independently of the planner.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from nixl_async_vllm.tp_mapping import expected_consumers
 from nixl_async_vllm.worker import KVGeometry, RecvJob, receive
 
 LAYERS, HEADS, HEAD_DIM, LOCAL_BLOCK_SIZE, NUM_BLOCKS = 2, 4, 8, 16, 40
-ROW = 2 * HEAD_DIM * 2  # K|V of one head for one token, bf16
+VEC = HEAD_DIM * 2  # one head's K (or V) for one token, bf16
+ROW = 2 * VEC  # what one token adds to a head's bytes
 MLA_ROW = 64  # one latent per token, bf16
 REMOTE_BLOCKS = [9, 3, 17, 5, 11, 2, 7, 30, 14]  # prefill's blocks for the request, in order
 LOCAL_CANDIDATES = [20, 21, 4, 33, 8, 12, 1, 25, 36]
@@ -58,7 +61,10 @@ def _expected(rank, tp_p, tp_d, mla, ratio, layer, local_index) -> np.ndarray:
     """Bytes of decode rank `rank`'s local block `local_index` (of the request), token by token."""
     bs_p = LOCAL_BLOCK_SIZE // ratio
     heads_p, heads_d = HEADS // tp_p, HEADS // tp_d
-    out = np.zeros((1 if mla else heads_d, LOCAL_BLOCK_SIZE, MLA_ROW if mla else ROW), np.uint8)
+    if mla:
+        out = np.zeros((LOCAL_BLOCK_SIZE, MLA_ROW), np.uint8)
+    else:
+        out = np.zeros((heads_d, 2, LOCAL_BLOCK_SIZE, VEC), np.uint8)  # (head, K|V, token, bytes)
     for t in range(LOCAL_BLOCK_SIZE):
         pos = (LOCAL_HIT + local_index) * LOCAL_BLOCK_SIZE + t
         block_index, token = divmod(pos, bs_p)
@@ -67,12 +73,12 @@ def _expected(rank, tp_p, tp_d, mla, ratio, layer, local_index) -> np.ndarray:
         remote_block = REMOTE_BLOCKS[block_index]
         if mla:
             src = pattern_block(100, layer, remote_block, _page(0, bs_p, True)).reshape(bs_p, MLA_ROW)
-            out[0, t] = src[token]
+            out[t] = src[token]
             continue
         for h in range(heads_d):
             p, hp = divmod(rank * heads_d + h, heads_p)
             src = pattern_block(100 + p, layer, remote_block, _page(heads_p, bs_p, False))
-            out[h, t] = src.reshape(heads_p, bs_p, ROW)[hp, token]
+            out[h, :, t] = src.reshape(heads_p, 2, bs_p, VEC)[hp, :, token]
     return out.reshape(-1)
 
 
@@ -82,7 +88,7 @@ async def _decode_rank(rank, tp_p, tp_d, mla, ratio, port, local_blocks, expires
     caches = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(LAYERS)]
     geometry = KVGeometry(
         tp_size=tp_d, tp_rank=rank, block_size=LOCAL_BLOCK_SIZE, part_len=_page(heads_d, LOCAL_BLOCK_SIZE, mla),
-        head_len=None if mla else LOCAL_BLOCK_SIZE * ROW, mla=mla,
+        run_len=None if mla else LOCAL_BLOCK_SIZE * VEC, mla=mla,
     )  # fmt: skip
     job = RecvJob(
         request_id="req-d", remote_request_id="req-p", remote_engine_id="prefill", host="127.0.0.1", port=port,
@@ -161,3 +167,20 @@ async def test_read_after_the_producer_lease_is_refused(nixl_peer_factory):
     local = LOCAL_CANDIDATES[: len(REMOTE_BLOCKS) - LOCAL_HIT]
     with pytest.raises(LeaseExpired):  # the blocks may belong to another request by now
         await _decode_rank(0, 1, 1, False, 1, port, local, expires_at=time.time() - 1)
+
+
+def test_kv_regions_find_vllms_token_runs():
+    from nixl_async import LayoutError
+    from nixl_async_vllm.worker import _kv_regions
+
+    buffer = torch.zeros(2 * NUM_BLOCKS * HEADS * LOCAL_BLOCK_SIZE * 2 * HEAD_DIM, dtype=torch.bfloat16)
+    packed = buffer.view(2, NUM_BLOCKS, HEADS, LOCAL_BLOCK_SIZE, 2 * HEAD_DIM)  # CPU: one view per layer
+    regions, block_len, run = _kv_regions({"l0": packed[0], "l1": packed[1], "alias": packed[1]}, NUM_BLOCKS)
+    assert len(regions) == 2 and block_len == HEADS * LOCAL_BLOCK_SIZE * ROW
+    assert run == LOCAL_BLOCK_SIZE * VEC, "packed K|V: a run is half a head (its K, or its V)"
+    apart = buffer.view(2, NUM_BLOCKS, HEADS, LOCAL_BLOCK_SIZE, 2 * HEAD_DIM)[..., :HEAD_DIM].contiguous()
+    regions, _, run = _kv_regions({"l0": apart}, NUM_BLOCKS)  # [2, blocks, heads, tokens, dim]: K and V apart
+    assert len(regions) == 2 and run == LOCAL_BLOCK_SIZE * VEC
+    token_major = packed[0].transpose(1, 2)  # tokens before heads (NHD)
+    with pytest.raises(LayoutError):
+        _kv_regions({"l0": token_major}, NUM_BLOCKS)
