@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nixl_async import EngineConfig
+from nixl_async import EngineConfig, PollConfig
 
 __all__ = ["AdapterSettings", "rank_engine_id"]
 
@@ -121,4 +121,7 @@ class AdapterSettings:
             # Readers notify producers through the side channel: a NIXL notification would hold
             # the reader's next read until the producer's loop polls (see EngineConfig.notify_via).
             notify_via="side_channel",
+            # No spinning after activity: the loop thread shares its core with vLLM's forward pass
+            # (measured, tiny model, concurrency 4: decode TTFT p50 62 -> 42 ms without the 2 ms linger).
+            poll=PollConfig(linger_s=0.0),
         )
