@@ -28,6 +28,13 @@ def _regions(n=2, blocks=64, block_len=BLOCK):
     return [np.zeros(blocks * block_len, dtype=np.uint8) for _ in range(n)]
 
 
+async def _tcp_peer(engine, factory, blocks, block_len):
+    """A one-region peer over UCX TCP (so transfers are really in flight), registered and connected."""
+    proc = factory(num_regions=1, num_blocks=blocks, block_len=block_len, tcp=True)
+    engine.register("kv", _regions(1, blocks, block_len), block_len=block_len)
+    return proc, await engine.connect(*proc.address)
+
+
 async def test_read_round_trip_and_notification(nixl_engine, nixl_peer):
     regions = _regions()
     nixl_engine.register("kv", regions, block_len=BLOCK)
@@ -163,9 +170,7 @@ async def test_notification_iterator(nixl_engine, nixl_peer):
 async def test_cancel_releases_the_in_flight_handle(nixl_engine, nixl_peer_factory):
     """Over UCX TCP the read is really in flight; cancelling it releases its NIXL handle."""
     block_len, blocks = 1 << 20, 64
-    peer_proc = nixl_peer_factory(num_regions=1, num_blocks=blocks, block_len=block_len, tcp=True)
-    nixl_engine.register("kv", _regions(1, blocks, block_len), block_len=block_len)
-    peer = await nixl_engine.connect(*peer_proc.address)
+    _peer_proc, peer = await _tcp_peer(nixl_engine, nixl_peer_factory, blocks, block_len)
     transfer = await nixl_engine.start_read(peer, range(blocks), range(blocks))
     assert transfer.state is TransferState.POSTING, "expected a genuinely in-flight transfer over TCP"
     for _ in range(100):  # a large first slice is posted by the poller, one iteration later
@@ -186,9 +191,7 @@ async def test_cancel_releases_the_in_flight_handle(nixl_engine, nixl_peer_facto
 async def test_settle_returns_only_once_nixl_holds_no_handle_of_the_transfers(nixl_engine, nixl_peer_factory):
     """What a failed request needs before its memory is reused: siblings cancelled *and* released."""
     block_len, blocks = 1 << 20, 64
-    peer_proc = nixl_peer_factory(num_regions=1, num_blocks=blocks, block_len=block_len, tcp=True)
-    nixl_engine.register("kv", _regions(1, blocks, block_len), block_len=block_len)
-    peer = await nixl_engine.connect(*peer_proc.address)
+    _peer_proc, peer = await _tcp_peer(nixl_engine, nixl_peer_factory, blocks, block_len)
     done = await nixl_engine.start_read(peer, [0], [0])
     await done
     running = await nixl_engine.start_read(peer, range(1, blocks), range(1, blocks))
@@ -206,9 +209,7 @@ async def test_settle_returns_only_once_nixl_holds_no_handle_of_the_transfers(ni
 
 async def test_deadline_expiry_and_asyncio_timeout(nixl_engine, nixl_peer_factory):
     block_len, blocks = 1 << 20, 64
-    peer_proc = nixl_peer_factory(num_regions=1, num_blocks=blocks, block_len=block_len, tcp=True)
-    nixl_engine.register("kv", _regions(1, blocks, block_len), block_len=block_len)
-    peer = await nixl_engine.connect(*peer_proc.address)
+    _peer_proc, peer = await _tcp_peer(nixl_engine, nixl_peer_factory, blocks, block_len)
     with pytest.raises(TransferTimeout):
         await nixl_engine.read(peer, range(blocks), range(blocks), timeout=0.001)
     transfer = await nixl_engine.start_read(peer, range(blocks), range(blocks))
@@ -237,9 +238,7 @@ async def test_deadline_expiry_and_asyncio_timeout(nixl_engine, nixl_peer_factor
 @pytest.mark.nixl_engine_config(max_inflight_transfers=2)
 async def test_backpressure_waits_for_room(nixl_engine, nixl_peer_factory):
     block_len, blocks = 1 << 20, 16
-    peer_proc = nixl_peer_factory(num_regions=1, num_blocks=blocks, block_len=block_len, tcp=True)
-    nixl_engine.register("kv", _regions(1, blocks, block_len), block_len=block_len)
-    peer = await nixl_engine.connect(*peer_proc.address)
+    _peer_proc, peer = await _tcp_peer(nixl_engine, nixl_peer_factory, blocks, block_len)
     first = await nixl_engine.start_read(peer, range(0, 8), range(0, 8))
     second = await nixl_engine.start_read(peer, range(8, 16), range(8, 16))
     third = asyncio.ensure_future(nixl_engine.start_read(peer, [0], [1]))
@@ -310,9 +309,7 @@ async def test_overlapping_memory_is_refused(nixl_engine):
 async def test_paused_peer_cannot_hang_a_caller(nixl_engine, nixl_peer_factory):
     """SIGSTOP the peer mid-transfer (TCP): the default deadline ends the wait, typed."""
     block_len, blocks = 1 << 20, 64
-    peer_proc = nixl_peer_factory(num_regions=1, num_blocks=blocks, block_len=block_len, tcp=True)
-    nixl_engine.register("kv", _regions(1, blocks, block_len), block_len=block_len)
-    peer = await nixl_engine.connect(*peer_proc.address)
+    peer_proc, peer = await _tcp_peer(nixl_engine, nixl_peer_factory, blocks, block_len)
     await nixl_engine.read(peer, [0], [0])
     peer_proc.pause()
     try:
