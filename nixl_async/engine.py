@@ -909,6 +909,7 @@ class TransferEngine:
                 transfer.posted.append(handle)
                 state = agent.post(handle)
                 took = time.perf_counter() - started
+                transfer.post_seconds += took
                 self.stats.histograms["post_us"].record(took)
                 posts += 1
                 moved = True
@@ -986,6 +987,7 @@ class TransferEngine:
                 len(transfer.slices),
                 elapsed,
                 transfer.notify is not None,
+                transfer.post_seconds,
             )
         )
 

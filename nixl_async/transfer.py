@@ -42,6 +42,7 @@ class TransferResult(msgspec.Struct, frozen=True):
     slices: int
     seconds: float
     notified: bool
+    post_seconds: float = 0.0  # time spent inside NIXL's post calls (a CMA post is the copy itself)
 
 
 def plan_slices(
@@ -80,6 +81,7 @@ class Transfer:
         "op",
         "peer",
         "piece_len",
+        "post_seconds",
         "posted",
         "remote_agent",
         "remote_dlist",
@@ -121,6 +123,7 @@ class Transfer:
         self.lease_deadline: float | None = None  # loop time past which the producer may reuse its blocks
         self.submitted_at = submitted_at
         self.state = TransferState.POSTING
+        self.post_seconds = 0.0
         self.next_slice = 0
         self.slices_done = 0
         self.posted: list[Any] = []  # NIXL handles in flight

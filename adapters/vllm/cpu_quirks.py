@@ -1,4 +1,4 @@
-"""Process set-up the CPU backend needs before NIXL/UCX start threads (see docs/vllm-cpu.md).
+"""Process set-up the CPU backend needs before NIXL/UCX start threads (README, "vLLM" section).
 
 - AMX: vLLM's bf16 attention uses AMX tiles, which need a per-process permission. Asked for
   after UCX has created its threads (with small signal stacks) the kernel refuses it and the

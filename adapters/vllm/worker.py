@@ -128,7 +128,6 @@ class ConnectorWorker:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         cpu_quirks.prepare_process()  # before our agent's UCX threads exist
-        self.vllm_config = vllm_config
         self.settings = AdapterSettings.from_vllm(vllm_config)
         if self.settings.switch_interval_s < sys.getswitchinterval():
             # Our loop thread shares the interpreter with vLLM's worker thread, which rarely
@@ -146,6 +145,7 @@ class ConnectorWorker:
         )
         self._notifications: queue.SimpleQueue[Notification] = self.sync.feed_notifications()
         self.geometry: KVGeometry | None = None
+        self._regions: list[Any] = []  # vLLM's tensors; the engine does not own them, so keep them referenced
         self._device_caches: dict[str, Any] = {}
         self._host_caches: dict[str, Any] = {}
         self._copy_blocks: Any = None
@@ -175,7 +175,7 @@ class ConnectorWorker:
             mem_type=mem_type, device_id=device, block_size=self.block_size,
         )  # fmt: skip
         self.sync.register_layout(layout)
-        self._regions = regions  # the engine does not own vLLM's tensors; keep them referenced
+        self._regions = regions
         self.geometry = KVGeometry(self.tp_size, self.tp_rank, self.block_size, layout.part_len,
                                    None if self.use_mla else run_len, self.use_mla)  # fmt: skip
         self.sync.set_extra(block_size=str(self.block_size), tp_size=str(self.tp_size), tp_rank=str(self.tp_rank))
@@ -301,7 +301,7 @@ class ConnectorWorker:
             except queue.Empty:
                 break
             stats.data["transfer_duration"].append(result.seconds)
-            stats.data["post_duration"].append(0.0)
+            stats.data["post_duration"].append(result.post_seconds)
             stats.data["bytes_transferred"].append(result.nbytes)
             stats.data["num_descriptors"].append(result.descriptors)
         return None if stats.is_empty() else stats.clone_and_reset()
@@ -322,14 +322,13 @@ async def receive(engine: TransferEngine, geometry: KVGeometry, job: RecvJob) ->
     before the error is raised: vLLM may reuse the request's blocks as soon as it hears of it.
     """
     notify = f"{job.remote_request_id}:{expected_consumers(remote_tp=job.remote_tp, local_tp=geometry.tp_size)}"
+    ranks = remote_ranks(local_tp=geometry.tp_size, local_rank=geometry.tp_rank, remote_tp=job.remote_tp)
     if not job.local_blocks:  # nothing to read (a full prefix hit, an aborted request): only let them free
-        ranks = remote_ranks(local_tp=geometry.tp_size, local_rank=geometry.tp_rank, remote_tp=job.remote_tp)
         peers = await asyncio.gather(*(_connect(engine, job, rank) for rank in ranks))
         for peer in peers:
             await engine.notify(peer, notify.encode())
         return []
-    first_rank = geometry.tp_rank * job.remote_tp // geometry.tp_size
-    first = await _connect(engine, job, first_rank)
+    first = await _connect(engine, job, ranks[0])  # every producer rank has the same geometry
     remote_layout = first.layout(LAYOUT)
     remote_block_size = int(first.extra.get("block_size", geometry.block_size))
     if remote_block_size <= 0 or geometry.block_size % remote_block_size:
