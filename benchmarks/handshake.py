@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from nixl_async import EngineConfig, HandshakeTimeout, TransferEngine
 from nixl_async._agent import OwnedAgent
-from nixl_async.peer import PeerProcess, PeerSpec
+from nixl_async.testing.peer_process import PeerProcess, PeerSpec
 
 from .common import Result, fetch_reply
 

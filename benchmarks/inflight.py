@@ -16,7 +16,7 @@ import numpy as np
 
 from nixl_async import EngineConfig, TransferEngine
 from nixl_async.layout import BlockLayout, pair_descriptor_ids
-from nixl_async.peer import PeerProcess, PeerSpec
+from nixl_async.testing.peer_process import PeerProcess, PeerSpec
 
 from .common import RawReader, Result
 

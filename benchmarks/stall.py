@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 from nixl_async import EngineConfig, TransferEngine
-from nixl_async.peer import PeerProcess, PeerSpec
+from nixl_async.testing.peer_process import PeerProcess, PeerSpec
 
 from .common import Result
 

@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from nixl_async import EngineConfig, TransferEngine
 from nixl_async.layout import BlockLayout, pair_descriptor_ids
-from nixl_async.peer import PeerProcess, PeerSpec
+from nixl_async.testing.peer_process import PeerProcess, PeerSpec
 
 from .common import RawReader, Result
 

@@ -20,8 +20,9 @@ from tqdm import tqdm
 
 from .config import EngineConfig
 from .engine import TransferEngine
-from .peer import PeerProcess, PeerSpec, verify_blocks
 from .stats import LatencyHistogram
+from .testing.patterns import verify_blocks
+from .testing.peer_process import PeerProcess, PeerSpec
 
 
 @dataclass

@@ -8,7 +8,7 @@ import zmq
 import zmq.asyncio
 
 from nixl_async import EngineConfig, HandshakeRejected, TransferEngine, messages
-from nixl_async.peer import Stats
+from nixl_async.testing import Stats
 
 SECRET = b"correct horse battery staple 42!"
 WRONG = b"incorrect horse battery staple 0"

@@ -230,7 +230,7 @@ async def test_restarted_peer_is_handshaken_again_after_a_failure(nixl_engine, n
     peer = await nixl_engine.connect(*first.address)
     await nixl_engine.read(peer, [0], [0])
     host, port = first.address
-    first.kill()
+    await first.akill()
     nixl_peer_factory(engine_id="prefill-x", seed=2, port=port)
     with pytest.raises((TransferFailed, TransferTimeout)):
         await nixl_engine.read(peer, [1], [1], timeout=5)
@@ -253,7 +253,7 @@ async def test_new_engine_at_a_known_address_replaces_the_old_one(nixl_engine, n
     first = nixl_peer_factory(engine_id="prefill-old", seed=1)
     old = await nixl_engine.connect(*first.address, expected_engine_id="prefill-old")
     host, port = first.address
-    first.kill()
+    await first.akill()
     nixl_peer_factory(engine_id="prefill-new", seed=2, port=port)
     new = await nixl_engine.connect(host, port, expected_engine_id="prefill-new")
     assert new.engine_id == "prefill-new" and not old.connected

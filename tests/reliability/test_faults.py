@@ -32,7 +32,7 @@ async def test_sigkill_mid_transfer_fails_only_that_peer(nixl_engine, nixl_peer_
         await nixl_engine.start_read(to_healthy, range(BLOCKS + i * 8, BLOCKS + i * 8 + 8), range(i * 8, i * 8 + 8))
         for i in range(4)
     ]
-    doomed.kill()
+    await doomed.akill()
     outcomes = await asyncio.gather(*(t.wait() for t in doomed_reads), return_exceptions=True)
     assert time.monotonic() - started < deadline + 1
     for outcome in outcomes:  # typed errors (a read may also have finished before the kill)
@@ -50,7 +50,7 @@ async def test_handshake_server_killed_mid_handshake(nixl_engine, nixl_peer_fact
     peer_proc.pause()  # its socket accepts connections, nobody answers
     connecting = asyncio.ensure_future(nixl_engine.connect(*peer_proc.address, timeout=1.5))
     await asyncio.sleep(0.3)
-    peer_proc.kill()
+    await peer_proc.akill()
     started = time.monotonic()
     with pytest.raises(HandshakeTimeout):
         await connecting

@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nixl_async import messages
-from nixl_async.peer import Stats
+from nixl_async.testing import Stats
 
 MESSAGES = 10_000
 

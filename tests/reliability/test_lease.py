@@ -7,8 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from nixl_async.peer import PeerCommandError, Stats, Transfer
-from nixl_async.testing import fill_pattern
+from nixl_async.testing import PeerCommandError, Stats, TransferCommand, fill_pattern
 
 BLOCK = 4096
 
@@ -24,8 +23,8 @@ async def test_lease_expires_when_the_reader_vanishes_and_late_reads_are_refused
     assert await asyncio.wait_for(lease.wait(), 5) is False, "nobody read: the lease must expire"
     assert 0.35 < time.monotonic() - started < 2.0
 
-    late = Transfer(op="READ", host=host, port=port, local_blocks=[0], remote_blocks=[3],
-                    notify=b"req-gone", lease_expires_at=lease.expires_at)  # fmt: skip
+    late = TransferCommand(op="READ", host=host, port=port, local_blocks=[0], remote_blocks=[3],
+                           notify=b"req-gone", lease_expires_at=lease.expires_at)  # fmt: skip
     with pytest.raises(PeerCommandError, match="LeaseExpired"):
         await nixl_peer.request(late)
     counters = (await nixl_peer.request(Stats()))["counters"]
@@ -40,9 +39,10 @@ async def test_reader_within_its_lease_releases_the_blocks(nixl_engine, nixl_pee
     readers = [nixl_peer_factory(), nixl_peer_factory()]
 
     lease = nixl_engine.lend(b"req-ok", readers=2, ttl_s=30)
+    read = TransferCommand(op="READ", host=host, port=port, local_blocks=[1, 2], remote_blocks=[5, 6],
+                           notify=b"req-ok", lease_expires_at=lease.expires_at)  # fmt: skip
     for reader in readers:
-        await reader.request(Transfer(op="READ", host=host, port=port, local_blocks=[1, 2], remote_blocks=[5, 6],
-                                      notify=b"req-ok", lease_expires_at=lease.expires_at))  # fmt: skip
+        await reader.request(read)
     assert await asyncio.wait_for(lease.wait(), 10) is True
     for reader in readers:
         assert (await reader.request(Stats()))["counters"]["transfers_done"] == 1

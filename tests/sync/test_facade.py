@@ -17,8 +17,7 @@ from nixl_async import (
     TransferCancelled,
     WrongThreadError,
 )
-from nixl_async.peer import Notify, WaitNotifications
-from nixl_async.testing import verify_blocks
+from nixl_async.testing import Notify, WaitNotifications, verify_blocks
 
 BLOCK = 4096
 

@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from nixl_async import EngineConfig, LayoutError, TransferEngine
-from nixl_async.peer import WaitNotifications
-from nixl_async.testing import pattern_block
+from nixl_async.testing import WaitNotifications, pattern_block
 from nixl_async_vllm.tp_mapping import expected_consumers, plan_reads
 
 LAYERS, HEADS, BLOCK_SIZE, HEAD_DIM, NUM_BLOCKS = 2, 4, 16, 8, 32

@@ -20,8 +20,7 @@ import pytest
 import torch
 
 from nixl_async import EngineConfig, LeaseExpired, TransferEngine
-from nixl_async.peer import WaitNotifications
-from nixl_async.testing import pattern_block
+from nixl_async.testing import WaitNotifications, pattern_block
 from nixl_async_vllm.settings import rank_engine_id
 from nixl_async_vllm.tp_mapping import expected_consumers
 from nixl_async_vllm.worker import KVGeometry, RecvJob, receive

@@ -1,13 +1,11 @@
 """A peer engine in its own process, for tests, the demo and benchmarks.
 
-``python -m nixl_async.peer SPEC_JSON`` starts an engine whose layout is filled with a
-deterministic pattern, serves handshakes, and obeys commands on a control socket (msgspec
-Structs over ZMQ): verify blocks, read, write, notify, wait for notifications, report stats.
-It prints one JSON line with its addresses when ready. `PeerProcess` is the parent's handle:
-start, command, pause (SIGSTOP), kill (SIGKILL), stop.
-
-The fill pattern is a function of (seed, region, byte offset), so either side can check any
-block without shipping data: see `pattern_block` and `verify_blocks`.
+``python -m nixl_async.testing.peer_process SPEC_JSON`` starts an engine whose layout is filled
+with a deterministic pattern (see `nixl_async.testing.patterns`), serves handshakes, and obeys
+commands on a control socket (msgspec Structs over ZMQ): verify blocks, read, write, notify, wait
+for notifications, report stats. It prints one JSON line with its addresses when ready.
+`PeerProcess` is the parent's handle: start, command, pause (SIGSTOP), kill (SIGKILL), stop; each
+of start, stop and kill has an ``a``-prefixed coroutine twin that does not block the event loop.
 """
 
 from __future__ import annotations
@@ -27,68 +25,29 @@ from typing import Any, Self
 
 import msgspec
 import numpy as np
-import numpy.typing as npt
 import zmq
 import zmq.asyncio
 
-from .layout import LayoutKind
+from ..layout import LayoutKind
+from .patterns import fill_pattern, verify_blocks
 
 __all__ = [
+    "Checksums",
+    "Exit",
+    "Fill",
+    "Notify",
     "PeerCommandError",
     "PeerProcess",
     "PeerSpec",
-    "fill_pattern",
-    "pattern_block",
-    "verify_blocks",
+    "Stats",
+    "TransferCommand",
+    "Verify",
+    "WaitNotifications",
 ]
 
+_MODULE = "nixl_async.testing.peer_process"  # what the child runs (``python -m``)
 _READY = "NIXL_ASYNC_PEER_READY"
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_MIX = np.uint64(0xBF58476D1CE4E5B9)
-
-
-def _pattern_words(seed: int, region: int, start_word: int, count: int) -> npt.NDArray[np.uint64]:
-    x = np.arange(start_word, start_word + count, dtype=np.uint64) * _GOLDEN
-    x += np.uint64((seed * 1_000_003 + region * 7_919 + 1) & 0xFFFFFFFFFFFFFFFF)
-    x ^= x >> np.uint64(31)
-    x *= _MIX
-    x ^= x >> np.uint64(29)
-    return x
-
-
-def pattern_block(seed: int, region: int, block: int, block_len: int) -> npt.NDArray[np.uint8]:
-    """The bytes block `block` of region `region` holds when filled with `seed`."""
-    if block_len % 8:
-        raise ValueError("pattern blocks must be a multiple of 8 bytes")
-    words = block_len // 8
-    return _pattern_words(seed, region, block * words, words).view(np.uint8)
-
-
-def fill_pattern(regions: Sequence[npt.NDArray[Any]], seed: int) -> None:
-    """Fill each region (a flat uint8 array or tensor-backed view) with the pattern."""
-    for r, region in enumerate(regions):
-        flat = np.asarray(region).reshape(-1).view(np.uint8)
-        if flat.nbytes % 8:
-            raise ValueError("pattern regions must be a multiple of 8 bytes")
-        flat.view(np.uint64)[:] = _pattern_words(seed, r, 0, flat.nbytes // 8)
-
-
-def verify_blocks(
-    regions: Sequence[npt.NDArray[Any]],
-    block_len: int,
-    blocks: Sequence[int] | npt.NDArray[np.integer[Any]],
-    source_blocks: Sequence[int] | npt.NDArray[np.integer[Any]],
-    seed: int,
-) -> list[int]:
-    """Blocks (of `blocks`) whose bytes differ from the pattern of the paired source block."""
-    bad: list[int] = []
-    for r, region in enumerate(regions):
-        flat = np.asarray(region).reshape(-1).view(np.uint8)
-        for block, source in zip(blocks, source_blocks, strict=True):
-            got = flat[block * block_len : (block + 1) * block_len]
-            if not np.array_equal(got, pattern_block(seed, r, source, block_len)):
-                bad.append(int(block))
-    return sorted(set(bad))
+_READ_CHUNK = 1 << 16
 
 
 # -- control protocol ---------------------------------------------------------------------
@@ -124,7 +83,9 @@ class Checksums(msgspec.Struct, tag="checksums", kw_only=True):
     blocks: list[int]
 
 
-class Transfer(msgspec.Struct, tag="transfer", kw_only=True):
+class TransferCommand(msgspec.Struct, tag="transfer", kw_only=True):
+    """Make the peer read or write against another engine (named apart from `nixl_async.transfer.Transfer`)."""
+
     op: str
     host: str
     port: int
@@ -155,7 +116,7 @@ class Exit(msgspec.Struct, tag="exit"):
     pass
 
 
-Command = Verify | Fill | Checksums | Transfer | Notify | WaitNotifications | Stats | Exit
+Command = Verify | Fill | Checksums | TransferCommand | Notify | WaitNotifications | Stats | Exit
 
 
 class Ok(msgspec.Struct, tag="ok"):
@@ -184,8 +145,8 @@ class PeerCommandError(RuntimeError):
 # -- the child ----------------------------------------------------------------------------
 class _PeerServer:
     def __init__(self, spec: PeerSpec) -> None:
-        from .config import EngineConfig
-        from .engine import TransferEngine
+        from ..config import EngineConfig
+        from ..engine import TransferEngine
 
         self.spec = spec
         self.engine = TransferEngine(
@@ -255,7 +216,9 @@ class _PeerServer:
             case Checksums(blocks=blocks):
                 bl = spec.block_len
                 return [[zlib.crc32(r[b * bl : (b + 1) * bl].data) for b in blocks] for r in self.regions]
-            case Transfer(op=op, host=host, port=port, local_blocks=lb, remote_blocks=rb, notify=notify, timeout=t):
+            case TransferCommand(
+                op=op, host=host, port=port, local_blocks=lb, remote_blocks=rb, notify=notify, timeout=t
+            ):
                 peer = await engine.connect(host, port)
                 start = engine.start_read if op == "READ" else engine.start_write
                 result = await (
@@ -289,7 +252,11 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 # -- the parent's handle ------------------------------------------------------------------
 class PeerProcess:
-    """Start and command a peer process. Usable from sync code and from coroutines."""
+    """Start and command a peer process.
+
+    Sync code uses `start` / `stop` / `kill` (or ``with``); coroutines use `astart` / `astop` / `akill`
+    (or ``async with``), which wait on the child without blocking the event loop.
+    """
 
     def __init__(
         self,
@@ -308,6 +275,7 @@ class PeerProcess:
         self.host = ""
         self.port = 0
         self.control_port = 0
+        self._stdout = b""  # what the child printed before its ready line, up to an incomplete line
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the peer
 
     @property
@@ -323,40 +291,95 @@ class PeerProcess:
         assert self.proc is not None
         return self.proc.pid
 
-    def start(self) -> Self:
+    # -- starting -------------------------------------------------------------------------
+    def _spawn(self) -> int:
+        """Start the child; return its stdout's file descriptor, on which the ready line will come."""
         env = {**os.environ, **self.env}
         env.setdefault("PYTHONUNBUFFERED", "1")
+        self._stdout = b""
         self.proc = subprocess.Popen(
-            [*self.command_prefix, sys.executable, "-m", "nixl_async.peer", msgspec.json.encode(self.spec).decode()],
+            [*self.command_prefix, sys.executable, "-m", _MODULE, msgspec.json.encode(self.spec).decode()],
             stdout=subprocess.PIPE,
             stderr=self._stderr,
             stdin=subprocess.DEVNULL,
             env=env,
         )
         assert self.proc.stdout is not None
+        return self.proc.stdout.fileno()
+
+    def _scan(self, chunk: bytes) -> bool:
+        """Take stdout bytes; True once the ready line has come (NIXL may log to stdout before it)."""
+        *lines, self._stdout = (self._stdout + chunk).split(b"\n")
+        for raw in lines:
+            line = raw.decode(errors="replace")
+            if line.startswith(_READY):
+                ready = json.loads(line[len(_READY) :])
+                self.host, self.port, self.control_port = ready["host"], ready["port"], ready["control_port"]
+                self._stdout = b""
+                return True
+        return False
+
+    def _timed_out(self) -> RuntimeError:
+        return RuntimeError(f"peer {self.engine_id} did not start in {self.startup_timeout}s: {self.stderr()}")
+
+    def _exited(self) -> RuntimeError:
+        assert self.proc is not None
+        return RuntimeError(f"peer {self.engine_id} exited ({self.proc.returncode}): {self.stderr()}")
+
+    def start(self) -> Self:
+        """Start the peer and block until it serves (sync code; coroutines use `astart`)."""
+        fd = self._spawn()
         deadline = time.monotonic() + self.startup_timeout
         with selectors.DefaultSelector() as sel:
-            sel.register(self.proc.stdout, selectors.EVENT_READ)
-            while True:  # NIXL may log to stdout first: skip to our ready line
+            sel.register(fd, selectors.EVENT_READ)
+            while True:
                 if not sel.select(max(0.0, deadline - time.monotonic())):
                     self.kill()
-                    raise RuntimeError(
-                        f"peer {self.engine_id} did not start in {self.startup_timeout}s: {self.stderr()}"
-                    )
-                line = self.proc.stdout.readline().decode(errors="replace")
-                if not line:
-                    self.proc.wait()
-                    raise RuntimeError(f"peer {self.engine_id} exited ({self.proc.returncode}): {self.stderr()}")
-                if line.startswith(_READY):
-                    break
-        ready = json.loads(line[len(_READY) :])
-        self.host, self.port, self.control_port = ready["host"], ready["port"], ready["control_port"]
-        return self
+                    raise self._timed_out()
+                chunk = os.read(fd, _READ_CHUNK)
+                if not chunk:
+                    self._wait_sync()
+                    raise self._exited()
+                if self._scan(chunk):
+                    return self
+
+    async def astart(self) -> Self:
+        """`start` for coroutines: the child's stdout is read as the loop sees it readable."""
+        fd = self._spawn()
+        loop = asyncio.get_running_loop()
+        readable = asyncio.Event()
+        os.set_blocking(fd, False)
+        loop.add_reader(fd, readable.set)
+        try:
+            async with asyncio.timeout(self.startup_timeout):
+                while True:
+                    await readable.wait()
+                    readable.clear()
+                    try:
+                        chunk = os.read(fd, _READ_CHUNK)
+                    except BlockingIOError:
+                        continue
+                    if not chunk:
+                        break
+                    if self._scan(chunk):
+                        return self
+        except TimeoutError:
+            await self.akill()
+            raise self._timed_out() from None
+        except BaseException:  # cancelled: no one else will reap the child (SIGKILL makes the wait short)
+            self.kill()
+            raise
+        finally:
+            loop.remove_reader(fd)
+            os.set_blocking(fd, True)
+        await self._wait()
+        raise self._exited()
 
     def stderr(self) -> str:
         self._stderr.seek(0)
         return self._stderr.read().decode(errors="replace")[-4000:]
 
+    # -- commands -------------------------------------------------------------------------
     async def request(self, cmd: Any, timeout: float = 60.0) -> Any:
         """Send a command and await its answer (raises `PeerCommandError`, `TimeoutError`)."""
         ctx = zmq.asyncio.Context.instance()
@@ -392,12 +415,33 @@ class PeerProcess:
             raise PeerCommandError(answer.error_type, answer.message)
         return answer.value
 
+    # -- waiting for the exit -------------------------------------------------------------
+    def _wait_sync(self, timeout: float | None = None) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout)
+
+    async def _wait(self, timeout: float | None = None) -> int:
+        """`proc.wait` for coroutines: polls, since the child is a plain `Popen`, not an asyncio subprocess."""
+        assert self.proc is not None
+        delay = 0.001
+        async with asyncio.timeout(timeout):
+            while (code := self.proc.poll()) is None:
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 0.05)
+        return code
+
     # -- fault knobs ----------------------------------------------------------------------
     def kill(self) -> None:
         """SIGKILL: the peer dies without any goodbye."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
-            self.proc.wait()
+            self._wait_sync()
+
+    async def akill(self) -> None:
+        """`kill` for coroutines."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            await self._wait()
 
     def pause(self) -> None:
         """SIGSTOP: the peer stops answering but its sockets stay open."""
@@ -408,6 +452,7 @@ class PeerProcess:
         assert self.proc is not None
         self.proc.send_signal(signal.SIGCONT)
 
+    # -- stopping -------------------------------------------------------------------------
     def stop(self, timeout: float = 10.0) -> int | None:
         """Ask the peer to exit; kill it if it does not. Returns its exit code."""
         if self.proc is None:
@@ -416,19 +461,43 @@ class PeerProcess:
             self.resume()
             try:
                 self.request_sync(Exit(), timeout=timeout)
-                self.proc.wait(timeout)
+                self._wait_sync(timeout)
             except (TimeoutError, subprocess.TimeoutExpired, PeerCommandError, zmq.ZMQError):
                 self.kill()
+        self._close()
+        return self.proc.returncode
+
+    async def astop(self, timeout: float = 10.0) -> int | None:
+        """`stop` for coroutines."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.resume()
+            try:
+                await self.request(Exit(), timeout=timeout)
+                await self._wait(timeout)
+            except (TimeoutError, PeerCommandError, zmq.ZMQError):
+                await self.akill()
+        self._close()
+        return self.proc.returncode
+
+    def _close(self) -> None:
+        assert self.proc is not None
         if self.proc.stdout is not None:
             self.proc.stdout.close()
         self._stderr.close()
-        return self.proc.returncode
 
     def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+    async def __aenter__(self) -> Self:
+        return await self.astart()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.astop()
 
 
 if __name__ == "__main__":
