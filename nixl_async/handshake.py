@@ -13,6 +13,13 @@ hanging the caller.
 With a shared secret, the server answers a request without proof by an `AuthChallenge`
 carrying a fresh single-use nonce; the client asks again with an HMAC over that nonce and its
 request. Refusals are logged with the asker's engine id, never with the secret.
+
+The same socket takes side-channel notifications (`NotifyMessage`, never answered). Every
+metadata reply carries a fresh notify session issued to the asker's engine id by the server's
+`NotifyGuard`; a notification is delivered only in a known session, from the engine it was
+issued to, with a sequence number not seen before (and a valid MAC with a secret). Refused
+ones are counted by reason in `notifications_refused` and logged at most once a second per
+reason, so a flood of them cannot flood the log.
 """
 
 from __future__ import annotations
@@ -21,9 +28,10 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import math
 import secrets
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 
 import msgspec
@@ -31,15 +39,21 @@ import zmq
 import zmq.asyncio
 
 from . import messages
+from ._notify_guard import NotifyGuard
 from .exceptions import HandshakeRejected, HandshakeTimeout, ProtocolError
 
 __all__ = ["HandshakeServer", "Refusal", "fetch_metadata"]
 
 log = logging.getLogger(__name__)
 
-ReplyFor = Callable[[messages.MetadataRequest], bytes]
+# A reply builder returns the reply; the server adds the asker's notify session and encodes it.
+# (Prepared bytes are still answered as they are, without a session: notifications from that
+# asker are then refused. Transitional, until every caller returns the struct.)
+ReplyFor = Callable[[messages.MetadataRequest], messages.MetadataReply]
 _NONCE_TTL_S = 10.0
 _MAX_NONCES = 4096
+_MAX_NOTIFY_SESSIONS = 4096
+_REFUSAL_LOG_INTERVAL_S = 1.0
 
 
 class Refusal(Exception):
@@ -57,8 +71,8 @@ def _error(code: str, message: str) -> bytes:
 class HandshakeServer:
     """Answers `MetadataRequest`s on ``tcp://host:port`` until closed.
 
-    `reply_for` turns a decoded request into reply bytes; it runs on the loop thread, so it may
-    touch the engine's state.
+    `reply_for` turns a decoded request into its `MetadataReply`; it runs on the loop thread,
+    so it may touch the engine's state. The server adds a notify session issued to the asker.
     """
 
     def __init__(
@@ -71,9 +85,13 @@ class HandshakeServer:
         on_request: Callable[[], None] | None = None,
         on_notify: Callable[[str, bytes], None] | None = None,
         secret: bytes | None = None,
+        max_notify_sessions: int = _MAX_NOTIFY_SESSIONS,
     ) -> None:
         self._context = context
         self._secret = secret
+        self.guard = NotifyGuard(secret, max_sessions=max_notify_sessions)
+        self.notifications_refused: Counter[str] = Counter()  # by NotifyGuard reason
+        self._refusal_logged_at: dict[str, float] = {}
         self._nonces: OrderedDict[bytes, float] = OrderedDict()  # outstanding challenges
         self.auth_failures = 0
         self._reply_for = reply_for
@@ -171,22 +189,36 @@ class HandshakeServer:
             log.exception("handshake reply failed")
             self.rejected += 1
             return identity, delimiter, _error("internal", type(exc).__name__)
+        session = self.guard.issue(request.engine_id)
         self.served += 1
-        return identity, delimiter, reply
+        return identity, delimiter, messages.encode(msgspec.structs.replace(reply, notify_session=session))
 
     def _take_notification(self, note: messages.NotifyMessage) -> None:
-        if self._secret is not None and not hmac.compare_digest(
-            note.mac, messages.notify_mac(self._secret, note.engine_id, note.message)
-        ):
-            self.rejected += 1
-            self.auth_failures += 1
-            log.warning("dropped a notification claiming to come from engine %r: bad credentials", note.engine_id)
-            return
         if self._on_notify is None:
             self.rejected += 1
             return
+        reason = self.guard.check(note)
+        if reason is not None:
+            # Session, number and MAC are a notification's credentials: a refusal is an auth failure.
+            self.rejected += 1
+            self.auth_failures += 1
+            self.notifications_refused[reason] += 1
+            self._log_refusal(reason, note.engine_id)
+            return
         self.notifications += 1
         self._on_notify(note.engine_id, note.message)
+
+    def _log_refusal(self, reason: str, engine_id: str) -> None:
+        now = time.monotonic()
+        if now - self._refusal_logged_at.get(reason, -math.inf) < _REFUSAL_LOG_INTERVAL_S:
+            return
+        self._refusal_logged_at[reason] = now
+        log.warning(
+            "dropped a notification claiming to come from engine %r: %s (%d refused for this reason so far)",
+            engine_id,
+            reason,
+            self.notifications_refused[reason],
+        )
 
     def _challenge(self) -> bytes:
         now = time.monotonic()

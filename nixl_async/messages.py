@@ -2,8 +2,14 @@
 
 A handshake is one request and one reply. The request says who asks and (optionally) whom it
 expects; the reply carries what the asker needs to reach our memory: NIXL agent metadata, our
-layouts and the compatibility hash. Any request that cannot be decoded gets an `ErrorReply`.
-New fields go last, with defaults, so older peers still decode newer messages.
+layouts and the compatibility hash, and a fresh notify session for side-channel notifications.
+Any request that cannot be decoded gets an `ErrorReply`. New fields go last, with defaults, so
+older peers still decode newer messages.
+
+A `NotifyMessage` names the session the receiver issued to its sender and a sequence number
+that grows with every notification in that session, so the receiver refuses a replayed one
+(see `_notify_guard.py`); with a shared secret its HMAC covers session, sequence number,
+sender and message.
 """
 
 from __future__ import annotations
@@ -58,6 +64,9 @@ class MetadataReply(msgspec.Struct, tag="metadata", frozen=True, kw_only=True):
     layouts: list[BlockLayout]
     extra: dict[str, str] = {}
     wall_clock: float = 0.0  # the server's time.time() when answering: readers estimate clock offsets
+    # Issued by the server to the asking engine id for this handshake only: side-channel
+    # notifications to this server must carry it (b"": an older server that issues none).
+    notify_session: bytes = b""
 
 
 class ErrorReply(msgspec.Struct, tag="error", frozen=True, kw_only=True):
@@ -78,14 +87,17 @@ class NotifyMessage(msgspec.Struct, tag="notify", frozen=True, kw_only=True):
 
     Why: a NIXL notification is an active message, and UCX holds the sender's next operation
     to that peer until the receiver's worker is progressed; the side channel wakes the
-    receiver's loop through its socket instead. With a shared secret, `mac` is an HMAC over
-    sender and message.
+    receiver's loop through its socket instead. `session` is the receiver's `notify_session`
+    from our handshake and `seq` grows with every notification we send (the receiver accepts
+    each number once, in order). With a shared secret, `mac` is `notify_mac` over all of them.
     """
 
     version: int = PROTOCOL_VERSION
     engine_id: str
     message: bytes
     mac: bytes = b""
+    session: bytes = b""
+    seq: int = 0
 
 
 Reply = MetadataReply | ErrorReply | AuthChallenge
@@ -116,9 +128,14 @@ def request_mac(secret: bytes, request: MetadataRequest) -> bytes:
     return hmac.new(secret, _encoder.encode(unsigned), hashlib.sha256).digest()
 
 
-def notify_mac(secret: bytes, engine_id: str, message: bytes) -> bytes:
-    """HMAC-SHA256 of a side-channel notification's sender and content."""
-    return hmac.new(secret, _encoder.encode(["notify", engine_id, message]), hashlib.sha256).digest()
+def notify_mac(secret: bytes, session: bytes, seq: int, engine_id: str, message: bytes) -> bytes:
+    """HMAC-SHA256 of a side-channel notification's session, sequence number, sender and content.
+
+    The session and sequence number are covered so a captured notification cannot be re-sent
+    under another number, nor moved to another session or sender.
+    """
+    signed = _encoder.encode(["notify", session, seq, engine_id, message])
+    return hmac.new(secret, signed, hashlib.sha256).digest()
 
 
 def compat_hash(compat: Mapping[str, str]) -> str:

@@ -64,3 +64,26 @@ def test_compat_hash_is_order_insensitive_and_sensitive_to_values():
     assert a == messages.compat_hash({"dtype": "bf16", "model": "m"})
     assert a != messages.compat_hash({"dtype": "fp16", "model": "m"})
     assert a != messages.compat_hash({})
+
+
+def test_notify_session_fields_default_for_older_peers():
+    raw = msgspec.to_builtins(_reply(), builtin_types=(bytes,))
+    del raw["notify_session"]
+    assert messages.decode_reply(msgspec.msgpack.encode(raw)).notify_session == b""  # an older server
+    older = messages.decode_request(msgspec.msgpack.encode({"type": "notify", "engine_id": "e", "message": b"m"}))
+    assert isinstance(older, messages.NotifyMessage) and (older.session, older.seq) == (b"", 0)
+    note = messages.NotifyMessage(engine_id="e", message=b"m", session=b"s" * 16, seq=7)
+    assert messages.decode_request(messages.encode(note)) == note
+
+
+def test_notify_mac_covers_session_number_sender_and_message():
+    secret = b"k" * 32
+    base = messages.notify_mac(secret, b"s" * 16, 1, "e", b"m")
+    others = [
+        messages.notify_mac(secret, b"t" * 16, 1, "e", b"m"),
+        messages.notify_mac(secret, b"s" * 16, 2, "e", b"m"),
+        messages.notify_mac(secret, b"s" * 16, 1, "f", b"m"),
+        messages.notify_mac(secret, b"s" * 16, 1, "e", b"n"),
+        messages.notify_mac(b"j" * 32, b"s" * 16, 1, "e", b"m"),
+    ]
+    assert len({base, *others}) == 6

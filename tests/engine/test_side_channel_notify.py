@@ -14,8 +14,7 @@ import pytest
 import zmq
 
 from nixl_async import EngineConfig, TransferEngine, messages
-from nixl_async.peer import WaitNotifications
-from nixl_async.testing import verify_blocks
+from nixl_async.testing import WaitNotifications, verify_blocks
 
 BLOCK = 4096
 SECRET = b"s" * 32
@@ -74,11 +73,13 @@ async def test_unauthenticated_side_channel_notifications_are_dropped(reader_sec
             EngineConfig(engine_id="reader", notify_via="side_channel", auth_secret=reader_secret)
         ).start()
         try:
-            # The forger cannot handshake without the secret, so it sends straight to the socket.
+            # The forger cannot handshake without the secret (so it has no notify session): it sends
+            # straight to the socket. Replays of captured notifications: tests/engine/test_notify_replay.py.
             sock = forger._zmq.socket(zmq.DEALER)
             sock.connect(f"tcp://{producer.address[0]}:{producer.address[1]}")
-            mac = messages.notify_mac(reader_secret, "reader", b"forged:1") if reader_secret else b""
-            await sock.send(messages.encode(messages.NotifyMessage(engine_id="reader", message=b"forged:1", mac=mac)))
+            mac = messages.notify_mac(reader_secret, b"", 1, "reader", b"forged:1") if reader_secret else b""
+            forged = messages.NotifyMessage(engine_id="reader", message=b"forged:1", mac=mac, seq=1)
+            await sock.send(messages.encode(forged))
             with pytest.raises(Exception, match="0 of 1"):
                 await producer.wait_notifications(b"forged:1", timeout=0.5)
             assert producer.snapshot().counters["handshake_auth_failures"] == 1

@@ -1,0 +1,93 @@
+"""Replay protection for side-channel notifications: pure bookkeeping, no I/O.
+
+How it works: the handshake server issues a fresh random 16-byte notify session with every
+`MetadataReply` it sends, bound to the engine id that asked (`issue`). A notification is
+accepted (`check` returns None) only if it names a session this server issued, to that same
+engine id, with a sequence number above the last one accepted in that session, and, with a
+shared secret, a valid `messages.notify_mac` over session, sequence number, sender and message.
+Anything else gets a reason code and changes nothing, so a refused message cannot disturb
+a good sender's sequence.
+
+Why strictly increasing rather than "next expected": ZMQ keeps order on one DEALER->ROUTER
+connection but drops what was queued when it breaks, so numbers may skip, never go back.
+A sender that reconnects for good handshakes again and gets a new session.
+
+Sessions live until evicted (least recently used first) once `max_sessions` are live; an
+accepted notification counts as a use, so a flood of handshakes evicts idle sessions before
+busy ones. A sender whose session was evicted (or whose receiver restarted) is refused with
+"unknown_session" until its next handshake.
+
+Without a shared secret nothing is authenticated: anyone who sees a session on the wire can
+send new notifications in it. Session and sequence number still refuse a blind replay of a
+captured notification, in its own session or after that session is gone.
+"""
+
+from __future__ import annotations
+
+import hmac
+import secrets
+from collections import OrderedDict
+from typing import Final
+
+from . import messages
+
+__all__ = ["REFUSAL_REASONS", "NotifyGuard"]
+
+UNKNOWN_SESSION: Final = "unknown_session"
+BAD_MAC: Final = "bad_mac"
+WRONG_SENDER: Final = "wrong_sender"
+REPLAYED: Final = "replayed"
+REFUSAL_REASONS: Final = (UNKNOWN_SESSION, BAD_MAC, WRONG_SENDER, REPLAYED)
+
+SESSION_BYTES: Final = 16
+
+
+class _Session:
+    __slots__ = ("engine_id", "last_seq")
+
+    def __init__(self, engine_id: str) -> None:
+        self.engine_id = engine_id
+        self.last_seq = 0  # senders number from 1
+
+
+class NotifyGuard:
+    """Issues notify sessions and decides which notifications to accept (see the module doc)."""
+
+    def __init__(self, secret: bytes | None = None, *, max_sessions: int = 4096) -> None:
+        if max_sessions < 1:
+            raise ValueError("max_sessions must be at least 1")
+        self._secret = secret
+        self._max_sessions = max_sessions
+        self._sessions: OrderedDict[bytes, _Session] = OrderedDict()  # least recently used first
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def issue(self, engine_id: str) -> bytes:
+        """A fresh session for `engine_id`'s notifications to us, evicting the least recently used if full."""
+        while len(self._sessions) >= self._max_sessions:
+            self._sessions.popitem(last=False)
+        session = secrets.token_bytes(SESSION_BYTES)
+        self._sessions[session] = _Session(engine_id)
+        return session
+
+    def check(self, note: messages.NotifyMessage) -> str | None:
+        """None to accept `note` (and remember its sequence number), else why it is refused.
+
+        The MAC is checked before sender and sequence number so that, with a secret, only a
+        holder of the secret learns more than "unknown_session" or "bad_mac".
+        """
+        state = self._sessions.get(note.session)
+        if state is None:
+            return UNKNOWN_SESSION
+        if self._secret is not None:
+            expected = messages.notify_mac(self._secret, note.session, note.seq, note.engine_id, note.message)
+            if not hmac.compare_digest(note.mac, expected):
+                return BAD_MAC
+        if note.engine_id != state.engine_id:
+            return WRONG_SENDER
+        if note.seq <= state.last_seq:
+            return REPLAYED
+        state.last_seq = note.seq
+        self._sessions.move_to_end(note.session)
+        return None

@@ -1,0 +1,82 @@
+"""The sending side of side-channel notifications (`EngineConfig.notify_via="side_channel"`).
+
+How it works: one plain (not asyncio) ZMQ DEALER per peer address, connected on first use to
+the peer's handshake ROUTER, so `send` queues the message and returns at once; ZMQ's I/O
+thread delivers it. Each notification carries the notify session the peer issued to us in
+our handshake and a sequence number, signed with the shared secret if there is one; the
+peer's `NotifyGuard` accepts each (session, number) once, in increasing order.
+
+Sequence numbers come from one counter for all peers and sessions: they grow within every
+session, which is all the receiver needs, and nothing has to be reset or bounded when a peer
+is forgotten or handshakes again. (The receiver learns how many notifications we sent in all,
+a trusted peer's business.) One session only ever travels on one socket, whose connection
+keeps order.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import zmq
+import zmq.asyncio
+
+from . import messages
+
+__all__ = ["SideChannelNotifier"]
+
+Address = tuple[str, int]
+
+_LINGER_MS = 1000  # let a last notification leave at close
+_SNDHWM = 10000  # queued notifications per peer before send raises zmq.Again
+
+
+class SideChannelNotifier:
+    """Sends signed, numbered notifications to peers' handshake sockets; owns one socket per address."""
+
+    def __init__(self, context: zmq.asyncio.Context, engine_id: str, secret: bytes | None = None) -> None:
+        # A plain shadow of the engine's context: a plain socket's send() is immediate, no awaiting.
+        self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.shadow(context)
+        self._engine_id = engine_id
+        self._secret = secret
+        self._seq = itertools.count(1)
+        self._sockets: dict[Address, zmq.Socket[bytes]] = {}
+
+    def send(self, address: Address, session: bytes, message: bytes) -> None:
+        """Queue `message` for the peer at `address` in its notify `session`.
+
+        Raises `zmq.Again` when that peer's queue is full (the number it used is simply skipped).
+        """
+        sock = self._sockets.get(address)
+        if sock is None:
+            sock = self._open(address)
+        seq = next(self._seq)
+        mac = messages.notify_mac(self._secret, session, seq, self._engine_id, message) if self._secret else b""
+        note = messages.NotifyMessage(engine_id=self._engine_id, message=message, mac=mac, session=session, seq=seq)
+        sock.send(messages.encode(note), flags=zmq.NOBLOCK)
+
+    def _open(self, address: Address) -> zmq.Socket[bytes]:
+        sock: zmq.Socket[bytes] = self._context.socket(zmq.DEALER)
+        try:
+            sock.setsockopt(zmq.LINGER, _LINGER_MS)
+            sock.setsockopt(zmq.SNDHWM, _SNDHWM)
+            sock.connect(f"tcp://{address[0]}:{address[1]}")
+        except zmq.ZMQError:
+            sock.close(0)
+            raise
+        self._sockets[address] = sock
+        return sock
+
+    def forget(self, address: Address) -> None:
+        """Close the socket to `address` (queued notifications get the linger period to leave)."""
+        sock = self._sockets.pop(address, None)
+        if sock is not None:
+            sock.close()
+
+    def close(self) -> None:
+        """Close every socket; do this before the context is destroyed (its term waits for them)."""
+        for sock in self._sockets.values():
+            sock.close()
+        self._sockets.clear()
+
+    def __len__(self) -> int:
+        return len(self._sockets)
