@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The GPU check (issue 15, docs/gpu.md) in one command, on the lent GPU machine:
+#
+#   here:       bash scripts/gpu-wheels.sh        # once: NIXL, msgspec, pyzmq wheels into .whl/
+#   device run: carry [".whl"], command "bash scripts/gpu-check.sh"
+#
+# Installs the carried wheels into /tmp/site when the Python there lacks them, makes this
+# checkout importable under the names pyproject.toml maps (nixl_async, nixl_async_benchmarks,
+# nixl_async_vllm) without installing it, puts the CUDA runtime pip installed with torch on the
+# library path (UCX's CUDA memory hooks need libcudart), and runs
+# `python -m nixl_async_benchmarks.gpu_check`. Results: $OUT (the device's output folder), else
+# ./out: gpu-check.md, gpu-check.json, gpu-check.log, nvidia-smi.txt. Extra arguments go to the
+# check (--quick, --cpu-dry-run, --tput-mib N, ...). On a machine without CUDA the check stops
+# before the GPU part: exit 0 with --cpu-dry-run, 2 without.
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+OUT_DIR="${OUT:-$ROOT/out}"
+mkdir -p "$OUT_DIR"
+if [[ -n "${PYTHON:-}" ]]; then
+    PY="$PYTHON"
+elif [[ -x "$ROOT/.venv/bin/python" ]]; then
+    PY="$ROOT/.venv/bin/python"  # a developer's checkout
+else
+    PY=python3  # the device: the image's Python, with CUDA torch
+fi
+
+if ! "$PY" -c 'import nixl, msgspec, zmq' 2>/dev/null; then
+    if ! compgen -G "$ROOT/.whl/*.whl" >/dev/null; then
+        echo "gpu-check.sh: $PY lacks nixl/msgspec/pyzmq and no wheels were carried:" \
+            "run scripts/gpu-wheels.sh here and carry .whl" >&2
+        exit 1
+    fi
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site "$ROOT"/.whl/*.whl || exit 1
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+# The packages, as pyproject.toml's package-dir maps them, without installing this checkout.
+SRC="$(mktemp -d /tmp/nixl-async-src.XXXXXX)"
+ln -s "$ROOT/nixl_async" "$SRC/nixl_async"
+ln -s "$ROOT/benchmarks" "$SRC/nixl_async_benchmarks"
+ln -s "$ROOT/adapters/vllm" "$SRC/nixl_async_vllm"
+export PYTHONPATH="$SRC${PYTHONPATH:+:$PYTHONPATH}"
+
+# NVIDIA's pip-installed CUDA libraries (nvidia/<pkg>/lib, nvidia/cu13/lib): UCX's CUDA modules
+# link libcudart by name. Only folders that hold a libcudart are added.
+NV_LIBS="$("$PY" - <<'EOF'
+import glob, os, sys
+dirs = []
+for base in sys.path:
+    for d in sorted(glob.glob(os.path.join(base or ".", "nvidia", "*", "lib"))):
+        if glob.glob(os.path.join(d, "libcudart.so*")) and d not in dirs:
+            dirs.append(d)
+print(":".join(dirs))
+EOF
+)"
+if [[ -n "$NV_LIBS" ]]; then
+    export LD_LIBRARY_PATH="$NV_LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+
+export PYTHONUNBUFFERED=1
+export GPU_CHECK_INVOKED_AS="bash scripts/gpu-check.sh${*:+ $*}"  # recorded in the summary
+# UCX prints each protocol it selects (look for cuda_ipc / cuda_copy in gpu-check.log).
+export UCX_PROTO_INFO="${UCX_PROTO_INFO:-y}"
+
+if command -v nvidia-smi >/dev/null; then
+    nvidia-smi >"$OUT_DIR/nvidia-smi.txt" 2>&1 || true
+fi
+echo "gpu-check.sh: $("$PY" -V 2>&1) at $(command -v "$PY"), out: $OUT_DIR"
+
+timeout -k 10 570 "$PY" -m nixl_async_benchmarks.gpu_check --out "$OUT_DIR" "$@" 2>&1 | tee "$OUT_DIR/gpu-check.log"
+rc=${PIPESTATUS[0]}
+rm -rf "$SRC"
+echo "gpu-check.sh: exit $rc"
+exit "$rc"

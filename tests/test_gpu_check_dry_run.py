@@ -1,0 +1,41 @@
+"""The GPU check (docs/gpu.md) starts on a machine without a GPU: imports, pattern and oracles,
+summary, then a clear stop before the GPU part. Its shell scripts at least parse."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+MODULE = "nixl_async_benchmarks.gpu_check"
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the check really runs")
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", MODULE, *args], capture_output=True, text=True, timeout=180, cwd=ROOT)
+
+
+def test_dry_run_stops_before_the_gpu_checks_and_succeeds(tmp_path):
+    proc = _run("--cpu-dry-run", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "CUDA not available: stopping before the GPU checks" in proc.stdout
+    summary = json.loads((tmp_path / "gpu-check.json").read_text())
+    assert summary["all_ok"] is True and summary["mode"] == "dry run"
+    assert [c["name"] for c in summary["checks"]] == ["imports", "pattern_and_oracles"]
+    assert "pattern_and_oracles | ok" in (tmp_path / "gpu-check.md").read_text()
+
+
+def test_without_dry_run_it_fails_when_cuda_is_missing(tmp_path):
+    proc = _run("--out", str(tmp_path))
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "CUDA not available: stopping before the GPU checks" in proc.stdout
+
+
+@pytest.mark.parametrize("script", ["gpu-check.sh", "gpu-wheels.sh"])
+def test_scripts_parse(script):
+    proc = subprocess.run(["bash", "-n", str(ROOT / "scripts" / script)], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
