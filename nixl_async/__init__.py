@@ -24,6 +24,7 @@ from .exceptions import (
     TransferCancelled,
     TransferError,
     TransferFailed,
+    TransferFenced,
     TransferTimeout,
     WrongThreadError,
 )
@@ -66,6 +67,7 @@ __all__ = [
     "TransferEngine",
     "TransferError",
     "TransferFailed",
+    "TransferFenced",
     "TransferResult",
     "TransferState",
     "TransferTimeout",

@@ -62,6 +62,11 @@ class EngineConfig:
     max_post_bytes: int = 64 << 20
     max_post_descriptors: int = 8192
     slices_in_flight: int = 2
+    # After a transfer ends with an error, its slices still in flight are left to finish (NIXL
+    # cannot be trusted to stop a READ in flight) and the caller hears of it once every handle is
+    # released. Past this grace the caller gets `TransferFenced` instead, and the engine keeps
+    # the memory registered until NIXL lets go.
+    release_grace_s: float = 1.0
     # A transfer submitted without a timeout gets this deadline, so a stalled or paused peer
     # cannot hang its caller forever. None disables it.
     transfer_timeout_s: float | None = 120.0
@@ -103,6 +108,8 @@ class EngineConfig:
             raise ValueError("EngineConfig.transfer_timeout_s must be > 0 or None")
         if self.handshake_timeout_s <= 0:
             raise ValueError("EngineConfig.handshake_timeout_s must be > 0")
+        if self.release_grace_s < 0:
+            raise ValueError("EngineConfig.release_grace_s must be >= 0")
         if self.post_target_s <= 0:
             raise ValueError("EngineConfig.post_target_s must be > 0")
         if self.notify_via not in ("nixl", "side_channel"):

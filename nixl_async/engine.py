@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any, Self
 
 import msgspec
@@ -37,16 +38,21 @@ import zmq.asyncio
 
 from . import messages
 from ._agent import NIXL_ERRORS, OwnedAgent, RegisteredMemory
+from ._notify_guard import REFUSAL_REASONS
 from ._poller import AdaptivePacer
+from ._side_notify import SideChannelNotifier
+from ._state import Action, Complete, Fenced, Finish, Quiet, Release, TransferState
 from .config import EngineConfig
 from .exceptions import (
     EngineClosedError,
     EngineIdMismatch,
+    HandshakeRejected,
     IncompatiblePeerError,
     LayoutError,
     LeaseExpired,
     PeerUnknownError,
     TransferCancelled,
+    TransferError,
     TransferFailed,
     TransferTimeout,
 )
@@ -62,7 +68,7 @@ from .layout import (
 )
 from .notifications import Lease, Notification, NotificationBox
 from .stats import EngineStats, StatsSnapshot
-from .transfer import Transfer, TransferResult, TransferState, plan_slices
+from .transfer import Transfer, TransferResult, plan_slices
 
 __all__ = ["Peer", "TransferEngine"]
 
@@ -81,6 +87,11 @@ _INITIAL_COPY_RATE = 4e9  # a conservative first guess (CMA here does 4-12 GB/s)
 
 
 _NOTIFY_ERRORS: tuple[type[BaseException], ...] = (*NIXL_ERRORS, KeyError, zmq.ZMQError)
+# Agents (and the memory their handles use) that closed with handles NIXL never let go of: never
+# destroyed, so no byte can land in freed memory. Empty unless a close ran into a fenced transfer.
+_KEPT_ALIVE: list[tuple[Any, list[Any], list[Transfer]]] = []
+# Where `collect_transfers()` gathers the transfers submitted in its context (child tasks included).
+_COLLECTOR: contextvars.ContextVar[list[Transfer] | None] = contextvars.ContextVar("nixl_async_collector", default=None)
 
 
 class Peer:
@@ -95,6 +106,7 @@ class Peer:
         "engine_id",
         "extra",
         "layouts",
+        "notify_session",
         "stale",
     )
 
@@ -104,6 +116,7 @@ class Peer:
         self.compat_hash = reply.compat_hash
         self.layouts = {lay.name: lay for lay in reply.layouts}
         self.extra = dict(reply.extra)
+        self.notify_session = reply.notify_session  # for side-channel notifications to it
         self.address = address
         self.connected = True
         self.stale = False  # a transfer with it failed: the next connect() handshakes again
@@ -202,12 +215,15 @@ class TransferEngine:
         self._peers: dict[str, Peer] = {}  # by engine id
         self._peers_by_agent: dict[str, Peer] = {}
         self._peers_by_address: dict[tuple[str, int], Peer] = {}
-        self._notify_sockets: dict[tuple[str, int], zmq.Socket[bytes]] = {}  # notify_via="side_channel"
+        self._notifier: SideChannelNotifier | None = None  # notify_via="side_channel"
         self._connecting: dict[tuple[str, int], asyncio.Task[Peer]] = {}
         self._active: dict[int, Transfer] = {}
         self._next_deadline = _NEVER  # no transfer's deadline comes before this
         self._last_notification_at = -_NEVER
-        self._zombies: list[Any] = []  # handles NIXL would not release yet
+        self._fenced: dict[int, Transfer] = {}  # told the caller, NIXL still holds handles
+        self._retiring_peers: dict[str, Peer] = {}  # forgotten; their remote agent goes once quiet
+        self._closed = False
+        self._final_live: dict[str, int] = {}
         self._ids = itertools.count(1)
         self._inflight_bytes = 0
         # Bytes/s of recent posts that copied synchronously (CMA); sizes the next slices.
@@ -237,12 +253,13 @@ class TransferEngine:
 
     async def start(self) -> Self:
         """Create the NIXL agent (progress thread off) and the poller on the running loop."""
-        if self._agent is not None:
-            raise RuntimeError("engine already started")
+        if self._agent is not None or self._closed:
+            raise RuntimeError("engine already started" if self._agent is not None else "engine was closed")
         self._loop = asyncio.get_running_loop()
         agent_name = f"{self.engine_id}/{time.time_ns():x}"
         self._agent = OwnedAgent(agent_name, self.config.backends, self.config.backend_params)
         self._zmq = zmq.asyncio.Context()
+        self._notifier = SideChannelNotifier(self._zmq, self.engine_id, self.config.auth_secret)
         self._poller = self._loop.create_task(self._poll_forever(), name=f"nixl-poller:{self.engine_id}")
         return self
 
@@ -253,52 +270,65 @@ class TransferEngine:
         await self.close()
 
     async def close(self) -> None:
-        """Stop serving, fail what is in flight, release every handle and deregister memory."""
+        """Stop serving, end what is in flight, release every handle, deregister memory, drop the agent.
+
+        Transfers in flight end with `TransferCancelled` once their memory is quiet (or
+        `TransferFenced` after the grace). If NIXL still holds a handle then, that memory is never
+        deregistered or freed: the agent and the memory are kept alive (and logged) instead.
+        """
         if self._agent is None or self._closing:
             return
         self._closing = True
         agent = self._agent
+        assert self._loop is not None
         if self._server is not None:
             await self._server.close()
         connecting = list(self._connecting.values())
         for task in connecting:
             task.cancel()
         await asyncio.gather(*connecting, return_exceptions=True)
-        closed = EngineClosedError("the engine was closed")
         for transfer in list(self._active.values()):
             self._end(transfer, TransferCancelled("the engine was closed", transfer_id=transfer.id, peer=transfer.peer))
-        self._notifications.close(closed)
-        # Handles NIXL refused to cancel, and notifications sent moments ago (they leave only as
-        # the worker is progressed): give them a moment, then move on.
-        assert self._loop is not None
+        self._notifications.close(EngineClosedError("the engine was closed"))
+        # The poller carries ended transfers to quiet (or fenced, after the grace). Notifications
+        # sent moments ago leave only as the worker is progressed: give them a moment too.
         recent = self._loop.time() - self._last_notification_at < _WIREUP_BRISK_S
-        deadline = time.monotonic() + (_CLOSE_GRACE_S if recent else 1.0)
-        while (self._zombies or recent) and time.monotonic() < deadline:
-            self._reap_zombies()
-            agent.notifications()
+        deadline = time.monotonic() + self.config.release_grace_s + 0.5
+        brisk_until = time.monotonic() + (_CLOSE_GRACE_S if recent else 0.0)
+        while (self._active or self._fenced or time.monotonic() < brisk_until) and time.monotonic() < deadline:
+            self._wakeup()
             await asyncio.sleep(0.001)
         if self._poller is not None:
             self._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poller
-        for handle in self._local_dlists.values():
-            agent.release_dlist(handle)
+        self._wake_room_waiters()
+        fenced = [t for t in (*self._active.values(), *self._fenced.values()) if not t.quiet]
+        if fenced:
+            # NIXL may still write into (or read from) that memory: never deregister or free it.
+            log.error("closing with %d transfers NIXL still holds (%s): keeping the agent and its memory alive",
+                      len(fenced), ", ".join(f"#{t.id}" for t in fenced))  # fmt: skip
+            _KEPT_ALIVE.append((agent, [local.keepalive for local in self._layouts.values()], fenced))
+        else:
+            for handle in self._local_dlists.values():
+                agent.release_dlist(handle)
+            for peer in [*self._peers.values(), *self._retiring_peers.values()]:
+                self._forget_peer(peer)
+                self._drop_remote(peer)
+            for local in self._layouts.values():
+                agent.deregister(local.memory)
         self._local_dlists.clear()
-        for peer in list(self._peers.values()):
-            self._forget_peer(peer)
-        for local in self._layouts.values():
-            agent.deregister(local.memory)
         self._layouts.clear()
         self._local_layouts.clear()
         self._views.clear()
-        self._wake_room_waiters()
-        for sock in self._notify_sockets.values():
-            sock.close()
-        self._notify_sockets.clear()
+        self._notifier_close()
         if self._zmq is not None:
             self._zmq.destroy(linger=0)
-        if self._zombies:
-            log.warning("%d transfer handles could not be released at close", len(self._zombies))
+        self._final_live = agent.live_handles()
+        # Drop the agent here, on the loop thread: its destructor tears down the UCX worker.
+        self._agent = None
+        self._closed = True
+        del agent
 
     def _require_agent(self) -> OwnedAgent:
         if self._agent is None or self._closing:
@@ -306,8 +336,8 @@ class TransferEngine:
         return self._agent
 
     def live_handles(self) -> dict[str, int]:
-        """Live NIXL handles by kind; all zero (empty) after `close()`."""
-        return self._agent.live_handles() if self._agent is not None else {}
+        """Live NIXL handles by kind; all zero (empty) after `close()` unless memory stayed fenced."""
+        return self._agent.live_handles() if self._agent is not None else dict(self._final_live)
 
     def snapshot(self) -> StatsSnapshot:
         """Counters, latency histograms and live handles, as a plain value."""
@@ -318,6 +348,7 @@ class TransferEngine:
                 handshakes_rejected=self._server.rejected,
                 handshake_auth_failures=self._server.auth_failures,
             )
+            extra.update({f"notifications_refused_{r}": self._server.notifications_refused[r] for r in REFUSAL_REASONS})
         return self.stats.snapshot(self.live_handles(), extra)
 
     # -- memory ---------------------------------------------------------------------------
@@ -380,8 +411,10 @@ class TransferEngine:
         if local is None:
             raise LayoutError(f"no layout named {name!r} is registered")
         handles = [self._local_dlists[k] for k in self._keys_of(name)]
-        if any(t.local_dlist is h for t in self._active.values() for h in handles):
-            raise LayoutError(f"layout {name!r} has transfers in flight")
+        busy = [t for t in (*self._active.values(), *self._fenced.values()) if any(t.local_dlist is h for h in handles)]
+        if busy:
+            fenced = sum(t.state is TransferState.FENCED for t in busy)
+            raise LayoutError(f"layout {name!r} has {len(busy)} transfers in flight ({fenced} fenced): kept registered")
         for key in self._keys_of(name):
             agent.release_dlist(self._local_dlists.pop(key))
         agent.deregister(local.memory)
@@ -423,7 +456,7 @@ class TransferEngine:
         self._pacer.stay_brisk(self._loop.time() + _WIREUP_BRISK_S)
         self._wakeup()
 
-    def _reply_for(self, request: messages.MetadataRequest) -> bytes:
+    def _reply_for(self, request: messages.MetadataRequest) -> messages.MetadataReply:
         if request.expected_engine_id not in (None, self.engine_id):
             raise Refusal(
                 "engine_id_mismatch", f"this is engine {self.engine_id!r}, not {request.expected_engine_id!r}"
@@ -439,7 +472,7 @@ class TransferEngine:
                 layouts=[local.layout for local in self._layouts.values()],
                 extra=dict(self.extra),
             )
-        return messages.encode(msgspec.structs.replace(self._reply_cache, wall_clock=time.time()))
+        return msgspec.structs.replace(self._reply_cache, wall_clock=time.time())
 
     def set_extra(self, **extra: str) -> None:
         """Free-form strings sent to peers in the handshake (adapters put TP rank etc. here)."""
@@ -524,6 +557,7 @@ class TransferEngine:
                 old.clock_offset_s = offset
                 old.layouts = {lay.name: lay for lay in reply.layouts}
                 old.extra = dict(reply.extra)
+                old.notify_session = reply.notify_session  # a new session per handshake
                 self._peers_by_address[(host, port)] = old
                 self.stats.counters["handshakes"] += 1
                 return old
@@ -535,6 +569,11 @@ class TransferEngine:
             if previous is not None and previous.engine_id != reply.engine_id and previous.connected:
                 # Another engine now answers at this address: the one we knew there is gone.
                 self._forget_peer(previous)
+            retiring = self._retiring_peers.get(reply.agent_name)
+            if retiring is not None:
+                # Its earlier transfers are still releasing: NIXL keeps that remote agent loaded
+                # until they are quiet, so wait for them (bounded by the grace) before loading anew.
+                await self._retired(retiring, self.config.release_grace_s + 0.5)
             name = agent.add_remote(reply.agent_metadata)
         except BaseException:
             self.stats.counters["handshake_failures"] += 1
@@ -548,6 +587,18 @@ class TransferEngine:
         self.stats.counters["handshakes"] += 1
         self.stats.histograms["handshake_us"].record(self._loop.time() - started)
         return peer
+
+    async def _retired(self, peer: Peer, timeout: float) -> None:
+        assert self._loop is not None
+        deadline = self._loop.time() + timeout
+        while peer.agent_name in self._retiring_peers:
+            if self._loop.time() >= deadline:
+                raise HandshakeRejected(
+                    f"transfers with the previous connection to {peer.engine_id} are still fenced in NIXL",
+                    address=f"{peer.address[0]}:{peer.address[1]}",
+                )
+            self._wakeup()
+            await asyncio.sleep(0.005)
 
     def peer(self, engine_id: str) -> Peer:
         """The connected peer with that engine id (raises `PeerUnknownError`)."""
@@ -566,26 +617,38 @@ class TransferEngine:
         self._forget_peer(peer)
 
     def _forget_peer(self, peer: Peer) -> None:
+        """Stop using a peer now; its remote agent and descriptor lists go once its transfers are quiet."""
         if not peer.connected:
             return
-        agent = self._agent
-        assert agent is not None
         for transfer in list(self._active.values()):
             if transfer.remote_agent == peer.agent_name:
-                self._end(
-                    transfer, TransferCancelled("peer disconnected", transfer_id=transfer.id, peer=peer.engine_id)
-                )
-        for key in [k for k in self._remote_dlists if k[0] == peer.agent_name]:
-            agent.release_dlist(self._remote_dlists.pop(key))
-        agent.remove_remote(peer.agent_name)
-        sock = self._notify_sockets.pop(peer.address, None)
-        if sock is not None:
-            sock.close()
+                error = TransferCancelled("peer disconnected", transfer_id=transfer.id, peer=peer.engine_id)
+                self._end(transfer, error)
+        self._notifier_forget(peer)
         peer.connected = False
         self._peers.pop(peer.engine_id, None)
         self._peers_by_agent.pop(peer.agent_name, None)
         if self._peers_by_address.get(peer.address) is peer:
             del self._peers_by_address[peer.address]
+        self._retiring_peers[peer.agent_name] = peer
+        self._drop_quiet_peers()
+
+    def _drop_quiet_peers(self) -> None:
+        """Remove the remote agents of forgotten peers that no live transfer uses any more."""
+        if not self._retiring_peers:
+            return
+        busy = {t.remote_agent for t in (*self._active.values(), *self._fenced.values())}
+        for name, peer in list(self._retiring_peers.items()):
+            if name not in busy:
+                self._drop_remote(peer)
+
+    def _drop_remote(self, peer: Peer) -> None:
+        if self._retiring_peers.pop(peer.agent_name, None) is None:
+            return
+        agent = self._require_agent_any()
+        for key in [k for k in self._remote_dlists if k[0] == peer.agent_name]:
+            agent.release_dlist(self._remote_dlists.pop(key))
+        agent.remove_remote(peer.agent_name)
 
     # -- transfers ------------------------------------------------------------------------
     async def start_read(
@@ -638,20 +701,34 @@ class TransferEngine:
         """Cancel the unfinished `transfers` and wait until NIXL holds none of their handles.
 
         After a request fails, its memory may be handed to someone else only once no sibling
-        transfer can still write into it; cancelling is not enough when NIXL refuses to release
-        a handle at once (a READ in flight over TCP). False if handles remain after `timeout`.
+        transfer can still write into it; cancelling is not enough while a READ is in flight
+        (NIXL accepts the release and the bytes keep landing). True once every one of them is
+        quiet; False if some handle is still alive after `timeout` (that memory stays fenced).
         """
-        handles = {id(h) for t in transfers for h in t.posted}
         for transfer in transfers:
             transfer.cancel("settling a failed request")
-        assert self._loop is not None
-        deadline = None if timeout is None else self._loop.time() + timeout
-        while any(id(h) in handles for h in self._zombies):
-            if deadline is not None and self._loop.time() >= deadline:
-                return False
-            self._reap_zombies()
-            await asyncio.sleep(0.001)
+        self._wakeup()
+        try:
+            async with asyncio.timeout(timeout):
+                for transfer in transfers:
+                    await transfer.wait_quiet()
+        except TimeoutError:
+            return False
         return True
+
+    @contextlib.contextmanager
+    def collect_transfers(self) -> Iterator[list[Transfer]]:
+        """Collect every transfer submitted inside this block, by this task or tasks it starts.
+
+        For a request made of several transfers: whatever way it ends, `settle()` the list
+        before handing the request's memory to anyone (a sibling may still be in flight).
+        """
+        collected: list[Transfer] = []
+        token = _COLLECTOR.set(collected)
+        try:
+            yield collected
+        finally:
+            _COLLECTOR.reset(token)
 
     async def read(self, peer: Peer, local_blocks: BlockIds, remote_blocks: BlockIds, **kwargs: Any) -> TransferResult:
         """`start_read` and wait for it."""
@@ -721,6 +798,8 @@ class TransferEngine:
 
         await self._admit(nbytes, deadline)
         agent = self._require_agent()  # the engine may have closed while we waited
+        if not peer.connected or self._peers.get(peer.engine_id) is not peer:
+            raise PeerUnknownError(f"peer {peer.engine_id!r} was disconnected while waiting for room (connect again)")
         transfer = Transfer(
             transfer_id=next(self._ids),
             op=op,
@@ -735,8 +814,12 @@ class TransferEngine:
             submitted_at=now,
             future=self._loop.create_future(),
             cancel_cb=self._end,
+            slices_in_flight=self.config.slices_in_flight,
+            release_grace_s=self.config.release_grace_s,
         )
         transfer.lease_deadline = lease_deadline
+        if (collected := _COLLECTOR.get()) is not None:
+            collected.append(transfer)
         self._active[transfer.id] = transfer
         if deadline is not None and deadline < self._next_deadline:
             self._next_deadline = deadline
@@ -755,18 +838,16 @@ class TransferEngine:
         if self.config.notify_via == "nixl":
             self._require_agent().send_notification(peer.agent_name, message)
             return
-        sock = self._notify_sockets.get(peer.address)
-        if sock is None:
-            assert self._zmq is not None
-            sock = zmq.Context.shadow(self._zmq).socket(zmq.DEALER)  # a plain socket: send() is immediate
-            sock.setsockopt(zmq.LINGER, 1000)  # let a last notification leave at close
-            sock.setsockopt(zmq.SNDHWM, 10000)
-            sock.connect(f"tcp://{peer.address[0]}:{peer.address[1]}")
-            self._notify_sockets[peer.address] = sock
-        secret = self.config.auth_secret
-        mac = messages.notify_mac(secret, self.engine_id, message) if secret else b""
-        payload = messages.encode(messages.NotifyMessage(engine_id=self.engine_id, message=message, mac=mac))
-        sock.send(payload, flags=zmq.NOBLOCK)  # queued by ZMQ; raises zmq.Again when the queue is full
+        assert self._notifier is not None
+        self._notifier.send(peer.address, peer.notify_session, message)  # raises zmq.Again when the queue is full
+
+    def _notifier_forget(self, peer: Peer) -> None:
+        if self._notifier is not None:
+            self._notifier.forget(peer.address)
+
+    def _notifier_close(self) -> None:
+        if self._notifier is not None:
+            self._notifier.close()
 
     def _on_side_channel_notification(self, sender: str, message: bytes) -> None:
         self._notifications.deliver(sender, message)
@@ -802,14 +883,14 @@ class TransferEngine:
                 self.stats.counters["notifications_sent"] += 1
                 self._sent_notification(now)
         except _NOTIFY_ERRORS as exc:
-            transfer.state = TransferState.FAILED
-            transfer.finish(
-                TransferFailed(
-                    f"notification to {peer.engine_id} failed: {exc}", transfer_id=transfer.id, peer=peer.engine_id
-                )
-            )
+            error = TransferFailed(f"notification to {peer.engine_id} failed: {exc}",
+                                   transfer_id=transfer.id, peer=peer.engine_id)  # fmt: skip
+            transfer.core.end(error, now)
+            transfer.mark_quiet()
+            transfer.finish(error)
             return transfer
-        transfer.state = TransferState.DONE
+        transfer.core.succeed()
+        transfer.mark_quiet()
         transfer.finish(TransferResult(transfer.id, op, peer.engine_id, 0, 0, 0, 0.0, notify is not None))
         return transfer
 
@@ -862,113 +943,114 @@ class TransferEngine:
 
     # -- the pump: posting slices and checking them ----------------------------------------
     def _pump(self, agent: OwnedAgent, transfer: Transfer, max_posts: int, swept: float = 0.0) -> bool:
-        """Advance one transfer: reap finished slices, post new ones (at most `max_posts`).
+        """Advance one transfer: check its running slices, post new ones (at most `max_posts`).
 
-        `swept` is when the poller's sweep began, recorded while slices are still in flight.
-        Returns whether anything moved (a slice finished or was posted, or the transfer ended).
+        What NIXL says goes into the transfer's state machine; its actions are carried out by
+        `_apply`. `swept` is when the poller's sweep began, recorded while slices are in flight.
+        Returns whether anything moved (a slice ended or was posted, or the transfer ended).
         """
+        core = transfer.core
         moved = False
-        try:
-            failed_state = None
-            for handle in list(transfer.posted):
-                state = agent.state(handle)  # may raise: `posted` then holds only unreleased handles
-                if state == "DONE":
-                    transfer.posted.remove(handle)
-                    self._release(agent, handle)
-                    transfer.slices_done += 1
-                    moved = True
-                elif state != "PROC":
-                    failed_state = state
-            if transfer.posted:
-                transfer.last_pending_at = swept
-            if failed_state is not None:
-                raise TransferFailed(
-                    f"{transfer.op} with {transfer.peer} failed (NIXL state {failed_state})",
-                    transfer_id=transfer.id,
-                    peer=transfer.peer,
-                )
-            posts = 0
-            while (
-                posts < max_posts
-                and transfer.next_slice < len(transfer.slices)
-                and len(transfer.posted) < self.config.slices_in_flight
-            ):
-                # A WRITE's notification rides on its last slice (NIXL orders it after the data at
-                # the target). A READ's is sent by `_complete` once the data has landed here: chained
-                # to the READ it keeps the READ "PROC" until the *producer's* worker is progressed
-                # (measured: 2-50 ms with an idle producer polling slowly).
-                chained = transfer.op == "WRITE" and transfer.notify is not None
-                last = transfer.is_last_slice_next
-                if last and chained and len(transfer.slices) > 1 and transfer.posted:
-                    break  # the notification goes only after every other slice is done
-                lidx, ridx = transfer.slices[transfer.next_slice]
-                notif = transfer.notify if (last and chained and transfer.notify is not None) else b""
-                started = time.perf_counter()
-                handle = agent.make_xfer(transfer.op, transfer.local_dlist, lidx, transfer.remote_dlist, ridx, notif)
-                transfer.next_slice += 1
-                transfer.posted.append(handle)
-                state = agent.post(handle)
-                took = time.perf_counter() - started
-                transfer.post_seconds += took
-                self.stats.histograms["post_us"].record(took)
-                posts += 1
+        for index in sorted(core.running):
+            try:
+                state = agent.state(transfer.handles[index])
+            except NIXL_ERRORS as exc:
+                state = f"ERR ({exc})"
+            if state != "PROC":
                 moved = True
-                if state == "DONE":
-                    nbytes = len(lidx) * transfer.piece_len
-                    if nbytes >= self.config.min_post_bytes:  # big enough to measure a copy rate
-                        # Slow down at once, speed up gradually: an overestimate means a long stall.
-                        self._copy_rate = min(nbytes / took, self._copy_rate * 1.25)
-                    transfer.posted.pop()
-                    self._release(agent, handle)
-                    transfer.slices_done += 1
-                elif state != "PROC":
-                    raise TransferFailed(
-                        f"posting {transfer.op} to {transfer.peer} failed (NIXL state {state})",
-                        transfer_id=transfer.id,
-                        peer=transfer.peer,
-                    )
-        except TransferFailed as exc:
-            self._end(transfer, exc)
-            return True
-        except NIXL_ERRORS as exc:
-            self._end(
-                transfer,
-                TransferFailed(
-                    f"{transfer.op} with {transfer.peer} failed: {exc}", transfer_id=transfer.id, peer=transfer.peer
-                ),
-            )
-            return True
-        if transfer.slices_done == len(transfer.slices):
-            assert self._loop is not None
-            if transfer.lease_deadline is not None and self._loop.time() >= transfer.lease_deadline:
-                # The data arrived, but maybe after the producer reused the blocks: not to be trusted.
-                self._end(transfer, LeaseExpired(f"the lease from {transfer.peer} ran out during the {transfer.op}",
-                                                 peer=transfer.peer))  # fmt: skip
+                self._apply(transfer, core.checked(index, state))
+        if core.running:
+            transfer.last_pending_at = swept
+        for index in core.to_release():  # releases NIXL refused earlier
+            self._apply(transfer, [Release(index)])
+        chained = transfer.op == "WRITE" and transfer.notify is not None
+        for index in core.to_post(max_posts):
+            if core.state is not TransferState.POSTING:
+                break
+            # A WRITE's notification rides on its last slice (NIXL orders it after the data at
+            # the target). A READ's is sent once the data has landed here: chained to the READ it
+            # keeps the READ "PROC" until the *producer's* worker is progressed.
+            notif = transfer.notify if chained and index == len(transfer.slices) - 1 else None
+            lidx, ridx = transfer.slices[index]
+            started = time.perf_counter()
+            try:
+                handle = agent.make_xfer(transfer.op, transfer.local_dlist, lidx, transfer.remote_dlist, ridx,
+                                         notif or b"")  # fmt: skip
+            except NIXL_ERRORS as exc:
+                self._apply(transfer, core.post_failed(index, str(exc)))
                 return True
-            if transfer.op == "READ" and transfer.notify is not None:
-                try:
-                    self._send_notification(self._peers_by_agent[transfer.remote_agent], transfer.notify)
-                except _NOTIFY_ERRORS as exc:
-                    self._end(transfer, TransferFailed(f"the data was read but notifying {transfer.peer} failed: {exc}",
-                                                       transfer_id=transfer.id, peer=transfer.peer))  # fmt: skip
-                    return True
-            self._complete(transfer)
+            transfer.handles[index] = handle
+            try:
+                state = agent.post(handle)
+            except NIXL_ERRORS as exc:
+                state = f"ERR ({exc})"
+            took = time.perf_counter() - started
+            transfer.post_seconds += took
+            self.stats.histograms["post_us"].record(took)
+            moved = True
+            if state == "DONE":
+                nbytes = len(lidx) * transfer.piece_len
+                if nbytes >= self.config.min_post_bytes:  # big enough to measure a copy rate
+                    # Slow down at once, speed up gradually: an overestimate means a long stall.
+                    self._copy_rate = min(nbytes / took, self._copy_rate * 1.25)
+            self._apply(transfer, core.posted(index, state))
         return moved
 
-    def _release(self, agent: OwnedAgent, handle: Any) -> None:
-        if not agent.release_xfer(handle):
-            self._zombies.append(handle)
+    def _apply(self, transfer: Transfer, actions: list[Action]) -> None:
+        """Carry out what a transfer's state machine asked for."""
+        for action in actions:
+            match action:
+                case Release(index=index):
+                    handle = transfer.handles.get(index)
+                    ok = handle is None or self._require_agent_any().release_xfer(handle)
+                    if ok:
+                        transfer.handles.pop(index, None)
+                    self._apply(transfer, transfer.core.released(index, ok))
+                case Complete():
+                    self._apply(transfer, self._check_complete(transfer))
+                case Finish(error=None):
+                    self._complete(transfer)
+                case Finish(error=TransferError() as error):
+                    self._failed(transfer, error)
+                case Fenced(error=error):
+                    error.quiet = transfer.wait_quiet
+                    self._retire(transfer)
+                    self._fenced[transfer.id] = transfer
+                    self.stats.counters["transfers_fenced"] += 1
+                    log.warning("transfer #%d with %s: %s", transfer.id, transfer.peer, error)
+                    transfer.finish(error)
+                case Quiet():
+                    self._fenced.pop(transfer.id, None)
+                    self.stats.counters["transfers_unfenced"] += 1
+                    transfer.mark_quiet()
 
-    def _reap_zombies(self) -> None:
-        agent = self._agent
-        assert agent is not None
-        self._zombies = [h for h in self._zombies if not agent.release_xfer(h)]
+    def _check_complete(self, transfer: Transfer) -> list[Action]:
+        """Every byte arrived: refuse data that came past the lease, send a READ's notification."""
+        assert self._loop is not None
+        core = transfer.core
+        if transfer.lease_deadline is not None and self._loop.time() >= transfer.lease_deadline:
+            # The data arrived, but maybe after the producer reused the blocks: not to be trusted.
+            expired = LeaseExpired(f"the lease from {transfer.peer} ran out during the {transfer.op}",
+                                   peer=transfer.peer)  # fmt: skip
+            return core.end(expired, self._loop.time())
+        if transfer.op == "READ" and transfer.notify is not None:
+            try:
+                self._send_notification(self._peers_by_agent[transfer.remote_agent], transfer.notify)
+            except _NOTIFY_ERRORS as exc:
+                error = TransferFailed(f"the data was read but notifying {transfer.peer} failed: {exc}",
+                                       transfer_id=transfer.id, peer=transfer.peer)  # fmt: skip
+                return core.end(error, self._loop.time())
+        return core.succeed()
+
+    def _require_agent_any(self) -> OwnedAgent:
+        """The agent, also while closing (releases still have to happen)."""
+        assert self._agent is not None
+        return self._agent
 
     def _complete(self, transfer: Transfer) -> None:
         assert self._loop is not None
         transfer.done_seen_at = time.perf_counter()
         elapsed = self._loop.time() - transfer.submitted_at
-        transfer.state = TransferState.DONE
         self._retire(transfer)
         counters = self.stats.counters
         counters["transfers_done"] += 1
@@ -977,6 +1059,7 @@ class TransferEngine:
             counters["notifications_sent"] += 1
             self._sent_notification(self._loop.time())
         self.stats.histograms["transfer_us"].record(elapsed)
+        transfer.mark_quiet()
         transfer.finish(
             TransferResult(
                 transfer.id,
@@ -991,30 +1074,26 @@ class TransferEngine:
             )
         )
 
-    def _end(self, transfer: Transfer, error: BaseException) -> None:
-        """Finish a transfer with an error, releasing (cancelling) whatever it has in flight."""
-        if transfer.state is not TransferState.POSTING:
-            return
-        agent = self._agent
-        assert agent is not None
-        for handle in transfer.posted:
-            self._release(agent, handle)
-        transfer.posted = []
-        states: dict[type[BaseException], TransferState] = {
-            TransferCancelled: TransferState.CANCELLED,
-            TransferTimeout: TransferState.TIMED_OUT,
-        }
-        transfer.state = states.get(type(error), TransferState.FAILED)
+    def _failed(self, transfer: Transfer, error: TransferError) -> None:
+        """A transfer ended with `error` and its memory is quiet: tell the caller."""
         self._retire(transfer)
         if isinstance(error, TransferFailed):
             peer = self._peers_by_agent.get(transfer.remote_agent)
             if peer is not None:
-                peer.stale = True
+                peer.stale = True  # the next connect() handshakes again
         kind = {TransferState.CANCELLED: "cancelled", TransferState.TIMED_OUT: "timeouts"}.get(
             transfer.state, "failures"
         )
         self.stats.counters["transfers_" + kind] += 1
+        transfer.mark_quiet()
         transfer.finish(error)
+
+    def _end(self, transfer: Transfer, error: TransferError) -> None:
+        """End a transfer with an error: post nothing more; the caller hears once it is quiet."""
+        assert self._loop is not None
+        self._apply(transfer, transfer.core.end(error, self._loop.time()))
+        if transfer.core.state is TransferState.RELEASING:
+            self._wakeup()  # the poller watches its running slices until they end
 
     def _retire(self, transfer: Transfer) -> None:
         if self._active.pop(transfer.id, None) is not None:
@@ -1099,7 +1178,8 @@ class TransferEngine:
 
     def _expire(self, now: float) -> None:
         """End transfers past their deadline; remember the next deadline so sweeps skip this."""
-        for transfer in [t for t in self._active.values() if t.deadline is not None and now >= t.deadline]:
+        posting = [t for t in self._active.values() if t.state is TransferState.POSTING]
+        for transfer in [t for t in posting if t.deadline is not None and now >= t.deadline]:
             self._end(
                 transfer,
                 TransferTimeout(
@@ -1108,59 +1188,90 @@ class TransferEngine:
                     peer=transfer.peer,
                 ),
             )
-        self._next_deadline = min((t.deadline for t in self._active.values() if t.deadline is not None), default=_NEVER)
+        self._next_deadline = min(
+            (t.deadline for t in self._active.values() if t.deadline is not None and t.state is TransferState.POSTING),
+            default=_NEVER,
+        )
 
     async def _poll_forever(self) -> None:
         loop = self._loop
         assert loop is not None
-        counters = self.stats.counters
+        errors = _ErrorThrottle(log, "engine poller error; failing the transfers in flight")
         while True:
             try:
-                agent = self._agent
-                assert agent is not None
-                counters["polls"] += 1
-                # Incoming notifications are not "activity": they promise no more work for us, and
-                # spinning on them would steal the core a peer's copy needs (2-core machines).
-                self._drain_notifications(agent)
-                activity = False
-                if self._active:
-                    swept = time.perf_counter()
-                    finished = False
-                    for n, transfer in enumerate(list(self._active.values()), 1):
-                        if finished:  # let the awaiters of finished transfers run before the next post
-                            await asyncio.sleep(0)
-                            finished = False
-                            swept = time.perf_counter()
-                        if transfer.state is not TransferState.POSTING:
-                            continue  # ended while we yielded
-                        if transfer.future.cancelled():  # its awaiter was cancelled
-                            self._end(
-                                transfer, TransferCancelled("the awaiting task was cancelled", transfer_id=transfer.id)
-                            )
-                            continue
-                        if self._pump(agent, transfer, 1, swept):
-                            activity = True
-                            finished = transfer.state is not TransferState.POSTING
-                        # A post can be a multi-ms copy, and 10k state checks add up: bound the stall.
-                        if (activity or not n % 256) and time.perf_counter() - swept > _SWEEP_BUDGET_S:
-                            await asyncio.sleep(0)
-                            swept = time.perf_counter()
-                    if loop.time() >= self._next_deadline:
-                        self._expire(loop.time())
-                if self._zombies:
-                    self._reap_zombies()
-                now = loop.time()
-                if activity:
-                    self._pacer.activity(now)
-                delay = self._pacer.delay(now, busy=bool(self._active), waiting=self._notifications.has_waiters)
-                if delay == 0.0:
-                    await asyncio.sleep(0)
-                else:
-                    counters["poller_sleeps"] += 1
-                    await self._sleep(delay)
+                await self._poll_once(loop)
+                errors.ok()
             except Exception as exc:  # a bug must not silently stop every deadline and completion
-                log.exception("engine poller error; failing the transfers in flight")
+                errors.record(exc)
                 for transfer in list(self._active.values()):
                     self._end(transfer, TransferFailed(f"engine poller error: {type(exc).__name__}",
                                                        transfer_id=transfer.id, peer=transfer.peer))  # fmt: skip
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(errors.backoff_s)
+
+    async def _poll_once(self, loop: asyncio.AbstractEventLoop) -> None:
+        agent = self._agent
+        assert agent is not None
+        counters = self.stats.counters
+        counters["polls"] += 1
+        # Incoming notifications are not "activity": they promise no more work for us, and
+        # spinning on them would steal the core a peer's copy needs (2-core machines).
+        self._drain_notifications(agent)
+        activity = False
+        if self._active or self._fenced:
+            swept = time.perf_counter()
+            finished = False
+            for n, transfer in enumerate([*self._active.values(), *self._fenced.values()], 1):
+                if finished:  # let the awaiters of finished transfers run before the next post
+                    await asyncio.sleep(0)
+                    finished = False
+                    swept = time.perf_counter()
+                if transfer.quiet:
+                    continue  # ended while we yielded
+                if transfer.state is TransferState.POSTING and transfer.future.cancelled():
+                    self._end(transfer, TransferCancelled("its future was cancelled", transfer_id=transfer.id))
+                if self._pump(agent, transfer, 1, swept):
+                    activity = True
+                    finished = transfer.done()
+                # A post can be a multi-ms copy, and 10k state checks add up: bound the stall.
+                if (activity or not n % 256) and time.perf_counter() - swept > _SWEEP_BUDGET_S:
+                    await asyncio.sleep(0)
+                    swept = time.perf_counter()
+            now = loop.time()
+            if now >= self._next_deadline:
+                self._expire(now)
+            for transfer in [t for t in self._active.values() if t.state is TransferState.RELEASING]:
+                self._apply(transfer, transfer.core.tick(now))
+        self._drop_quiet_peers()
+        now = loop.time()
+        if activity:
+            self._pacer.activity(now)
+        # Fenced transfers do not keep the poller hot: NIXL may hold them for a long time.
+        delay = self._pacer.delay(now, busy=bool(self._active), waiting=self._notifications.has_waiters)
+        if delay == 0.0:
+            await asyncio.sleep(0)
+        else:
+            counters["poller_sleeps"] += 1
+            await self._sleep(delay)
+
+
+class _ErrorThrottle:
+    """Log a repeating error once per interval with a count, and back off while it repeats."""
+
+    def __init__(self, logger: logging.Logger, what: str, interval_s: float = 10.0) -> None:
+        self._log, self._what, self._interval = logger, what, interval_s
+        self._last_logged = -_NEVER
+        self._suppressed = 0
+        self.backoff_s = 0.01
+
+    def record(self, exc: Exception) -> None:
+        now = time.monotonic()
+        if now - self._last_logged >= self._interval:
+            more = f" ({self._suppressed} more since the last report)" if self._suppressed else ""
+            self._log.error("%s%s", self._what, more, exc_info=exc)
+            self._last_logged, self._suppressed = now, 0
+        else:
+            self._suppressed += 1
+        self.backoff_s = min(self.backoff_s * 2, 1.0)
+
+    def ok(self) -> None:
+        self.backoff_s = 0.01

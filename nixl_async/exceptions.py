@@ -16,12 +16,15 @@ remote ones (what a peer said or failed to say), so a caller can tell "fix my ca
     │   ├── TransferFailed           NIXL reported an error (dead peer, cut link, ...)
     │   ├── TransferTimeout          the transfer's deadline passed first
     │   ├── TransferCancelled        the transfer was cancelled
+    │   ├── TransferFenced           it ended, but NIXL may still touch its memory: keep it aside
     │   └── LeaseExpired             the producer's lease on the blocks ran out: not read
     ├── NotificationTimeout          awaited notifications did not all arrive in time
     └── PeerUnknownError (KeyError)  no peer with that engine id is connected
 """
 
 from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
 
 __all__ = [
     "EngineClosedError",
@@ -39,6 +42,7 @@ __all__ = [
     "TransferCancelled",
     "TransferError",
     "TransferFailed",
+    "TransferFenced",
     "TransferTimeout",
     "WrongThreadError",
 ]
@@ -107,6 +111,33 @@ class TransferTimeout(TransferError, TimeoutError):
 
 class TransferCancelled(TransferError):
     """The transfer was cancelled; its handles were released."""
+
+
+class TransferFenced(TransferError):
+    """The transfer ended (`reason` says why), but NIXL has not let go of all its handles.
+
+    Until it does, the transfer's local blocks may still be written (a READ) or read (a WRITE):
+    do not hand them to anyone. The engine keeps that memory registered and alive meanwhile;
+    `Transfer.wait_quiet()` (or `SyncEngine.get_finished`, which reports the request only then)
+    says when the blocks are safe again.
+    """
+
+    def __init__(self, message: str, *, reason: TransferError, slices: int = 0) -> None:
+        super().__init__(message, transfer_id=reason.transfer_id, peer=reason.peer)
+        self.reason = reason
+        self.slices = slices
+        # Set by the engine: ``await error.quiet(timeout)`` -> True once NIXL let go of the memory.
+        self.quiet: Callable[[float | None], Awaitable[bool]] | None = None
+
+    @classmethod
+    def of(cls, reason: TransferError, *, slices: int) -> TransferFenced:
+        fenced = cls(
+            f"{reason} -- and NIXL still holds {slices} of its handles: its memory is fenced until they end",
+            reason=reason,
+            slices=slices,
+        )
+        fenced.__cause__ = reason
+        return fenced
 
 
 class LeaseExpired(TransferError):

@@ -10,8 +10,13 @@ never touches the NIXL agent.
 - Submissions use `asyncio.run_coroutine_threadsafe`, which returns at once. (The portal's
   `start_task_soon` waits until the loop has picked the task up, which can be a whole slice
   post when the loop is busy; a vLLM step should not wait for that.)
-- Each finished submission puts ``(request_id, error)`` on a `queue.SimpleQueue` from the
+- Each finished submission puts ``(request_id, outcome)`` on a `queue.SimpleQueue` from the
   loop thread; `get_finished` drains it without locks or waiting.
+- A request is reported only once its memory is quiet: every transfer it submitted (child
+  tasks included, see `TransferEngine.collect_transfers`) is settled first, whether it
+  succeeded, failed or was cancelled. One that NIXL holds past the grace is reported as
+  `fenced` at once and as `failed` once NIXL lets go. So a caller (vLLM) never reuses blocks
+  NIXL may still write into.
 """
 
 from __future__ import annotations
@@ -19,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import functools
 import queue
 import threading
 from collections.abc import Callable, Coroutine, Sequence
@@ -30,7 +34,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from .config import EngineConfig
 from .engine import BlockIds, TransferEngine
-from .exceptions import EngineClosedError
+from .exceptions import EngineClosedError, TransferFenced
 from .layout import BlockLayout, ViewSpec
 from .notifications import Notification
 from .stats import StatsSnapshot
@@ -51,13 +55,19 @@ class PeerInfo:
 
 @dataclass
 class FinishedRequests:
-    """Request ids whose work ended since the last `get_finished()`."""
+    """Request ids whose work ended since the last `get_finished()`.
+
+    `done` and `failed` requests' memory is quiet: it may be reused. `fenced` requests ended but
+    NIXL still holds some of their transfers: do not reuse their memory yet; they show up again
+    in `failed` once it is quiet.
+    """
 
     done: set[str] = field(default_factory=set)
     failed: dict[str, BaseException] = field(default_factory=dict)
+    fenced: dict[str, BaseException] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
-        return bool(self.done or self.failed)
+        return bool(self.done or self.failed or self.fenced)
 
 
 def _uvloop_available() -> bool:
@@ -83,8 +93,10 @@ class SyncEngine:
         except BaseException:
             self._portal_cm.__exit__(None, None, None)
             raise
-        self._finished: queue.SimpleQueue[tuple[str, BaseException | None]] = queue.SimpleQueue()
+        self._finished: queue.SimpleQueue[tuple[str, str, BaseException | None]] = queue.SimpleQueue()
         self._inflight: dict[str, concurrent.futures.Future[Any]] = {}
+        self._running: dict[str, asyncio.Task[Any]] = {}  # loop thread only
+        self._cancel_asked: set[str] = set()  # loop thread only: cancelled before it started
         self._lock = threading.Lock()
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
@@ -142,18 +154,50 @@ class SyncEngine:
             if request_id in self._inflight:
                 coro.close()
                 raise ValueError(f"request {request_id!r} already has work in flight")
-            future = asyncio.run_coroutine_threadsafe(coro, self._loop)
-            self._inflight[request_id] = future
-        future.add_done_callback(functools.partial(self._on_done, request_id))
+            self._inflight[request_id] = asyncio.run_coroutine_threadsafe(self._run(request_id, coro), self._loop)
 
-    def _on_done(self, request_id: str, future: concurrent.futures.Future[Any]) -> None:
-        with self._lock:
-            self._inflight.pop(request_id, None)
-        if future.cancelled():
-            error: BaseException | None = asyncio.CancelledError(f"request {request_id} was cancelled")
-        else:
-            error = future.exception()
-        self._finished.put((request_id, error))
+    async def _run(self, request_id: str, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run one request on the loop; report it once none of its transfers is in NIXL any more."""
+        self._running[request_id] = asyncio.current_task()  # type: ignore[assignment]
+        error: BaseException | None = None
+        with self.engine.collect_transfers() as started:
+            try:
+                if request_id in self._cancel_asked:
+                    raise asyncio.CancelledError(f"request {request_id} was cancelled")
+                await coro
+            except asyncio.CancelledError:
+                error = asyncio.CancelledError(f"request {request_id} was cancelled")
+            except Exception as exc:
+                error = exc
+            finally:
+                coro.close()
+        try:
+            await self._quiesce(request_id, started, error)
+        finally:
+            self._running.pop(request_id, None)
+            self._cancel_asked.discard(request_id)
+            with self._lock:
+                self._inflight.pop(request_id, None)
+        self._finished.put((request_id, "done" if error is None else "failed", error))
+
+    async def _quiesce(self, request_id: str, started: list[Any], error: BaseException | None) -> None:
+        """Settle the request's transfers; if NIXL holds one past the grace, say fenced and keep waiting."""
+        pending = [t for t in started if not t.quiet]
+        if not pending:
+            return
+        engine = self.engine
+        while True:
+            try:
+                if await engine.settle(pending, timeout=engine.config.release_grace_s + 0.5):
+                    return
+                break
+            except asyncio.CancelledError:
+                self._cancel_asked.add(request_id)  # cancelled again meanwhile: it changes nothing here
+        fenced = next((t.exception() for t in pending if isinstance(t.exception(), TransferFenced)), None)
+        self._finished.put((request_id, "fenced", fenced or error))
+        while not all(t.quiet for t in pending):
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.gather(*(t.wait_quiet() for t in pending))
 
     def submit(self, request_id: str, func: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> None:
         """Run ``await func(engine, *args)`` on the loop as `request_id`; returns at once.
@@ -266,23 +310,35 @@ class SyncEngine:
         await transfer
 
     def cancel(self, request_id: str) -> bool:
-        """Cancel a request's work; it then shows as failed in `get_finished()`."""
+        """Cancel a request's work; it then shows as failed in `get_finished()` once its memory is quiet."""
         with self._lock:
-            future = self._inflight.get(request_id)
-        return future.cancel() if future is not None else False
+            if request_id not in self._inflight:
+                return False
+        self._loop.call_soon_threadsafe(self._cancel_on_loop, request_id)
+        return True
+
+    def _cancel_on_loop(self, request_id: str) -> None:
+        task = self._running.get(request_id)
+        if task is None:
+            self._cancel_asked.add(request_id)  # its task has not started yet
+        else:
+            task.cancel()
 
     def get_finished(self) -> FinishedRequests:
         """Requests finished since the last call. Never waits on the loop."""
         out = FinishedRequests()
         while True:
             try:
-                request_id, error = self._finished.get_nowait()
+                request_id, outcome, error = self._finished.get_nowait()
             except queue.Empty:
                 return out
-            if error is None:
+            if outcome == "done":
                 out.done.add(request_id)
+            elif outcome == "fenced":
+                out.fenced[request_id] = error if error is not None else RuntimeError("fenced")
             else:
-                out.failed[request_id] = error
+                out.fenced.pop(request_id, None)
+                out.failed[request_id] = error if error is not None else RuntimeError("failed")
 
     @property
     def in_flight(self) -> int:
@@ -296,9 +352,9 @@ class SyncEngine:
             return
         self._closed = True
         with self._lock:
-            pending = list(self._inflight.values())
-        for future in pending:
-            future.cancel()
+            pending = list(self._inflight)
+        for request_id in pending:
+            self._loop.call_soon_threadsafe(self._cancel_on_loop, request_id)
         try:
             self._portal.call(self.engine.close)
         finally:

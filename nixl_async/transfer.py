@@ -6,29 +6,26 @@ event loop for ~55 ms; the engine sizes slices to about 2 ms of copying at the r
 on recent posts, which bounds every stall while costing ~50 us of NIXL overhead per slice.
 A notification rides on the last slice only, which is
 posted after every other slice is done, so the receiver never hears "done" before the data is.
+
+A `Transfer` is the caller's handle; what its slices are doing lives in a `TransferCore`
+(`_state.py`). Its future is resolved only when the transfer's memory is quiet: after an error
+(deadline, cancellation, peer failure, close) the caller hears of it once NIXL holds none of its
+handles, or with `TransferFenced` if that takes longer than the grace.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 from collections.abc import Callable, Generator
 from typing import Any
 
 import msgspec
 
-from .exceptions import TransferCancelled, TransferTimeout
+from ._state import TransferCore, TransferState
+from .exceptions import TransferCancelled, TransferError, TransferTimeout
 from .layout import IdArray
 
 __all__ = ["Transfer", "TransferResult", "TransferState", "plan_slices"]
-
-
-class TransferState(enum.StrEnum):
-    POSTING = "posting"
-    DONE = "done"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-    TIMED_OUT = "timed_out"
 
 
 class TransferResult(msgspec.Struct, frozen=True):
@@ -59,35 +56,37 @@ def plan_slices(
 class Transfer:
     """A submitted read or write. Await it (or `wait()`) for its `TransferResult`.
 
-    Awaiting raises `TransferFailed`, `TransferTimeout` or `TransferCancelled`. Awaiting is
-    awaiting its future, so cancelling the awaiting task (``asyncio.timeout``, a TaskGroup)
-    cancels the future, and the engine's poller then stops the transfer and releases its NIXL
-    handles on its next sweep. Use it from the engine's loop only.
+    Awaiting raises `TransferFailed`, `TransferTimeout`, `TransferCancelled` or `LeaseExpired`
+    once NIXL no longer touches the transfer's memory, or `TransferFenced` when NIXL kept a
+    handle past `EngineConfig.release_grace_s` (the memory may still be touched: see
+    `wait_quiet`). Cancelling the awaiting task (``asyncio.timeout``, a TaskGroup) cancels the
+    transfer and waits for the same release (bounded by the grace) before the cancellation
+    propagates. Cancelling `future` directly skips that wait: prefer `cancel()`. Use it from
+    the engine's loop only.
     """
 
     __slots__ = (
         "_cancel_cb",
         "_future",
+        "_quiet",
+        "core",
         "deadline",
         "descriptors",
         "done_seen_at",
+        "handles",
         "id",
         "last_pending_at",
         "lease_deadline",
         "local_dlist",
         "nbytes",
-        "next_slice",
         "notify",
         "op",
         "peer",
         "piece_len",
         "post_seconds",
-        "posted",
         "remote_agent",
         "remote_dlist",
         "slices",
-        "slices_done",
-        "state",
         "submitted_at",
     )
 
@@ -106,7 +105,9 @@ class Transfer:
         deadline: float | None,
         submitted_at: float,
         future: asyncio.Future[TransferResult],
-        cancel_cb: Callable[[Transfer, BaseException], None],
+        cancel_cb: Callable[[Transfer, TransferError], None],
+        slices_in_flight: int = 2,
+        release_grace_s: float = 1.0,
     ) -> None:
         self.id = transfer_id
         self.op = op
@@ -122,23 +123,43 @@ class Transfer:
         self.deadline = deadline
         self.lease_deadline: float | None = None  # loop time past which the producer may reuse its blocks
         self.submitted_at = submitted_at
-        self.state = TransferState.POSTING
         self.post_seconds = 0.0
-        self.next_slice = 0
-        self.slices_done = 0
-        self.posted: list[Any] = []  # NIXL handles in flight
+        self.core = TransferCore(
+            len(slices),
+            max_running=slices_in_flight,
+            grace_s=release_grace_s,
+            chain_last=op == "WRITE" and notify is not None,
+            op=op,
+            peer=peer,
+            transfer_id=transfer_id,
+        )
+        self.handles: dict[int, Any] = {}  # slice index -> NIXL handle, while NIXL holds it
         # perf_counter stamps: the last sweep that saw a slice still in flight, and when the last
         # slice was seen DONE. The true completion lies between them (benchmarks use this).
         self.last_pending_at = 0.0
         self.done_seen_at = 0.0
         self._future = future
+        self._quiet: asyncio.Future[None] = future.get_loop().create_future()
         self._cancel_cb = cancel_cb
 
     def __repr__(self) -> str:
         return (
             f"<Transfer #{self.id} {self.op} peer={self.peer} {self.nbytes}B "
-            f"{self.slices_done}/{len(self.slices)} slices {self.state}>"
+            f"{self.core.slices_done}/{len(self.slices)} slices {self.state}>"
         )
+
+    @property
+    def state(self) -> TransferState:
+        return self.core.state
+
+    @property
+    def slices_done(self) -> int:
+        return self.core.slices_done
+
+    @property
+    def quiet(self) -> bool:
+        """NIXL holds none of this transfer's handles: its memory is the caller's again."""
+        return self._quiet.done()
 
     def done(self) -> bool:
         return self._future.done()
@@ -156,39 +177,84 @@ class Transfer:
         return self._future
 
     def cancel(self, reason: str = "cancelled by caller") -> bool:
-        """Cancel the transfer and release its handles. False if it had already finished."""
+        """Cancel the transfer: nothing more is posted, its handles are released once NIXL lets go.
+
+        Returns at once (False if it had already ended); await the transfer (or `wait_quiet`) to
+        know when its memory is quiet.
+        """
         if self.state is not TransferState.POSTING:
             return False
         self._cancel_cb(self, TransferCancelled(reason, transfer_id=self.id, peer=self.peer))
         return True
 
-    async def wait(self, timeout: float | None = None) -> TransferResult:
-        """Wait for completion; on `timeout` the transfer is cancelled and `TransferTimeout` raised."""
-        if timeout is None or self._future.done():
-            return await self._future
+    async def wait_quiet(self, timeout: float | None = None) -> bool:
+        """Wait until NIXL holds none of this transfer's handles; False if `timeout` passed first."""
+        if self._quiet.done():
+            return True
         try:
             async with asyncio.timeout(timeout):
-                # shielded: the timeout must not cancel the future, so that it is recorded as a
-                # timeout here rather than as a cancelled awaiter by the poller
+                await asyncio.shield(self._quiet)
+        except TimeoutError:
+            return False
+        return True
+
+    async def wait(self, timeout: float | None = None) -> TransferResult:
+        """Wait for completion; on `timeout` the transfer is ended and `TransferTimeout` raised.
+
+        As with awaiting, the error is raised once the memory is quiet (or as `TransferFenced`).
+        """
+        if timeout is None or self._future.done():
+            return await self
+        try:
+            async with asyncio.timeout(timeout):
                 return await asyncio.shield(self._future)
         except TimeoutError:
-            error = TransferTimeout(f"transfer timed out after {timeout}s", transfer_id=self.id, peer=self.peer)
-            self._cancel_cb(self, error)
-            raise error from None
-        except asyncio.CancelledError:  # the caller itself was cancelled: so is the transfer
-            self.cancel("the awaiting task was cancelled")
-            raise
+            if self.state is TransferState.POSTING:
+                error = TransferTimeout(f"transfer timed out after {timeout}s", transfer_id=self.id, peer=self.peer)
+                self._cancel_cb(self, error)
+        except asyncio.CancelledError:
+            await self._cancelled_by_awaiter()
+        return await self._outcome()
 
     def __await__(self) -> Generator[Any, None, TransferResult]:
-        return self._future.__await__()
+        return self._await().__await__()
+
+    async def _await(self) -> TransferResult:
+        if self._future.done():
+            return self._future.result()
+        try:
+            return await asyncio.shield(self._future)
+        except asyncio.CancelledError:
+            if self._future.done():
+                raise  # it ended meanwhile, and its memory is quiet or reported fenced
+            await self._cancelled_by_awaiter()
+            raise AssertionError("unreachable") from None
+
+    async def _cancelled_by_awaiter(self) -> None:
+        """The awaiting task was cancelled: end the transfer, wait for its release, re-raise."""
+        self.cancel("the awaiting task was cancelled")
+        await self._outcome_settled()
+        raise asyncio.CancelledError
+
+    async def _outcome(self) -> TransferResult:
+        await self._outcome_settled()
+        return self._future.result()
+
+    async def _outcome_settled(self) -> None:
+        """Wait until the future is resolved; further cancellations wait too (the grace bounds it)."""
+        cancelled = 0
+        while not self._future.done():
+            try:
+                await asyncio.wait([self._future])
+            except asyncio.CancelledError:
+                cancelled += 1
+        if cancelled:
+            raise asyncio.CancelledError
 
     # -- used by the engine ---------------------------------------------------------------
-    @property
-    def is_last_slice_next(self) -> bool:
-        return self.next_slice == len(self.slices) - 1
-
     def finish(self, result: TransferResult | BaseException) -> None:
-        if self._future.done():  # cancelled by an awaiter: the state already says so
+        """Resolve the caller's future (a success, an error, or `TransferFenced`)."""
+        if self._future.done():  # cancelled by an awaiter through `future`: the state says what happened
             return
         if isinstance(result, BaseException):
             self._future.set_exception(result)
@@ -196,3 +262,7 @@ class Transfer:
             self._future.exception()
         else:
             self._future.set_result(result)
+
+    def mark_quiet(self) -> None:
+        if not self._quiet.done():
+            self._quiet.set_result(None)

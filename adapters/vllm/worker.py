@@ -249,6 +249,11 @@ class ConnectorWorker:
                 if self._host_caches and self._copy_blocks is not None and blocks:
                     self._copy_blocks(self._host_caches, self._device_caches, blocks, blocks, "h2d")
                 recving.add(request_id)
+        for request_id, error in finished.fenced.items():
+            # NIXL still holds a read into this request's blocks: keep them out of vLLM's hands
+            # (the request stays "receiving") until the facade reports it failed, once quiet.
+            log.warning("KV load for request %s ended (%s) but its blocks are fenced until NIXL lets go",
+                        request_id, type(error).__name__)  # fmt: skip
         for request_id, error in finished.failed.items():
             log.warning("KV load for request %s failed: %s: %s", request_id, type(error).__name__, error)
             self._record("num_failed_transfers", 1)
@@ -366,7 +371,8 @@ async def receive(engine: TransferEngine, geometry: KVGeometry, job: RecvJob) ->
             for step, peer in zip(plan, peers, strict=True):
                 group.create_task(one_rank(step, peer))
     except BaseExceptionGroup as group_error:  # callers want the typed error, not a group
-        if not await engine.settle(started, timeout=engine.config.transfer_timeout_s):
+        if not await engine.settle(started, timeout=engine.config.release_grace_s + 0.5):
+            # The facade reports the request only once these are quiet (fenced meanwhile).
             log.error("request %s: NIXL still holds reads into its blocks after cancelling them", job.request_id)
         raise group_error.exceptions[0] from None
     return results

@@ -13,13 +13,13 @@ from nixl_async import (
     PeerUnknownError,
     TransferCancelled,
     TransferFailed,
+    TransferFenced,
     TransferState,
     TransferTimeout,
     ViewSpec,
     WrongThreadError,
 )
-from nixl_async.peer import Verify, WaitNotifications
-from nixl_async.testing import fill_pattern, pattern_block, transfers_settled, verify_blocks
+from nixl_async.testing import Verify, WaitNotifications, fill_pattern, pattern_block, transfers_settled, verify_blocks
 
 BLOCK = 4096
 
@@ -142,7 +142,7 @@ async def test_fan_in_notifications_from_several_peers(nixl_engine, nixl_peer_fa
 
 
 def _notify(host, port, message):
-    from nixl_async.peer import Notify
+    from nixl_async.testing import Notify
 
     return Notify(host=host, port=port, message=message)
 
@@ -262,7 +262,7 @@ async def test_dead_peer_fails_the_transfer(nixl_engine, nixl_peer_factory):
     peer = await nixl_engine.connect(*peer_proc.address)
     await nixl_engine.read(peer, [0], [0])
     transfer = await nixl_engine.start_read(peer, range(64), range(64), timeout=20)
-    peer_proc.kill()
+    await peer_proc.akill()
     with pytest.raises((TransferFailed, TransferTimeout)):
         await transfer
     assert not nixl_engine.live_handles().get("xfers")
@@ -307,16 +307,25 @@ async def test_overlapping_memory_is_refused(nixl_engine):
 
 @pytest.mark.nixl_engine_config(transfer_timeout_s=1.0)
 async def test_paused_peer_cannot_hang_a_caller(nixl_engine, nixl_peer_factory):
-    """SIGSTOP the peer mid-transfer (TCP): the default deadline ends the wait, typed."""
+    """SIGSTOP the peer mid-transfer (TCP): the deadline ends the wait, typed, within the grace.
+
+    The slices in flight cannot finish while the peer is stopped, so the caller hears that the
+    memory is fenced; once the peer runs again they end and the fence clears.
+    """
     block_len, blocks = 1 << 20, 64
     peer_proc, peer = await _tcp_peer(nixl_engine, nixl_peer_factory, blocks, block_len)
     await nixl_engine.read(peer, [0], [0])
     peer_proc.pause()
     try:
         started = asyncio.get_running_loop().time()
-        with pytest.raises((TransferTimeout, TransferFailed)):
-            await nixl_engine.read(peer, range(blocks), range(blocks))
-        assert asyncio.get_running_loop().time() - started < 5
+        transfer = await nixl_engine.start_read(peer, range(blocks), range(blocks), timeout=1.0)
+        with pytest.raises(TransferFenced) as info:
+            await transfer
+        assert isinstance(info.value.reason, TransferTimeout)
+        took = asyncio.get_running_loop().time() - started
+        assert took < 1.0 + nixl_engine.config.release_grace_s + 1.0, took
+        assert not transfer.quiet
     finally:
         peer_proc.resume()
+    assert await transfer.wait_quiet(timeout=10)
     assert await transfers_settled(nixl_engine) == 0

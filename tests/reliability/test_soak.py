@@ -1,7 +1,10 @@
 """Soak: many transfers over 4 peers with random cancellations and deadlines.
 
-Every completed read is verified byte for byte; cancelled and deadline-bound reads land in a
-separate scratch layout so that a late write can never corrupt a verified block. RSS and live
+Every completed read is verified byte for byte. Cancelled and deadline-bound reads go into the
+very blocks later reads verify: blocks return to the pool (last in, first out, so the next read
+reuses them at once) as soon as the error reaches the caller, which is the engine's contract --
+a late write from a cancelled read would show up as a corrupt verified block. A read reported
+`TransferFenced` keeps its blocks out of the pool until it is quiet. RSS and live
 NIXL handles are sampled every 2 k transfers and must stay flat (slope reported per 10 k). CI runs 20 k transfers; set
 NIXL_ASYNC_SOAK_TRANSFERS=100000 (or more) for the long soak.
 """
@@ -13,7 +16,7 @@ import time
 
 import numpy as np
 
-from nixl_async import TransferCancelled, TransferTimeout
+from nixl_async import TransferCancelled, TransferFenced, TransferTimeout
 from nixl_async.testing import transfers_settled, verify_blocks
 
 TRANSFERS = int(os.environ.get("NIXL_ASYNC_SOAK_TRANSFERS", "20000"))
@@ -33,15 +36,13 @@ async def test_soak_over_four_peers(nixl_engine, nixl_peer_factory):
         for i in range(4)
     ]
     kv = [np.zeros(LOCAL_BLOCKS * BLOCK, np.uint8) + 1 for _ in range(2)]
-    scratch = [np.zeros(SCRATCH_BLOCKS * BLOCK, np.uint8) + 1 for _ in range(2)]
     nixl_engine.register("kv", kv, block_len=BLOCK)
-    nixl_engine.register("scratch", scratch, block_len=BLOCK)
     peers = [await nixl_engine.connect(*p.address) for p in peers_procs]
     seeds = {p.engine_id: p.spec.seed for p in peers_procs}
     free = list(range(LOCAL_BLOCKS))
     gate = asyncio.Semaphore(CONCURRENCY)
     rng = np.random.default_rng(2026)
-    outcome = {"verified": 0, "cancelled": 0, "timed_out": 0, "bad": 0}
+    outcome = {"verified": 0, "cancelled": 0, "timed_out": 0, "fenced": 0, "bad": 0}
 
     async def one() -> None:
         peer = peers[int(rng.integers(len(peers)))]
@@ -49,29 +50,31 @@ async def test_soak_over_four_peers(nixl_engine, nixl_peer_factory):
         remote = rng.choice(REMOTE_BLOCKS, n, replace=False).tolist()
         roll = rng.random()
         async with gate:
-            if roll < 0.1:  # cancelled right after submit
-                transfer = await nixl_engine.start_read(peer, rng.choice(SCRATCH_BLOCKS, n, replace=False).tolist(),
-                                                        remote, local="scratch")  # fmt: skip
-                if transfer.cancel():
-                    outcome["cancelled"] += 1
-                with contextlib.suppress(TransferCancelled):
-                    await transfer
-            elif roll < 0.2:  # a deadline that may or may not be met
-                try:
-                    await nixl_engine.read(peer, rng.choice(SCRATCH_BLOCKS, n, replace=False).tolist(), remote,
-                                           local="scratch", timeout=float(rng.uniform(0, 0.002)))  # fmt: skip
-                except TransferTimeout:
-                    outcome["timed_out"] += 1
-            else:
-                local = [free.pop() for _ in range(n)]
-                try:
-                    await nixl_engine.read(peer, local, remote, local="kv")
+            local = [free.pop() for _ in range(n)]
+            try:
+                if roll < 0.1:  # cancelled right after submit
+                    transfer = await nixl_engine.start_read(peer, local, remote)
+                    if transfer.cancel():
+                        outcome["cancelled"] += 1
+                    with contextlib.suppress(TransferCancelled):
+                        await transfer
+                elif roll < 0.2:  # a deadline that may or may not be met
+                    try:
+                        await nixl_engine.read(peer, local, remote, timeout=float(rng.uniform(0, 0.002)))
+                    except TransferTimeout:
+                        outcome["timed_out"] += 1
+                else:
+                    await nixl_engine.read(peer, local, remote)
                     if verify_blocks(kv, BLOCK, local, remote, seeds[peer.engine_id]):
                         outcome["bad"] += 1
                     else:
                         outcome["verified"] += 1
-                finally:
-                    free.extend(local)
+            except TransferFenced as fenced:
+                outcome["fenced"] += 1
+                assert fenced.quiet is not None
+                await fenced.quiet(None)  # only then may the blocks go back
+            finally:
+                free.extend(local)
 
     samples = []
     started = time.perf_counter()

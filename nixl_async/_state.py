@@ -1,0 +1,255 @@
+"""The transfer state machine: slices, handles and the failure contract, without I/O.
+
+The engine feeds it what NIXL said (a post returned DONE/PROC/ERR, a check returned a state, a
+release succeeded or was refused), the caller's intent (end it with this error) and the time;
+it answers with actions (release slice i's handle, finish the caller's future, report the
+memory fenced, report it quiet). It never sees a handle, a loop or a clock of its own, so every
+path is tested by driving it with events alone (`tests/core/test_state.py`).
+
+The rules it keeps:
+
+1. A slice is *running* from the post that returned PROC until a check says DONE or ERR. A
+   running slice's handle is never released: NIXL accepts the release of a READ in flight over
+   UCX/TCP and the bytes keep landing (measured: ~14.6 MB after the release returned).
+2. A transfer ended by an error (deadline, cancellation, peer failure, close) posts nothing
+   more and goes RELEASING: its running slices are watched until they end, and every handle is
+   released. Only then is the caller told (the memory is *quiet*).
+3. If that takes longer than the grace, the caller is told now, with `TransferFenced` (its
+   memory may still be written), and the transfer goes FENCED until NIXL lets go; then QUIET.
+4. A WRITE's notification rides on its last slice, which is posted alone, after every other
+   slice is done, so the target never hears "done" before the data is there.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from .exceptions import TransferCancelled, TransferError, TransferFailed, TransferFenced, TransferTimeout
+
+__all__ = ["Complete", "Fenced", "Finish", "Quiet", "Release", "TransferCore", "TransferState"]
+
+
+class TransferState(enum.StrEnum):
+    POSTING = "posting"  # slices are being posted or are in flight
+    RELEASING = "releasing"  # ended by an error; waiting for NIXL to stop and let go of its handles
+    FENCED = "fenced"  # the caller was told its memory is fenced; still waiting for NIXL
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    TIMED_OUT = "timed_out"
+
+
+_ERROR_STATES: dict[type[TransferError], TransferState] = {
+    TransferCancelled: TransferState.CANCELLED,
+    TransferTimeout: TransferState.TIMED_OUT,
+}
+ENDED = frozenset({TransferState.DONE, TransferState.FAILED, TransferState.CANCELLED, TransferState.TIMED_OUT})
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """Release slice `index`'s handle (it has ended: nothing more lands)."""
+
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class Complete:
+    """Every slice arrived and was released: the engine checks what remains, then `succeed()`s."""
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """Tell the caller: `error` None means success. The memory is quiet."""
+
+    error: TransferError | None
+
+
+@dataclass(frozen=True, slots=True)
+class Fenced:
+    """Tell the caller now, with `error` (a `TransferFenced`): the memory is not quiet yet."""
+
+    error: TransferFenced
+
+
+@dataclass(frozen=True, slots=True)
+class Quiet:
+    """A fenced transfer's handles are all released at last."""
+
+
+Action = Release | Complete | Finish | Fenced | Quiet
+
+
+class TransferCore:
+    """One transfer's slices and state. Every method returns the actions to carry out, in order."""
+
+    __slots__ = (
+        "_done",
+        "_error",
+        "_next",
+        "_release_by",
+        "_running",
+        "_unreleased",
+        "chain_last",
+        "grace_s",
+        "max_running",
+        "num_slices",
+        "op",
+        "peer",
+        "state",
+        "transfer_id",
+    )
+
+    def __init__(
+        self,
+        num_slices: int,
+        *,
+        max_running: int,
+        grace_s: float,
+        chain_last: bool = False,
+        op: str = "READ",
+        peer: str | None = None,
+        transfer_id: int | None = None,
+    ) -> None:
+        """`chain_last`: the last slice carries a notification, so it goes alone after the others."""
+        if num_slices < 0 or max_running < 1:
+            raise ValueError("a transfer needs a slice count >= 0 and at least one slice in flight")
+        self.num_slices = num_slices
+        self.max_running = max_running
+        self.grace_s = grace_s
+        self.chain_last = chain_last and num_slices > 1
+        self.op, self.peer, self.transfer_id = op, peer, transfer_id
+        self.state = TransferState.POSTING
+        self._next = 0  # the next slice to post
+        self._done = 0  # slices that arrived and were released
+        self._running: set[int] = set()  # posted, not yet seen DONE/ERR
+        self._unreleased: set[int] = set()  # have a handle: running, or ended but not released yet
+        self._error: TransferError | None = None
+        self._release_by: float | None = float("inf")  # None: the grace starts at the next tick
+
+    # -- views ------------------------------------------------------------------------------
+    @property
+    def running(self) -> frozenset[int]:
+        """Slices to check: posted and not yet seen ended."""
+        return frozenset(self._running)
+
+    @property
+    def unreleased(self) -> frozenset[int]:
+        """Slices whose handle NIXL still holds."""
+        return frozenset(self._unreleased)
+
+    @property
+    def quiet(self) -> bool:
+        """No handle of this transfer is alive in NIXL."""
+        return not self._unreleased
+
+    @property
+    def ended(self) -> bool:
+        return self.state in ENDED
+
+    @property
+    def slices_done(self) -> int:
+        return self._done
+
+    @property
+    def error(self) -> TransferError | None:
+        return self._error
+
+    @property
+    def release_by(self) -> float | None:
+        """When a RELEASING transfer turns FENCED: inf if not releasing, None until the next tick."""
+        return self._release_by
+
+    def to_post(self, budget: int) -> list[int]:
+        """Slices to post now (at most `budget`); post them in order and report each with `posted`."""
+        if self.state is not TransferState.POSTING:
+            return []
+        out: list[int] = []
+        last = self.num_slices - 1
+        while len(out) < budget and self._next < self.num_slices and len(self._running) + len(out) < self.max_running:
+            if self.chain_last and self._next == last and (self._running or out or self._done < last):
+                break
+            out.append(self._next)
+            self._next += 1
+        return out
+
+    # -- events from NIXL ---------------------------------------------------------------------
+    def posted(self, index: int, state: str) -> list[Action]:
+        """Slice `index` was made and posted; NIXL's `transfer()` answered `state`."""
+        self._unreleased.add(index)
+        self._running.add(index)
+        return self.checked(index, state)
+
+    def post_failed(self, index: int, reason: str) -> list[Action]:
+        """Making or posting slice `index` raised: no handle of it is alive."""
+        return self._fail(f"posting {self.op} to {self.peer} failed: {reason}")
+
+    def checked(self, index: int, state: str) -> list[Action]:
+        """A check (or the post) of running slice `index` answered `state` ("DONE", "PROC", "ERR"...)."""
+        if index not in self._running or state == "PROC":
+            return []
+        self._running.discard(index)
+        if state != "DONE" and self.state is TransferState.POSTING:
+            return self._fail(f"{self.op} with {self.peer} failed (NIXL state {state})")  # releases it too
+        return [Release(index)]
+
+    def released(self, index: int, ok: bool = True) -> list[Action]:
+        """Releasing slice `index`'s handle succeeded (`ok`) or was refused (retried via `to_release`)."""
+        if not ok or index not in self._unreleased:
+            return []
+        self._unreleased.discard(index)
+        if self.state is TransferState.POSTING:
+            self._done += 1
+            return [Complete()] if self._done == self.num_slices else []
+        return self._settled_if_quiet()
+
+    def to_release(self) -> list[int]:
+        """Ended slices whose release was refused: try again."""
+        return sorted(self._unreleased - self._running)
+
+    # -- events from the caller and the clock ---------------------------------------------------
+    def succeed(self) -> list[Action]:
+        """After `Complete`, the engine found nothing wrong (lease, notification): done."""
+        if self.state is not TransferState.POSTING or self._done != self.num_slices:
+            raise RuntimeError(f"succeed() in state {self.state} with {self._done}/{self.num_slices} slices")
+        self.state = TransferState.DONE
+        return [Finish(None)]
+
+    def end(self, error: TransferError, now: float | None) -> list[Action]:
+        """End the transfer with `error` (deadline, cancellation, failure, close). Idempotent.
+
+        The grace counts from `now`, or from the next `tick` when the caller has no clock at hand.
+        """
+        if self.state is not TransferState.POSTING:
+            return []
+        self._error = error
+        self.state = TransferState.RELEASING
+        self._release_by = None if now is None else now + self.grace_s
+        return [*(Release(i) for i in self.to_release()), *self._settled_if_quiet()]
+
+    def tick(self, now: float) -> list[Action]:
+        """Time passed: a transfer still RELEASING after its grace is reported fenced."""
+        if self.state is not TransferState.RELEASING:
+            return []
+        if self._release_by is None:
+            self._release_by = now + self.grace_s
+        if now < self._release_by:
+            return []
+        assert self._error is not None
+        self.state = TransferState.FENCED
+        self._release_by = float("inf")
+        return [Fenced(TransferFenced.of(self._error, slices=len(self._unreleased)))]
+
+    # -- internals ---------------------------------------------------------------------------
+    def _fail(self, message: str) -> list[Action]:
+        return self.end(TransferFailed(message, transfer_id=self.transfer_id, peer=self.peer), None)
+
+    def _settled_if_quiet(self) -> list[Action]:
+        if self._unreleased:
+            return []
+        assert self._error is not None
+        was_fenced = self.state is TransferState.FENCED
+        self.state = _ERROR_STATES.get(type(self._error), TransferState.FAILED)
+        self._release_by = float("inf")
+        return [Quiet()] if was_fenced else [Finish(self._error)]

@@ -1,0 +1,211 @@
+"""The transfer state machine, driven by events alone (no NIXL, no loop)."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nixl_async._state import Complete, Fenced, Finish, Quiet, Release, TransferCore, TransferState
+from nixl_async.exceptions import TransferCancelled, TransferFailed, TransferFenced, TransferTimeout
+
+
+def core(n=3, running=2, grace=1.0, chain_last=False):
+    return TransferCore(
+        n, max_running=running, grace_s=grace, chain_last=chain_last, op="READ", peer="p", transfer_id=7
+    )
+
+
+def post_all(c, state="PROC"):
+    actions = []
+    for i in c.to_post(10):
+        actions += c.posted(i, state)
+    return actions
+
+
+def test_success_path_releases_each_slice_then_completes():
+    c = core(n=3, running=2)
+    assert c.to_post(10) == [0, 1]  # at most two running
+    assert c.posted(0, "PROC") == [] and c.posted(1, "DONE") == [Release(1)]
+    assert c.released(1) == []
+    assert c.to_post(10) == [2]
+    assert c.posted(2, "PROC") == []
+    assert c.checked(0, "PROC") == []
+    assert c.checked(0, "DONE") == [Release(0)] and c.released(0) == []
+    assert c.checked(2, "DONE") == [Release(2)]
+    assert c.released(2) == [Complete()]
+    assert c.succeed() == [Finish(None)]
+    assert c.state is TransferState.DONE and c.quiet
+
+
+def test_running_slices_are_never_released_on_error_only_after_they_end():
+    c = core(n=4, running=2)
+    post_all(c)
+    error = TransferTimeout("late", transfer_id=7)
+    assert c.end(error, now=10.0) == []  # both slices still running: nothing released, nobody told
+    assert c.state is TransferState.RELEASING and c.to_post(10) == []
+    assert c.checked(0, "DONE") == [Release(0)]
+    assert c.released(0) == []
+    assert c.checked(1, "ERR") == [Release(1)]  # an error while releasing adds no second outcome
+    assert c.released(1) == [Finish(error)]
+    assert c.state is TransferState.TIMED_OUT and c.quiet
+
+
+def test_end_with_nothing_in_flight_finishes_at_once():
+    c = core()
+    error = TransferCancelled("stop")
+    assert c.end(error, now=0.0) == [Finish(error)]
+    assert c.state is TransferState.CANCELLED
+    assert c.end(TransferCancelled("again"), now=0.0) == []  # idempotent
+
+
+def test_grace_passes_then_fenced_then_quiet():
+    c = core(n=2, running=2, grace=0.5)
+    post_all(c)
+    c.end(TransferCancelled("stop"), now=1.0)
+    assert c.tick(1.4) == []
+    (fenced,) = c.tick(1.5)
+    assert isinstance(fenced, Fenced) and isinstance(fenced.error, TransferFenced)
+    assert isinstance(fenced.error.reason, TransferCancelled) and fenced.error.slices == 2
+    assert c.state is TransferState.FENCED and not c.quiet
+    assert c.tick(99.0) == []  # told once
+    assert c.checked(0, "DONE") == [Release(0)] and c.released(0) == []
+    assert c.checked(1, "DONE") == [Release(1)] and c.released(1) == [Quiet()]
+    assert c.state is TransferState.CANCELLED and c.quiet
+
+
+def test_refused_release_is_retried_and_keeps_the_transfer_unquiet():
+    c = core(n=1, running=1)
+    c.to_post(1)
+    assert c.posted(0, "PROC") == []
+    c.end(TransferCancelled("stop"), now=0.0)
+    assert c.checked(0, "DONE") == [Release(0)]
+    assert c.released(0, ok=False) == [] and not c.quiet
+    assert c.to_release() == [0]
+    assert c.released(0) == [Finish(c.error)]
+
+
+def test_nixl_error_on_a_slice_fails_the_transfer_after_siblings_end():
+    c = core(n=3, running=2)
+    post_all(c)
+    actions = c.checked(1, "ERR")
+    assert actions == [Release(1)]  # slice 0 is still running: nobody is told yet
+    assert c.state is TransferState.RELEASING and c.to_post(5) == []
+    assert c.released(1) == []
+    assert c.checked(0, "DONE") == [Release(0)]
+    (finish,) = c.released(0)
+    assert isinstance(finish.error, TransferFailed) and "ERR" in str(finish.error)
+    assert c.state is TransferState.FAILED
+
+
+def test_grace_starts_at_first_tick_when_failure_had_no_clock():
+    c = core(n=2, running=2, grace=1.0)
+    post_all(c)
+    c.checked(0, "ERR")
+    assert c.release_by is None
+    assert c.tick(100.0) == [] and c.release_by == 101.0
+    assert isinstance(c.tick(101.0)[0], Fenced)
+
+
+def test_post_failure_without_a_handle():
+    c = core(n=2, running=1)
+    (i,) = c.to_post(5)
+    (finish,) = c.post_failed(i, "boom")
+    assert isinstance(finish, Finish) and isinstance(finish.error, TransferFailed)
+
+
+def test_chained_notification_goes_alone_last():
+    c = core(n=3, running=3, chain_last=True)
+    assert c.to_post(10) == [0, 1]  # the last one waits for the others
+    c.posted(0, "PROC")
+    c.posted(1, "DONE")
+    c.released(1)
+    assert c.to_post(10) == []
+    c.checked(0, "DONE")
+    c.released(0)
+    assert c.to_post(10) == [2]
+
+
+def test_succeed_before_all_slices_is_a_bug():
+    c = core(n=2)
+    with pytest.raises(RuntimeError):
+        c.succeed()
+
+
+def test_zero_slices_is_a_notification_only_transfer():
+    c = TransferCore(0, max_running=1, grace_s=0.0)
+    assert c.to_post(5) == []
+    assert c.succeed() == [Finish(None)]
+
+
+# -- every order of events keeps the contract -------------------------------------------------
+EVENTS = st.lists(
+    st.tuples(
+        st.sampled_from(["post", "check_done", "check_err", "check_proc", "release_ok", "release_refused", "end",
+                         "tick"]),
+        st.integers(0, 5),
+    ),
+    max_size=60,
+)  # fmt: skip
+
+
+@settings(max_examples=400, deadline=None)
+@given(n=st.integers(1, 5), running=st.integers(1, 3), events=EVENTS)
+def test_any_event_order_keeps_the_contract(n, running, events):
+    """One outcome for the caller; told only when quiet (or fenced); Quiet only after Fenced;
+    a running slice is never released; nothing is posted after an end."""
+    c = core(n=n, running=running, grace=1.0)
+    holders: set[int] = set()  # slices with a handle in "NIXL"
+    running_now: set[int] = set()
+    pending_release: list[int] = []
+    told: list[object] = []
+    now = 0.0
+
+    def apply(actions):
+        for a in actions:
+            if isinstance(a, Release):
+                assert a.index not in running_now, "released a running slice"
+                assert a.index in holders
+                pending_release.append(a.index)
+            elif isinstance(a, Complete):
+                apply(c.succeed())
+            elif isinstance(a, Finish):
+                assert not holders, "caller told while NIXL still holds a handle"
+                told.append(a)
+            elif isinstance(a, Fenced):
+                assert holders, "fenced with nothing held"
+                told.append(a)
+            elif isinstance(a, Quiet):
+                assert not holders and told and isinstance(told[-1], Fenced)
+                told.append(a)
+
+    for kind, k in events:
+        now += 0.3
+        if kind == "post":
+            for i in c.to_post(k + 1):
+                assert c.state is TransferState.POSTING
+                holders.add(i)
+                running_now.add(i)
+                apply(c.posted(i, "PROC"))
+        elif kind.startswith("check") and running_now:
+            i = sorted(running_now)[k % len(running_now)]
+            state = {"check_done": "DONE", "check_err": "ERR", "check_proc": "PROC"}[kind]
+            if state != "PROC":
+                running_now.discard(i)
+            apply(c.checked(i, state))
+        elif kind.startswith("release") and pending_release:
+            i = pending_release.pop(0)
+            if i not in holders:
+                continue  # asked twice (end() repeats releases still owed): already done
+            ok = kind == "release_ok"
+            if ok:
+                holders.discard(i)
+            apply(c.released(i, ok))
+            if not ok:
+                assert i in c.to_release()
+                pending_release.append(i)
+        elif kind == "end":
+            apply(c.end(TransferCancelled("x"), now))
+        elif kind == "tick":
+            apply(c.tick(now))
+    outcomes = [t for t in told if isinstance(t, Finish | Fenced)]
+    assert len(outcomes) <= 1
+    assert (c.state in (TransferState.RELEASING, TransferState.FENCED)) == (bool(holders) and c.error is not None)

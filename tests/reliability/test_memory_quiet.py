@@ -1,0 +1,163 @@
+"""No byte lands after the error: once a caller hears that a transfer ended, NIXL writes nothing
+more into its memory (or the error is `TransferFenced` and the engine still holds that memory).
+
+Both processes use UCX over TCP, so a READ is really in flight (over CMA it is a copy inside
+`transfer()` and nothing could land late). The local blocks start as 0xAA; the peer's hold a
+pattern. After the error reaches the caller we snapshot the local blocks, keep the engine
+polling (progressing UCX) for a second, and compare.
+"""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from nixl_async import (
+    EngineConfig,
+    TransferCancelled,
+    TransferEngine,
+    TransferError,
+    TransferFailed,
+    TransferFenced,
+    TransferTimeout,
+)
+
+BLOCK = 1 << 20
+BLOCKS = 96
+QUIET_FOR_S = 1.0
+
+
+@pytest.fixture
+async def tcp_engine(monkeypatch):
+    monkeypatch.setenv("UCX_TLS", "tcp")  # read when the agent's UCX worker is created
+    engine = TransferEngine(EngineConfig(engine_id="quiet-reader"))
+    await engine.start()
+    yield engine
+    await engine.close()
+
+
+@pytest.fixture
+def tcp_peer(nixl_peer_factory):
+    return nixl_peer_factory(num_regions=2, num_blocks=BLOCKS, block_len=BLOCK, seed=9, tcp=True)
+
+
+async def _setup(engine, proc):
+    regions = [np.full(BLOCKS * BLOCK, 0xAA, np.uint8) for _ in range(2)]
+    engine.register("kv", regions, block_len=BLOCK)
+    peer = await engine.connect(*proc.address)
+    return regions, peer
+
+
+async def _in_flight(engine, peer):
+    """Start a read of every block and return once a slice is really in flight."""
+    ids = list(range(BLOCKS))
+    transfer = await engine.start_read(peer, ids, ids)
+    for _ in range(2000):
+        if transfer.core.running:
+            return transfer
+        await asyncio.sleep(0.0005)
+    pytest.fail("the read never had a slice in flight: is UCX really using TCP?")
+
+
+async def _assert_quiet_after(engine, regions, error):
+    """Nothing lands in `regions` from now on, unless `error` says the memory is fenced."""
+    snapshot = [r.copy() for r in regions]
+    landed = sum(int((r != 0xAA).sum()) for r in snapshot)
+    await asyncio.sleep(QUIET_FOR_S)  # the engine's poller keeps progressing UCX meanwhile
+    changed = sum(int((a != b).sum()) for a, b in zip(snapshot, regions, strict=True))
+    if isinstance(error, TransferFenced):
+        assert engine.live_handles().get("registrations", 0) >= 1, "fenced memory must stay registered"
+        return
+    assert changed == 0, f"{changed} bytes landed after the caller was told {error!r} ({landed} landed before)"
+
+
+async def test_deadline(tcp_engine, tcp_peer):
+    regions, peer = await _setup(tcp_engine, tcp_peer)
+    ids = list(range(BLOCKS))
+    with pytest.raises((TransferTimeout, TransferFenced)) as info:
+        await tcp_engine.read(peer, ids, ids, timeout=0.004)
+    await _assert_quiet_after(tcp_engine, regions, info.value)
+
+
+async def test_wait_timeout(tcp_engine, tcp_peer):
+    regions, peer = await _setup(tcp_engine, tcp_peer)
+    transfer = await _in_flight(tcp_engine, peer)
+    with pytest.raises((TransferTimeout, TransferFenced)) as info:
+        await transfer.wait(timeout=0.001)
+    await _assert_quiet_after(tcp_engine, regions, info.value)
+
+
+async def test_cancelling_the_awaiting_task(tcp_engine, tcp_peer):
+    regions, peer = await _setup(tcp_engine, tcp_peer)
+    transfer = await _in_flight(tcp_engine, peer)
+
+    async def awaiter():
+        return await transfer
+
+    task = asyncio.create_task(awaiter())
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    error = transfer.exception()
+    assert isinstance(error, TransferCancelled | TransferFenced)
+    await _assert_quiet_after(tcp_engine, regions, error)
+
+
+async def test_asyncio_timeout_around_read(tcp_engine, tcp_peer):
+    regions, peer = await _setup(tcp_engine, tcp_peer)
+    ids = list(range(BLOCKS))
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.01):
+            await tcp_engine.read(peer, ids, ids)
+    await _assert_quiet_after(tcp_engine, regions, None)
+
+
+async def test_settle(tcp_engine, tcp_peer):
+    regions, peer = await _setup(tcp_engine, tcp_peer)
+    transfer = await _in_flight(tcp_engine, peer)
+    assert await tcp_engine.settle([transfer], timeout=10)
+    assert transfer.quiet and isinstance(transfer.exception(), TransferCancelled)
+    await _assert_quiet_after(tcp_engine, regions, None)
+
+
+async def test_peer_sigkill(tcp_engine, tcp_peer):
+    regions, peer = await _setup(tcp_engine, tcp_peer)
+    transfer = await _in_flight(tcp_engine, peer)
+    tcp_peer.kill()
+    with pytest.raises((TransferFailed, TransferFenced)) as info:
+        await transfer.wait(timeout=30)
+    await _assert_quiet_after(tcp_engine, regions, info.value)
+
+
+async def test_engine_close(tcp_engine, tcp_peer):
+    regions, peer = await _setup(tcp_engine, tcp_peer)
+    transfer = await _in_flight(tcp_engine, peer)
+    await tcp_engine.close()
+    error = transfer.exception()
+    assert isinstance(error, TransferCancelled | TransferFenced)
+    assert transfer.quiet or isinstance(error, TransferFenced)
+    if not isinstance(error, TransferFenced):
+        assert tcp_engine.live_handles() == {}, "a quiet close releases everything"
+    await _assert_quiet_after(tcp_engine, regions, error)
+
+
+async def test_fenced_when_nixl_holds_past_the_grace(monkeypatch, tcp_peer):
+    """A zero grace: the caller hears at once that the memory is fenced; it clears later."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    async with TransferEngine(EngineConfig(engine_id="fence-reader", release_grace_s=0.0)) as engine:
+        regions, peer = await _setup(engine, tcp_peer)
+        transfer = await _in_flight(engine, peer)
+        transfer.cancel()
+        with pytest.raises(TransferFenced) as info:
+            await transfer
+        assert isinstance(info.value.reason, TransferCancelled) and isinstance(info.value, TransferError)
+        with pytest.raises(Exception, match="fenced"):
+            engine.deregister("kv")  # never under a live handle
+        assert await transfer.wait_quiet(timeout=10)
+        assert engine.snapshot().counters["transfers_unfenced"] == 1
+        snapshot = [r.copy() for r in regions]
+        await asyncio.sleep(0.3)
+        assert all(np.array_equal(a, b) for a, b in zip(snapshot, regions, strict=True))
+        engine.deregister("kv")  # quiet now: allowed
+    assert engine.live_handles() == {}

@@ -1,0 +1,68 @@
+"""The facade reports a request only once its memory is quiet (UCX over TCP: reads really in flight).
+
+vLLM frees or reuses a request's blocks as soon as `get_finished` names it; so a cancelled or
+failed request must be named only when NIXL writes nothing more into them.
+"""
+
+import time
+
+import numpy as np
+import pytest
+
+from nixl_async import EngineConfig, SyncEngine
+
+BLOCK, BLOCKS = 1 << 20, 96
+
+
+@pytest.fixture
+def tcp_sync_engine(monkeypatch):
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    engine = SyncEngine(EngineConfig(engine_id="sync-quiet"))
+    yield engine
+    engine.close()
+    assert engine.engine.live_handles() == {}
+
+
+def _collect(engine, request_id, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = engine.get_finished()
+        if request_id in got.done or request_id in got.failed:
+            return got
+        time.sleep(0.0005)
+    pytest.fail(f"{request_id} was never reported")
+
+
+def _wait_in_flight(engine, request_id, timeout=10.0):
+    def running():
+        return any(t.core.running for t in list(engine.engine._active.values()))
+
+    deadline = time.monotonic() + timeout
+    while not engine.call(running):
+        assert time.monotonic() < deadline, "no slice in flight: is UCX using TCP?"
+        time.sleep(0.0002)
+
+
+def _assert_quiet(regions, what):
+    snapshot = [r.copy() for r in regions]
+    time.sleep(1.0)  # the loop thread keeps progressing UCX meanwhile
+    changed = sum(int((a != b).sum()) for a, b in zip(snapshot, regions, strict=True))
+    assert changed == 0, f"{changed} bytes landed after get_finished reported the request {what}"
+
+
+@pytest.mark.parametrize("how", ["cancel", "deadline"])
+def test_reported_only_once_quiet(tcp_sync_engine, nixl_peer_factory, how):
+    proc = nixl_peer_factory(num_regions=2, num_blocks=BLOCKS, block_len=BLOCK, seed=3, tcp=True)
+    regions = [np.full(BLOCKS * BLOCK, 0xAA, np.uint8) for _ in range(2)]
+    tcp_sync_engine.register("kv", regions, block_len=BLOCK)
+    tcp_sync_engine.connect(*proc.address)
+    ids = list(range(BLOCKS))
+    if how == "cancel":
+        tcp_sync_engine.submit_read("req", *proc.address, ids, ids)
+        _wait_in_flight(tcp_sync_engine, "req")
+        assert tcp_sync_engine.cancel("req")
+    else:
+        tcp_sync_engine.submit_read("req", *proc.address, ids, ids, timeout=0.004)
+    got = _collect(tcp_sync_engine, "req")
+    assert "req" in got.failed, got
+    _assert_quiet(regions, got.failed["req"])
