@@ -248,8 +248,10 @@ class TransferEngine:
 
     @property
     def address(self) -> tuple[str, int] | None:
-        """Where our handshake server listens, once `serve()` was called."""
-        return (self._server.host, self._server.port) if self._server else None
+        """Where our handshake server listens, once `serve()` was called (None if it failed for good)."""
+        if self._server is None or self._server.failed is not None:
+            return None
+        return self._server.host, self._server.port
 
     async def start(self) -> Self:
         """Create the NIXL agent (progress thread off) and the poller on the running loop."""
@@ -347,6 +349,8 @@ class TransferEngine:
                 handshakes_answered=self._server.served,
                 handshakes_rejected=self._server.rejected,
                 handshake_auth_failures=self._server.auth_failures,
+                handshake_server_restarts=self._server.restarts,
+                handshake_server_failed=int(self._server.failed is not None),
             )
             extra.update({f"notifications_refused_{r}": self._server.notifications_refused[r] for r in REFUSAL_REASONS})
         return self.stats.snapshot(self.live_handles(), extra)

@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 # asker are then refused. Transitional, until every caller returns the struct.)
 ReplyFor = Callable[[messages.MetadataRequest], messages.MetadataReply]
 _NONCE_TTL_S = 10.0
+_MAX_RESTARTS = 5
 _MAX_NONCES = 4096
 _MAX_NOTIFY_SESSIONS = 4096
 _REFUSAL_LOG_INTERVAL_S = 1.0
@@ -106,8 +107,15 @@ class HandshakeServer:
         self.port = 0
         self.served = 0
         self.rejected = 0
+        self.restarts = 0  # times the serving loop died and was restarted on the same address
+        self.failed: BaseException | None = None  # set when it could not be restarted: nobody answers
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
+        self._bind(host, port)
+        self._task = asyncio.get_running_loop().create_task(self._supervise(), name=f"handshake-server:{self.port}")
+        return self.host, self.port
+
+    def _bind(self, host: str, port: int) -> None:
         sock = self._context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self._max_frame_bytes)
@@ -121,8 +129,41 @@ class HandshakeServer:
             sock.close(0)
             raise
         self._socket, self.host, self.port = sock, host, port
-        self._task = asyncio.get_running_loop().create_task(self._serve(), name=f"handshake-server:{port}")
-        return host, port
+
+    async def _supervise(self) -> None:
+        """Keep serving: if the loop dies (a bug, a broken socket), rebind the same address and go on.
+
+        After `_MAX_RESTARTS` failures in a row the server gives up loudly (`failed` is set, the
+        address cleared) rather than keep advertising an address nobody answers.
+        """
+        failures = 0
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            try:
+                await self._serve()
+                return
+            except Exception as exc:
+                failures = 1 if loop.time() - started > 1.0 else failures + 1  # a long good run resets the count
+                self.restarts += 1
+                log.error("handshake server on %s:%d died (%d in a row): %r", self.host, self.port, failures, exc)
+                if self._socket is not None:
+                    self._socket.close(0)
+                    self._socket = None
+                error: BaseException = exc
+            while failures <= _MAX_RESTARTS:
+                await asyncio.sleep(0.01 * 2**failures)
+                try:
+                    self._bind(self.host, self.port)
+                    break
+                except zmq.ZMQError as bind_error:
+                    failures += 1
+                    error = bind_error
+            if failures > _MAX_RESTARTS:
+                self.failed = error
+                log.error("handshake server on %s:%d could not be restarted: no longer serving", self.host, self.port)
+                self.host, self.port = "", 0
+                return
 
     async def _serve(self) -> None:
         sock = self._socket
