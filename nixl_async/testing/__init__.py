@@ -9,7 +9,7 @@ Registered through the ``pytest11`` entry point, so installing nixl-async gives 
   deterministic pattern; ``tcp=True`` makes its transfers go over UCX's TCP transport so they are
   genuinely in flight. Peers are stopped at teardown (killed if they do not exit);
 - ``nixl_peer``: one default peer from that factory;
-- `PeerProcess` fault knobs (``kill()``/``akill()``, ``pause()``, ``resume()``), its control commands
+- `PeerProcess` fault knobs (``kill()``/``akill()``, ``pause()``, ``resume()``, ``reincarnate()``), its control commands
   (`Verify`, `TransferCommand`, `WaitNotifications`, `Stats`, ...), the pattern helpers (`fill_pattern`,
   `pattern_block`, `verify_blocks`) re-exported here, and `transfers_settled` (await it after
   cancelling transfers, before asserting that no handle is live).
@@ -52,6 +52,7 @@ if TYPE_CHECKING:
         PeerCommandError,
         PeerProcess,
         PeerSpec,
+        Reincarnate,
         Stats,
         TransferCommand,
         Verify,
@@ -66,6 +67,7 @@ __all__ = [
     "PeerCommandError",
     "PeerProcess",
     "PeerSpec",
+    "Reincarnate",
     "Stats",
     "TransferCommand",
     "Verify",
@@ -88,6 +90,7 @@ _FROM_PEER_PROCESS = frozenset(
         "PeerCommandError",
         "PeerProcess",
         "PeerSpec",
+        "Reincarnate",
         "Stats",
         "TransferCommand",
         "Verify",

@@ -3,9 +3,11 @@
 ``python -m nixl_async.testing.peer_process SPEC_JSON`` starts an engine whose layout is filled
 with a deterministic pattern (see `nixl_async.testing.patterns`), serves handshakes, and obeys
 commands on a control socket (msgspec Structs over ZMQ): verify blocks, read, write, notify, wait
-for notifications, report stats. It prints one JSON line with its addresses when ready.
-`PeerProcess` is the parent's handle: start, command, pause (SIGSTOP), kill (SIGKILL), stop; each
-of start, stop and kill has an ``a``-prefixed coroutine twin that does not block the event loop.
+for notifications, report stats, reincarnate (close its engine and start a new one, with a new
+agent and address, over the same memory). It prints one JSON line with its addresses when ready.
+`PeerProcess` is the parent's handle: start, command, pause (SIGSTOP), kill (SIGKILL), reincarnate,
+stop; each of start, stop and kill has an ``a``-prefixed coroutine twin that does not block the
+event loop.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import tempfile
 import time
 import zlib
 from collections.abc import Sequence
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import msgspec
 import numpy as np
@@ -31,6 +33,9 @@ import zmq.asyncio
 from ..layout import LayoutKind
 from .patterns import fill_pattern, verify_blocks
 
+if TYPE_CHECKING:
+    from ..engine import TransferEngine
+
 __all__ = [
     "Checksums",
     "Exit",
@@ -39,6 +44,7 @@ __all__ = [
     "PeerCommandError",
     "PeerProcess",
     "PeerSpec",
+    "Reincarnate",
     "Stats",
     "TransferCommand",
     "Verify",
@@ -116,7 +122,18 @@ class Exit(msgspec.Struct, tag="exit"):
     pass
 
 
-Command = Verify | Fill | Checksums | TransferCommand | Notify | WaitNotifications | Stats | Exit
+class Reincarnate(msgspec.Struct, tag="reincarnate", kw_only=True):
+    """Close the peer's engine and start a new one as `engine_id` (a new NIXL agent) on `port`.
+
+    The same layout over the same memory (so the same fill), a new handshake address (port 0: a
+    fresh one). The control socket stays. Answers ``{"engine_id", "host", "port"}``.
+    """
+
+    engine_id: str
+    port: int = 0
+
+
+Command = Verify | Fill | Checksums | TransferCommand | Notify | WaitNotifications | Stats | Exit | Reincarnate
 
 
 class Ok(msgspec.Struct, tag="ok"):
@@ -145,11 +162,18 @@ class PeerCommandError(RuntimeError):
 # -- the child ----------------------------------------------------------------------------
 class _PeerServer:
     def __init__(self, spec: PeerSpec) -> None:
+        self.spec = spec
+        self.engine: TransferEngine  # the current incarnation, from `open_engine`
+        region_len = spec.num_blocks * spec.block_len
+        self.regions = [np.zeros(region_len, dtype=np.uint8) for _ in range(spec.num_regions)]
+        self.done = asyncio.Event()
+
+    async def open_engine(self, spec: PeerSpec) -> tuple[TransferEngine, str, int]:
+        """A started engine as `spec` says, with our regions registered, serving on spec.port."""
         from ..config import EngineConfig
         from ..engine import TransferEngine
 
-        self.spec = spec
-        self.engine = TransferEngine(
+        engine = TransferEngine(
             EngineConfig(
                 engine_id=spec.engine_id,
                 compat=spec.compat,
@@ -157,18 +181,29 @@ class _PeerServer:
                 auth_secret=spec.auth_secret,
             )
         )
-        region_len = spec.num_blocks * spec.block_len
-        self.regions = [np.zeros(region_len, dtype=np.uint8) for _ in range(spec.num_regions)]
-        self.done = asyncio.Event()
+        await engine.start()
+        try:
+            engine.register(spec.layout_name, self.regions, block_len=spec.block_len, kind=spec.kind)
+            if spec.extra:
+                engine.set_extra(**spec.extra)
+            host, port = await engine.serve(spec.host, spec.port)
+        except BaseException:
+            await engine.close()
+            raise
+        return engine, host, port
+
+    async def reincarnate(self, engine_id: str, port: int) -> dict[str, Any]:
+        """Close the engine, then serve the same memory from a new one (a new agent and address)."""
+        await self.engine.close()
+        self.spec = msgspec.structs.replace(self.spec, engine_id=engine_id, port=port)
+        self.engine, host, port = await self.open_engine(self.spec)
+        return {"engine_id": engine_id, "host": host, "port": port}
 
     async def run(self) -> None:
         spec = self.spec
-        async with self.engine:
-            self.engine.register(spec.layout_name, self.regions, block_len=spec.block_len, kind=spec.kind)
-            if spec.extra:
-                self.engine.set_extra(**spec.extra)
-            self.fill(spec.seed)
-            host, port = await self.engine.serve(spec.host, spec.port)
+        self.fill(spec.seed)
+        self.engine, host, port = await self.open_engine(spec)
+        try:
             ctx = zmq.asyncio.Context()
             control = ctx.socket(zmq.ROUTER)
             control.setsockopt(zmq.LINGER, 0)
@@ -190,6 +225,8 @@ class _PeerServer:
             await asyncio.gather(*tasks, return_exceptions=True)
             control.close(0)
             ctx.destroy(0)
+        finally:
+            await self.engine.close()
 
     def fill(self, seed: int | None) -> None:
         if seed is None:
@@ -235,6 +272,8 @@ class _PeerServer:
             case Exit():
                 self.done.set()
                 return None
+            case Reincarnate(engine_id=engine_id, port=port):
+                return await self.reincarnate(engine_id, port)
         raise TypeError(f"unknown command {cmd!r}")  # pragma: no cover
 
 
@@ -407,6 +446,18 @@ class PeerProcess:
         finally:
             sock.close(0)
         return self._unwrap(payload)
+
+    async def reincarnate(self, engine_id: str, *, port: int = 0, timeout: float = 60.0) -> tuple[str, int]:
+        """Make the peer close its engine and serve the same memory as a new engine `engine_id`.
+
+        The old incarnation vanishes (its agent and handshake address close); the new one has a
+        new NIXL agent and listens on `port` (0: a fresh one), with the same layout and contents.
+        Updates `address` and `engine_id` and returns the new address. Raises `PeerCommandError`.
+        """
+        value = await self.request(Reincarnate(engine_id=engine_id, port=port), timeout=timeout)
+        self.spec = msgspec.structs.replace(self.spec, engine_id=value["engine_id"])
+        self.host, self.port = value["host"], value["port"]
+        return self.address
 
     @staticmethod
     def _unwrap(payload: bytes) -> Any:

@@ -1,0 +1,46 @@
+"""The peer-process harness's `Reincarnate`: a new engine, agent and address over the same memory."""
+
+import socket
+
+import numpy as np
+import pytest
+
+from nixl_async import HandshakeTimeout
+from nixl_async.testing import Checksums, PeerCommandError, Reincarnate, verify_blocks
+
+BLOCK = 4096
+
+
+async def test_reincarnate_serves_the_same_memory_as_a_new_engine(nixl_engine, nixl_peer_factory):
+    proc = nixl_peer_factory(engine_id="churn-0", num_regions=1, num_blocks=8, block_len=BLOCK, seed=5)
+    kv = [np.zeros(8 * BLOCK, np.uint8)]
+    nixl_engine.register("kv", kv, block_len=BLOCK)
+    first = await nixl_engine.connect(*proc.address)
+    old_address, sums = proc.address, await proc.request(Checksums(blocks=list(range(8))))
+
+    host, port = await proc.reincarnate("churn-1")
+    assert (host, port) == proc.address != old_address and proc.engine_id == proc.spec.engine_id == "churn-1"
+    assert await proc.request(Checksums(blocks=list(range(8)))) == sums  # same control socket, same fill
+    again = await nixl_engine.connect(host, port, expected_engine_id="churn-1")
+    assert again.agent_name != first.agent_name and again.agent_name.startswith("churn-1/")
+    await nixl_engine.read(again, [2], [6])
+    assert verify_blocks(kv, BLOCK, [2], [6], seed=5) == []
+    with pytest.raises(HandshakeTimeout):  # the old incarnation is gone
+        await nixl_engine.connect(*old_address, refresh=True, timeout=0.3)
+
+    # The same engine id again, at the very same port: only the agent changes (a restart in place).
+    assert await proc.reincarnate("churn-1", port=port) == (host, port)
+    restarted = await nixl_engine.connect(host, port, refresh=True)
+    assert restarted.engine_id == "churn-1" and restarted.agent_name != again.agent_name
+    await nixl_engine.read(restarted, [3], [7])
+    assert verify_blocks(kv, BLOCK, [3], [7], seed=5) == []
+
+
+async def test_a_failed_reincarnation_reports_and_the_harness_still_stops(nixl_peer_factory):
+    proc = nixl_peer_factory(num_regions=1, num_blocks=4, block_len=BLOCK)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(PeerCommandError, match="ZMQError"):
+            await proc.request(Reincarnate(engine_id="x", port=taken.getsockname()[1]))
+    assert await proc.astop() == 0
