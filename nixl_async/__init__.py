@@ -6,8 +6,9 @@ agent), `sync` (a thin facade for threads) and `adapters/vllm` (translation for 
 
 from __future__ import annotations
 
+from ._peers import Peer
 from .config import EngineConfig, PollConfig
-from .engine import Peer, TransferEngine
+from .engine import TransferEngine
 from .exceptions import (
     EngineClosedError,
     EngineIdMismatch,

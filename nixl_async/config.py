@@ -70,6 +70,10 @@ class EngineConfig:
     # A transfer submitted without a timeout gets this deadline, so a stalled or paused peer
     # cannot hang its caller forever. None disables it.
     transfer_timeout_s: float | None = 120.0
+    # A peer unused this long (no connect, no transfer) with nothing in flight is forgotten: its
+    # remote agent, descriptor lists and notification socket go (vLLM's engine TTL is 3600 s).
+    # None keeps peers until `disconnect()`.
+    peer_ttl_s: float | None = 3600.0
     # Handshake side channel.
     handshake_timeout_s: float = 5.0
     # Optional shared secret: when set, handshakes in both directions must prove it (HMAC over
@@ -106,6 +110,8 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be > 0")
         if self.transfer_timeout_s is not None and self.transfer_timeout_s <= 0:
             raise ValueError("EngineConfig.transfer_timeout_s must be > 0 or None")
+        if self.peer_ttl_s is not None and self.peer_ttl_s <= 0:
+            raise ValueError("EngineConfig.peer_ttl_s must be > 0 or None")
         if self.handshake_timeout_s <= 0:
             raise ValueError("EngineConfig.handshake_timeout_s must be > 0")
         if self.release_grace_s < 0:

@@ -15,7 +15,7 @@ Life cycle::
 One poller coroutine drives all in-flight transfers (see `_poller.py` for its pacing) and posts
 large transfers slice by slice (see `transfer.py`), so no coroutine on the loop stalls for more
 than one slice's copy. Backpressure: a submit beyond `max_inflight_transfers` or
-`max_inflight_bytes` waits for room.
+`max_inflight_bytes` waits for room, in arrival order (see `_admission.py`).
 """
 
 from __future__ import annotations
@@ -31,16 +31,19 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any, Self
 
 import msgspec
-import numpy as np
 import numpy.typing as npt
 import zmq
 import zmq.asyncio
 
 from . import messages
-from ._agent import NIXL_ERRORS, OwnedAgent, RegisteredMemory
+from ._admission import Admission
+from ._agent import NIXL_ERRORS, OwnedAgent
+from ._memory import MemoryRegistry, ViewLike, layout_of_memory
 from ._notify_guard import REFUSAL_REASONS
+from ._peers import Peer, PeerTable, Reconcile, pick_layout, reconcile
 from ._poller import AdaptivePacer
 from ._side_notify import SideChannelNotifier
+from ._slicing import CopyRate
 from ._state import Action, Complete, Fenced, Finish, Quiet, Release, TransferState
 from .config import EngineConfig
 from .exceptions import (
@@ -59,10 +62,7 @@ from .exceptions import (
 from .handshake import HandshakeServer, Refusal, fetch_metadata
 from .layout import (
     BlockLayout,
-    BlockView,
     LayoutKind,
-    MemType,
-    ViewSpec,
     as_block_ids,
     pair_descriptor_ids,
 )
@@ -75,7 +75,6 @@ __all__ = ["Peer", "TransferEngine"]
 log = logging.getLogger(__name__)
 
 BlockIds = Sequence[int] | npt.ArrayLike
-ViewLike = BlockView | ViewSpec | str | None
 # After serving a handshake, poll briskly this long: the asker's first transfer needs our UCX
 # worker progressed to finish connection wire-up.
 _WIREUP_BRISK_S = 2.0
@@ -83,7 +82,6 @@ _WIREUP_BRISK_S = 2.0
 _SWEEP_BUDGET_S = 0.001
 _NEVER = float("inf")
 _CLOSE_GRACE_S = 0.2  # progress this long at close when a notification went out recently
-_INITIAL_COPY_RATE = 4e9  # a conservative first guess (CMA here does 4-12 GB/s)
 
 
 _NOTIFY_ERRORS: tuple[type[BaseException], ...] = (*NIXL_ERRORS, KeyError, zmq.ZMQError)
@@ -94,102 +92,10 @@ _KEPT_ALIVE: list[tuple[Any, list[Any], list[Transfer]]] = []
 _COLLECTOR: contextvars.ContextVar[list[Transfer] | None] = contextvars.ContextVar("nixl_async_collector", default=None)
 
 
-class Peer:
-    """A remote engine we completed a handshake with."""
-
-    __slots__ = (
-        "address",
-        "agent_name",
-        "clock_offset_s",
-        "compat_hash",
-        "connected",
-        "engine_id",
-        "extra",
-        "layouts",
-        "notify_session",
-        "stale",
-    )
-
-    def __init__(self, reply: messages.MetadataReply, address: tuple[str, int]) -> None:
-        self.engine_id = reply.engine_id
-        self.agent_name = reply.agent_name
-        self.compat_hash = reply.compat_hash
-        self.layouts = {lay.name: lay for lay in reply.layouts}
-        self.extra = dict(reply.extra)
-        self.notify_session = reply.notify_session  # for side-channel notifications to it
-        self.address = address
-        self.connected = True
-        self.stale = False  # a transfer with it failed: the next connect() handshakes again
-        self.clock_offset_s = 0.0  # its wall clock minus ours, estimated at the handshake
-
-    def __repr__(self) -> str:
-        return f"<Peer {self.engine_id} at {self.address[0]}:{self.address[1]} agent={self.agent_name}>"
-
-    def layout(self, name: str | None = None) -> BlockLayout:
-        """The peer's layout called `name` (or its only one)."""
-        return _pick_layout(self.layouts, name, f"peer {self.engine_id}")
-
-
 def _engine_id_of(agent_name: str) -> str:
     """Our agents are named "<engine id>/<start time>"; other agents keep their own name."""
     engine_id, sep, stamp = agent_name.rpartition("/")
     return engine_id if sep and stamp.isalnum() else agent_name
-
-
-def _pick_layout(layouts: dict[str, BlockLayout], name: str | None, owner: str) -> BlockLayout:
-    if name is None:
-        if len(layouts) != 1:
-            raise LayoutError(f"{owner} has {len(layouts)} layouts {sorted(layouts)}: name one")
-        return next(iter(layouts.values()))
-    try:
-        return layouts[name]
-    except KeyError:
-        raise LayoutError(f"{owner} has no layout {name!r} (has {sorted(layouts)})") from None
-
-
-def _memory_regions(memory: Any) -> tuple[list[int], int, MemType, int, list[Any]]:
-    """(addresses, bytes per region, mem type, device id, objects to keep alive) of tensors/arrays."""
-    items = list(memory) if isinstance(memory, list | tuple) else [memory]
-    if not items:
-        raise LayoutError("no memory given")
-    addrs: list[int] = []
-    sizes: set[int] = set()
-    kinds: set[tuple[MemType, int]] = set()
-    for item in items:
-        if isinstance(item, np.ndarray):
-            if not item.flags.c_contiguous:
-                raise LayoutError("numpy arrays must be C-contiguous to be registered")
-            addrs.append(item.ctypes.data)
-            sizes.add(item.nbytes)
-            kinds.add((MemType.DRAM, 0))
-        elif hasattr(item, "data_ptr") and hasattr(item, "is_contiguous"):  # torch.Tensor
-            if not item.is_contiguous():
-                raise LayoutError("tensors must be contiguous to be registered")
-            addrs.append(item.data_ptr())
-            sizes.add(item.numel() * item.element_size())
-            if item.device.type == "cuda":
-                kinds.add((MemType.VRAM, item.device.index or 0))
-            elif item.device.type == "cpu":
-                kinds.add((MemType.DRAM, 0))
-            else:
-                raise LayoutError(f"cannot register memory on device {item.device}")
-        else:
-            raise LayoutError(f"cannot register {type(item).__name__}: pass tensors, arrays or a BlockLayout")
-    if len(sizes) != 1:
-        raise LayoutError(f"every region must have the same size, got {sorted(sizes)}")
-    if len(kinds) != 1:
-        raise LayoutError(f"every region must be on the same device, got {sorted(kinds)}")
-    ((mem_type, device),) = kinds
-    return addrs, sizes.pop(), mem_type, device, items
-
-
-class _LocalLayout:
-    __slots__ = ("keepalive", "layout", "memory")
-
-    def __init__(self, layout: BlockLayout, memory: RegisteredMemory, keepalive: list[Any]) -> None:
-        self.layout = layout
-        self.memory = memory
-        self.keepalive = keepalive
 
 
 class TransferEngine:
@@ -207,14 +113,10 @@ class TransferEngine:
         self._compat_hash = messages.compat_hash(self.config.compat)
         self._reply_cache: messages.MetadataReply | None = None
         self.extra: dict[str, str] = {}
-        self._layouts: dict[str, _LocalLayout] = {}
-        self._local_layouts: dict[str, BlockLayout] = {}
-        self._views: dict[tuple[int, ViewSpec | None], BlockView] = {}
-        self._local_dlists: dict[tuple[str, int, int, int], Any] = {}
-        self._remote_dlists: dict[tuple[str, tuple[str, int, int, int]], Any] = {}
-        self._peers: dict[str, Peer] = {}  # by engine id
-        self._peers_by_agent: dict[str, Peer] = {}
-        self._peers_by_address: dict[tuple[str, int], Peer] = {}
+        self._memory = MemoryRegistry()
+        self._table = PeerTable()
+        self._orphan_dlists: list[Any] = []  # remote lists a peer's new layouts replaced, still in use
+        self._next_eviction = -_NEVER
         self._notifier: SideChannelNotifier | None = None  # notify_via="side_channel"
         self._connecting: dict[tuple[str, int], asyncio.Task[Peer]] = {}
         self._active: dict[int, Transfer] = {}
@@ -225,10 +127,8 @@ class TransferEngine:
         self._closed = False
         self._final_live: dict[str, int] = {}
         self._ids = itertools.count(1)
-        self._inflight_bytes = 0
-        # Bytes/s of recent posts that copied synchronously (CMA); sizes the next slices.
-        self._copy_rate = _INITIAL_COPY_RATE
-        self._room_waiters: list[asyncio.Future[None]] = []
+        self._copy_rate = CopyRate(self.config)  # sizes the next slices
+        self._admission = Admission(self.config.max_inflight_transfers, self.config.max_inflight_bytes)
         self._notifications = NotificationBox(self.config.max_unclaimed_notifications)
         self._pacer = AdaptivePacer(self.config.poll)
         self._wake: asyncio.Future[None] | None = None
@@ -281,6 +181,7 @@ class TransferEngine:
         if self._agent is None or self._closing:
             return
         self._closing = True
+        self._admission.close()  # waiters wake and fail with EngineClosedError
         agent = self._agent
         assert self._loop is not None
         if self._server is not None:
@@ -304,25 +205,18 @@ class TransferEngine:
             self._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poller
-        self._wake_room_waiters()
         fenced = [t for t in (*self._active.values(), *self._fenced.values()) if not t.quiet]
         if fenced:
             # NIXL may still write into (or read from) that memory: never deregister or free it.
             log.error("closing with %d transfers NIXL still holds (%s): keeping the agent and its memory alive",
                       len(fenced), ", ".join(f"#{t.id}" for t in fenced))  # fmt: skip
-            _KEPT_ALIVE.append((agent, [local.keepalive for local in self._layouts.values()], fenced))
+            _KEPT_ALIVE.append((agent, self._memory.keepalives(), fenced))
+            self._memory.forget()
         else:
-            for handle in self._local_dlists.values():
-                agent.release_dlist(handle)
-            for peer in [*self._peers.values(), *self._retiring_peers.values()]:
+            for peer in [*self._table, *self._retiring_peers.values()]:
                 self._forget_peer(peer)
                 self._drop_remote(peer)
-            for local in self._layouts.values():
-                agent.deregister(local.memory)
-        self._local_dlists.clear()
-        self._layouts.clear()
-        self._local_layouts.clear()
-        self._views.clear()
+            self._memory.release_all(agent)
         self._notifier_close()
         if self._zmq is not None:
             self._zmq.destroy(linger=0)
@@ -343,7 +237,14 @@ class TransferEngine:
 
     def snapshot(self) -> StatsSnapshot:
         """Counters, latency histograms and live handles, as a plain value."""
-        extra = {"notifications_dropped": self._notifications.dropped}
+        admission = self._admission
+        extra = {
+            "notifications_dropped": self._notifications.dropped,
+            "backpressure_waits": admission.waits,
+            "backpressure_timeouts": admission.timeouts,
+            "inflight_transfers": admission.count,
+            "inflight_bytes": admission.bytes,
+        }
         if self._server is not None:
             extra.update(
                 handshakes_answered=self._server.served,
@@ -371,39 +272,14 @@ class TransferEngine:
         Give `num_blocks` or `block_len`; the other is derived from the region size. Memory on a
         CUDA device registers as VRAM. The engine keeps the objects alive until it closes.
         """
-        addrs, region_bytes, mem_type, device, keepalive = _memory_regions(memory)
-        if (num_blocks is None) == (block_len is None):
-            raise LayoutError("give exactly one of num_blocks and block_len")
-        if num_blocks is not None:
-            if num_blocks <= 0 or region_bytes % num_blocks:
-                raise LayoutError(f"a {region_bytes}-byte region does not hold {num_blocks} equal blocks")
-            block_len = region_bytes // num_blocks
-        assert block_len is not None
-        if block_len <= 0 or region_bytes % block_len:
-            raise LayoutError(f"a {region_bytes}-byte region is not a whole number of {block_len}-byte blocks")
-        layout = BlockLayout.from_regions(
-            name,
-            addrs,
-            num_blocks=region_bytes // block_len,
-            block_len=block_len,
-            kind=kind,
-            mem_type=mem_type,
-            device_id=device,
-            block_size=block_size,
+        layout, keepalive = layout_of_memory(
+            name, memory, num_blocks=num_blocks, block_len=block_len, kind=kind, block_size=block_size
         )
         return self.register_layout(layout, keepalive=keepalive)
 
     def register_layout(self, layout: BlockLayout, *, keepalive: list[Any] | None = None) -> BlockLayout:
         """Register raw memory described by `layout` (the caller keeps that memory alive)."""
-        agent = self._require_agent()
-        if layout.name in self._layouts:
-            raise LayoutError(f"a layout named {layout.name!r} is already registered")
-        for other in self._layouts.values():
-            if layout.overlaps(other.layout):
-                raise LayoutError(f"layout {layout.name!r} overlaps registered layout {other.layout.name!r}")
-        memory = agent.register(layout.region_descriptors(), layout.mem_type)
-        self._layouts[layout.name] = _LocalLayout(layout, memory, keepalive or [])
-        self._local_layouts[layout.name] = layout
+        self._memory.register(self._require_agent(), layout, keepalive or [])
         self._reply_cache = None
         self.stats.counters["registered_bytes"] += layout.total_bytes
         return layout
@@ -411,28 +287,17 @@ class TransferEngine:
     def deregister(self, name: str) -> None:
         """Deregister a layout. Transfers using it must have finished."""
         agent = self._require_agent()
-        local = self._layouts.get(name)
-        if local is None:
-            raise LayoutError(f"no layout named {name!r} is registered")
-        handles = [self._local_dlists[k] for k in self._keys_of(name)]
+        handles = self._memory.local_dlists_of(name)
         busy = [t for t in (*self._active.values(), *self._fenced.values()) if any(t.local_dlist is h for h in handles)]
         if busy:
             fenced = sum(t.state is TransferState.FENCED for t in busy)
             raise LayoutError(f"layout {name!r} has {len(busy)} transfers in flight ({fenced} fenced): kept registered")
-        for key in self._keys_of(name):
-            agent.release_dlist(self._local_dlists.pop(key))
-        agent.deregister(local.memory)
-        del self._layouts[name]
-        del self._local_layouts[name]
-        self._views.clear()
+        self._memory.deregister(agent, name)
         self._reply_cache = None
-
-    def _keys_of(self, name: str) -> list[tuple[str, int, int, int]]:
-        return [k for k in self._local_dlists if k[0] == name]
 
     def layout(self, name: str | None = None) -> BlockLayout:
         """Our registered layout called `name` (or our only one)."""
-        return _pick_layout(self._local_layouts, name, "this engine")
+        return pick_layout(self._memory.layouts, name, "this engine")
 
     # -- handshake ------------------------------------------------------------------------
     async def serve(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
@@ -473,7 +338,7 @@ class TransferEngine:
                 agent_name=agent.name,
                 agent_metadata=agent.metadata(),
                 compat_hash=self._compat_hash,
-                layouts=[local.layout for local in self._layouts.values()],
+                layouts=list(self._memory.layouts.values()),
                 extra=dict(self.extra),
             )
         return msgspec.structs.replace(self._reply_cache, wall_clock=time.time())
@@ -506,7 +371,7 @@ class TransferEngine:
         """
         self._require_agent()
         key = (host, port)
-        peer = self._peers_by_address.get(key)
+        peer = self._table.at(key)
         moved = peer is not None and expected_engine_id is not None and peer.engine_id != expected_engine_id
         if peer is None or refresh or moved or not peer.connected or peer.stale:
             task = self._connecting.get(key)
@@ -519,6 +384,8 @@ class TransferEngine:
                 self._connecting[key] = task
                 task.add_done_callback(functools.partial(self._connect_done, key))
             peer = await asyncio.shield(task)
+        assert self._loop is not None
+        self._table.touch(peer, self._loop.time())
         if expected_engine_id is not None and peer.engine_id != expected_engine_id:
             raise EngineIdMismatch(
                 f"{host}:{port} is engine {peer.engine_id!r}, expected {expected_engine_id!r}",
@@ -551,46 +418,50 @@ class TransferEngine:
                     f"ours is {self._compat_hash}: its memory cannot be used with ours",
                     address=f"{host}:{port}",
                 )
-            agent = self._require_agent()
-            old = self._peers.get(reply.engine_id)
-            busy = old is not None and any(t.remote_agent == old.agent_name for t in self._active.values())
-            if old is not None and old.agent_name == reply.agent_name and (not old.stale or busy):
-                # The same incarnation answered, and nothing failed or other transfers with it are
-                # still moving (one failed request must not cancel healthy ones): keep the peer.
-                old.stale = False
-                old.clock_offset_s = offset
-                old.layouts = {lay.name: lay for lay in reply.layouts}
-                old.extra = dict(reply.extra)
-                old.notify_session = reply.notify_session  # a new session per handshake
-                self._peers_by_address[(host, port)] = old
-                self.stats.counters["handshakes"] += 1
-                return old
-            if old is not None:
-                # A restart (new agent), or a failure that may have broken the UCX endpoint:
-                # drop the old remote agent and load it afresh.
-                self._forget_peer(old)
-            previous = self._peers_by_address.get((host, port))
-            if previous is not None and previous.engine_id != reply.engine_id and previous.connected:
-                # Another engine now answers at this address: the one we knew there is gone.
-                self._forget_peer(previous)
-            retiring = self._retiring_peers.get(reply.agent_name)
-            if retiring is not None:
-                # Its earlier transfers are still releasing: NIXL keeps that remote agent loaded
-                # until they are quiet, so wait for them (bounded by the grace) before loading anew.
-                await self._retired(retiring, self.config.release_grace_s + 0.5)
-            name = agent.add_remote(reply.agent_metadata)
+            peer = await self._reconcile(reply, (host, port), offset)
         except BaseException:
             self.stats.counters["handshake_failures"] += 1
             raise
-        peer = Peer(reply, (host, port))
-        peer.agent_name = name
-        peer.clock_offset_s = offset
-        self._peers[peer.engine_id] = peer
-        self._peers_by_agent[name] = peer
-        self._peers_by_address[(host, port)] = peer
         self.stats.counters["handshakes"] += 1
         self.stats.histograms["handshake_us"].record(self._loop.time() - started)
         return peer
+
+    async def _reconcile(self, reply: messages.MetadataReply, address: tuple[str, int], offset: float) -> Peer:
+        """Carry out what `reconcile` decides for a handshake reply (see `_peers.py`)."""
+        agent = self._require_agent()
+        assert self._loop is not None
+        now = self._loop.time()
+        old = self._table.get(reply.engine_id)
+        busy = old is not None and old.agent_name in self._busy_agents()
+        decision = reconcile(old, reply, busy=busy)
+        previous = self._table.at(address)
+        if previous is not None and previous.engine_id != reply.engine_id:
+            self._forget_peer(previous)  # another engine now answers at this address: that one is gone
+        if old is not None and decision in (Reconcile.KEEP, Reconcile.REFRESH_LAYOUTS):
+            if decision is Reconcile.REFRESH_LAYOUTS:
+                in_use = {id(t.remote_dlist) for t in self._live_transfers()}
+                self._orphan_dlists += self._memory.drop_remote(agent, old.agent_name, keep=in_use)
+            old.refresh(reply, clock_offset_s=offset, now=now)
+            self._table.add(old, address)
+            return old
+        if old is not None:  # RELOAD or REPLACE: its transfers end; its remote agent goes once quiet
+            self._forget_peer(old)
+        retiring = self._retiring_peers.get(reply.agent_name)
+        if retiring is not None:
+            # NIXL still has that agent loaded for transfers that are releasing: wait for them
+            # (bounded by the grace) before loading it anew.
+            await self._retired(retiring, self.config.release_grace_s + 0.5)
+        peer = Peer(reply, address, now=self._loop.time())
+        peer.agent_name = agent.add_remote(reply.agent_metadata)
+        peer.clock_offset_s = offset
+        self._table.add(peer)
+        return peer
+
+    def _live_transfers(self) -> list[Transfer]:
+        return [*self._active.values(), *self._fenced.values()]
+
+    def _busy_agents(self) -> set[str]:
+        return {t.remote_agent for t in self._live_transfers()}
 
     async def _retired(self, peer: Peer, timeout: float) -> None:
         assert self._loop is not None
@@ -606,14 +477,14 @@ class TransferEngine:
 
     def peer(self, engine_id: str) -> Peer:
         """The connected peer with that engine id (raises `PeerUnknownError`)."""
-        try:
-            return self._peers[engine_id]
-        except KeyError:
-            raise PeerUnknownError(engine_id) from None
+        peer = self._table.get(engine_id)
+        if peer is None:
+            raise PeerUnknownError(engine_id)
+        return peer
 
     @property
     def peers(self) -> list[Peer]:
-        return list(self._peers.values())
+        return list(self._table)
 
     def disconnect(self, peer: Peer) -> None:
         """Forget a peer: fail its transfers, release its descriptor lists and remote agent."""
@@ -630,28 +501,42 @@ class TransferEngine:
                 self._end(transfer, error)
         self._notifier_forget(peer)
         peer.connected = False
-        self._peers.pop(peer.engine_id, None)
-        self._peers_by_agent.pop(peer.agent_name, None)
-        if self._peers_by_address.get(peer.address) is peer:
-            del self._peers_by_address[peer.address]
+        self._table.remove(peer)
         self._retiring_peers[peer.agent_name] = peer
         self._drop_quiet_peers()
 
     def _drop_quiet_peers(self) -> None:
-        """Remove the remote agents of forgotten peers that no live transfer uses any more."""
-        if not self._retiring_peers:
+        """Remove what forgotten peers left once no live transfer uses it; forget idle peers."""
+        if self._orphan_dlists:
+            in_use = {id(t.remote_dlist) for t in self._live_transfers()}
+            agent = self._require_agent_any()
+            for handle in [h for h in self._orphan_dlists if id(h) not in in_use]:
+                self._orphan_dlists.remove(handle)
+                agent.release_dlist(handle)
+        if self._retiring_peers:
+            busy = self._busy_agents()
+            for name, peer in list(self._retiring_peers.items()):
+                if name not in busy:
+                    self._drop_remote(peer)
+        self._evict_idle_peers()
+
+    def _evict_idle_peers(self) -> None:
+        """Forget peers unused for `peer_ttl_s` (a fleet whose instances come and go must not leak)."""
+        ttl = self.config.peer_ttl_s
+        assert self._loop is not None
+        now = self._loop.time()
+        if ttl is None or now < self._next_eviction or not len(self._table):
             return
-        busy = {t.remote_agent for t in (*self._active.values(), *self._fenced.values())}
-        for name, peer in list(self._retiring_peers.items()):
-            if name not in busy:
-                self._drop_remote(peer)
+        self._next_eviction = now + min(ttl / 2, 1.0)
+        for peer in self._table.idle(now, ttl, self._busy_agents()):
+            self.stats.counters["peers_evicted"] += 1
+            self._forget_peer(peer)
 
     def _drop_remote(self, peer: Peer) -> None:
         if self._retiring_peers.pop(peer.agent_name, None) is None:
             return
         agent = self._require_agent_any()
-        for key in [k for k in self._remote_dlists if k[0] == peer.agent_name]:
-            agent.release_dlist(self._remote_dlists.pop(key))
+        self._memory.drop_remote(agent, peer.agent_name)
         agent.remove_remote(peer.agent_name)
 
     # -- transfers ------------------------------------------------------------------------
@@ -742,23 +627,6 @@ class TransferEngine:
         """`start_write` and wait for it."""
         return await (await self.start_write(peer, local_blocks, remote_blocks, **kwargs))
 
-    def _view(self, spec: ViewLike, layouts: dict[str, BlockLayout], owner: str) -> BlockView:
-        if isinstance(spec, BlockView):
-            known = layouts.get(spec.layout.name)
-            if known != spec.layout:
-                raise LayoutError(f"view of layout {spec.layout.name!r} does not belong to {owner}")
-            return spec
-        name, window = (spec.layout, spec) if isinstance(spec, ViewSpec) else (spec, None)
-        layout = _pick_layout(layouts, name, owner)
-        key = (id(layout), window)  # views are cached: their index tables are reused per submit
-        view = self._views.get(key)
-        if view is None or view.layout is not layout:
-            view = window.resolve(layout) if window is not None else layout.view()
-            if len(self._views) > 1024:
-                self._views.clear()
-            self._views[key] = view
-        return view
-
     async def _submit(
         self,
         op: str,
@@ -773,12 +641,12 @@ class TransferEngine:
     ) -> Transfer:
         agent = self._require_agent()
         assert self._loop is not None
-        if not peer.connected or self._peers.get(peer.engine_id) is not peer:
+        if not peer.connected or peer not in self._table:
             raise PeerUnknownError(f"peer {peer.engine_id!r} is not connected (connect again)")
         if notify is not None and not isinstance(notify, bytes):
             raise TypeError("notify must be bytes")
-        local_view = self._view(local, self._local_layouts, "this engine")
-        remote_view = self._view(remote, peer.layouts, f"peer {peer.engine_id}")
+        local_view = self._memory.view(local, self._memory.layouts, "this engine")
+        remote_view = self._memory.view(remote, peer.layouts, f"peer {peer.engine_id}")
         lids = as_block_ids(local_blocks, local_view.layout.num_blocks, what="local", unique=op == "READ")
         rids = as_block_ids(remote_blocks, remote_view.layout.num_blocks, what="remote", unique=op == "WRITE")
         now = self._loop.time()
@@ -800,34 +668,43 @@ class TransferEngine:
         deadline = None if timeout is None else now + timeout
         lease_deadline = None if lease_expires_at is None else now + remaining
 
-        await self._admit(nbytes, deadline)
-        agent = self._require_agent()  # the engine may have closed while we waited
-        if not peer.connected or self._peers.get(peer.engine_id) is not peer:
-            raise PeerUnknownError(f"peer {peer.engine_id!r} was disconnected while waiting for room (connect again)")
-        transfer = Transfer(
-            transfer_id=next(self._ids),
-            op=op,
-            peer=peer.engine_id,
-            remote_agent=peer.agent_name,
-            local_dlist=self._local_dlist(agent, local_view),
-            remote_dlist=self._remote_dlist(agent, peer, remote_view),
-            slices=plan_slices(lidx, ridx, local_view.piece_len, self._slice_bytes(), self.config.max_post_descriptors),
-            notify=notify,
-            nbytes=nbytes,
-            deadline=deadline,
-            submitted_at=now,
-            future=self._loop.create_future(),
-            cancel_cb=self._end,
-            slices_in_flight=self.config.slices_in_flight,
-            release_grace_s=self.config.release_grace_s,
-        )
+        try:
+            await self._admission.acquire(nbytes, deadline)
+        except TimeoutError:
+            raise TransferTimeout("deadline passed while waiting for room to submit") from None
+        try:
+            agent = self._require_agent()  # the engine may have closed while we waited
+            if not peer.connected or peer not in self._table:
+                raise PeerUnknownError(f"peer {peer.engine_id!r} was disconnected while waiting for room")
+            self._table.touch(peer, self._loop.time())
+            transfer = Transfer(
+                transfer_id=next(self._ids),
+                op=op,
+                peer=peer.engine_id,
+                remote_agent=peer.agent_name,
+                local_dlist=self._memory.local_dlist(agent, local_view),
+                remote_dlist=self._memory.remote_dlist(agent, peer.agent_name, remote_view),
+                slices=plan_slices(
+                    lidx, ridx, local_view.piece_len, self._copy_rate.slice_bytes(), self.config.max_post_descriptors
+                ),
+                notify=notify,
+                nbytes=nbytes,
+                deadline=deadline,
+                submitted_at=now,
+                future=self._loop.create_future(),
+                cancel_cb=self._end,
+                slices_in_flight=self.config.slices_in_flight,
+                release_grace_s=self.config.release_grace_s,
+            )
+        except BaseException:
+            self._admission.release(nbytes)
+            raise
         transfer.lease_deadline = lease_deadline
         if (collected := _COLLECTOR.get()) is not None:
             collected.append(transfer)
-        self._active[transfer.id] = transfer
+        self._active[transfer.id] = transfer  # from here on `_retire` gives the room back
         if deadline is not None and deadline < self._next_deadline:
             self._next_deadline = deadline
-        self._inflight_bytes += nbytes
         self.stats.counters["transfers_submitted"] += 1
         if len(transfer.slices[0][0]) * transfer.piece_len <= self.config.min_post_bytes:
             self._pump(agent, transfer, max_posts=1)  # the fast path: small transfers finish here
@@ -898,53 +775,6 @@ class TransferEngine:
         transfer.finish(TransferResult(transfer.id, op, peer.engine_id, 0, 0, 0, 0.0, notify is not None))
         return transfer
 
-    async def _admit(self, nbytes: int, deadline: float | None) -> None:
-        assert self._loop is not None
-        cfg = self.config
-
-        def has_room() -> bool:
-            if self._closing:
-                return True
-            if not self._active:
-                return True  # an oversized transfer alone still goes
-            return (
-                len(self._active) < cfg.max_inflight_transfers
-                and self._inflight_bytes + nbytes <= cfg.max_inflight_bytes
-            )
-
-        if has_room():
-            return
-        self.stats.counters["backpressure_waits"] += 1
-        while not has_room():
-            room = self._loop.create_future()
-            self._room_waiters.append(room)
-            try:
-                async with asyncio.timeout_at(deadline):
-                    await room
-            except TimeoutError:
-                raise TransferTimeout("deadline passed while waiting for room to submit") from None
-            finally:
-                if room in self._room_waiters:
-                    self._room_waiters.remove(room)
-
-    def _slice_bytes(self) -> int:
-        """Bytes per post so that a synchronous copy takes about `post_target_s`."""
-        cfg = self.config
-        return int(min(cfg.max_post_bytes, max(cfg.min_post_bytes, self._copy_rate * cfg.post_target_s)))
-
-    def _local_dlist(self, agent: OwnedAgent, view: BlockView) -> Any:
-        handle = self._local_dlists.get(view.key)
-        if handle is None:
-            handle = self._local_dlists[view.key] = agent.prep_view("", view)
-        return handle
-
-    def _remote_dlist(self, agent: OwnedAgent, peer: Peer, view: BlockView) -> Any:
-        key = (peer.agent_name, view.key)
-        handle = self._remote_dlists.get(key)
-        if handle is None:
-            handle = self._remote_dlists[key] = agent.prep_view(peer.agent_name, view)
-        return handle
-
     # -- the pump: posting slices and checking them ----------------------------------------
     def _pump(self, agent: OwnedAgent, transfer: Transfer, max_posts: int, swept: float = 0.0) -> bool:
         """Advance one transfer: check its running slices, post new ones (at most `max_posts`).
@@ -992,11 +822,8 @@ class TransferEngine:
             transfer.post_seconds += took
             self.stats.histograms["post_us"].record(took)
             moved = True
-            if state == "DONE":
-                nbytes = len(lidx) * transfer.piece_len
-                if nbytes >= self.config.min_post_bytes:  # big enough to measure a copy rate
-                    # Slow down at once, speed up gradually: an overestimate means a long stall.
-                    self._copy_rate = min(nbytes / took, self._copy_rate * 1.25)
+            if state == "DONE":  # copied inside the call: tells us the copy rate
+                self._copy_rate.observe(len(lidx) * transfer.piece_len, took)
             self._apply(transfer, core.posted(index, state))
         return moved
 
@@ -1039,12 +866,18 @@ class TransferEngine:
             return core.end(expired, self._loop.time())
         if transfer.op == "READ" and transfer.notify is not None:
             try:
-                self._send_notification(self._peers_by_agent[transfer.remote_agent], transfer.notify)
+                self._send_notification(self._peer_of_agent(transfer.remote_agent), transfer.notify)
             except _NOTIFY_ERRORS as exc:
                 error = TransferFailed(f"the data was read but notifying {transfer.peer} failed: {exc}",
                                        transfer_id=transfer.id, peer=transfer.peer)  # fmt: skip
                 return core.end(error, self._loop.time())
         return core.succeed()
+
+    def _peer_of_agent(self, agent_name: str) -> Peer:
+        peer = self._table.of_agent(agent_name)
+        if peer is None:
+            raise KeyError(f"no connected peer has agent {agent_name}")
+        return peer
 
     def _require_agent_any(self) -> OwnedAgent:
         """The agent, also while closing (releases still have to happen)."""
@@ -1056,6 +889,8 @@ class TransferEngine:
         transfer.done_seen_at = time.perf_counter()
         elapsed = self._loop.time() - transfer.submitted_at
         self._retire(transfer)
+        if (peer := self._table.of_agent(transfer.remote_agent)) is not None:
+            self._table.touch(peer, self._loop.time())  # a transfer longer than the TTL is still use
         counters = self.stats.counters
         counters["transfers_done"] += 1
         counters["bytes_" + transfer.op.lower()] += transfer.nbytes
@@ -1082,7 +917,7 @@ class TransferEngine:
         """A transfer ended with `error` and its memory is quiet: tell the caller."""
         self._retire(transfer)
         if isinstance(error, TransferFailed):
-            peer = self._peers_by_agent.get(transfer.remote_agent)
+            peer = self._table.of_agent(transfer.remote_agent)
             if peer is not None:
                 peer.stale = True  # the next connect() handshakes again
         kind = {TransferState.CANCELLED: "cancelled", TransferState.TIMED_OUT: "timeouts"}.get(
@@ -1101,14 +936,7 @@ class TransferEngine:
 
     def _retire(self, transfer: Transfer) -> None:
         if self._active.pop(transfer.id, None) is not None:
-            self._inflight_bytes -= transfer.nbytes
-            self._wake_room_waiters()
-
-    def _wake_room_waiters(self) -> None:
-        waiters, self._room_waiters = self._room_waiters, []
-        for room in waiters:
-            if not room.done():
-                room.set_result(None)
+            self._admission.release(transfer.nbytes)
 
     # -- notifications --------------------------------------------------------------------
     async def notify(self, peer: Peer, message: bytes) -> None:
@@ -1174,7 +1002,7 @@ class TransferEngine:
         if not batch:
             return
         for agent_name, msgs in batch.items():
-            peer = self._peers_by_agent.get(agent_name)
+            peer = self._table.of_agent(agent_name)
             sender = peer.engine_id if peer is not None else _engine_id_of(agent_name)
             for msg in msgs:
                 self._notifications.deliver(sender, bytes(msg))
