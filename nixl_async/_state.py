@@ -123,8 +123,10 @@ class TransferCore:
         self.state = TransferState.POSTING
         self._next = 0  # the next slice to post
         self._done = 0  # slices that arrived and were released
-        self._running: set[int] = set()  # posted, not yet seen DONE/ERR
-        self._unreleased: set[int] = set()  # have a handle: running, or ended but not released yet
+        # Tuples of ints, not sets: a transfer runs `max_running` slices at most (2 by default), and
+        # with 10 k transfers in flight every container the garbage collector must track counts.
+        self._running: tuple[int, ...] = ()  # posted, not yet seen DONE/ERR
+        self._unreleased: tuple[int, ...] = ()  # have a handle: running, or ended but not released yet
         self._error: TransferError | None = None
         self._release_by: float | None = float("inf")  # None: the grace starts at the next tick
 
@@ -133,6 +135,14 @@ class TransferCore:
     def running(self) -> frozenset[int]:
         """Slices to check: posted and not yet seen ended."""
         return frozenset(self._running)
+
+    @property
+    def has_running(self) -> bool:
+        return bool(self._running)
+
+    def running_list(self) -> list[int]:
+        """`running`, sorted, without building a set (the poller asks on every sweep)."""
+        return sorted(self._running) if self._running else []
 
     @property
     def unreleased(self) -> frozenset[int]:
@@ -177,8 +187,8 @@ class TransferCore:
     # -- events from NIXL ---------------------------------------------------------------------
     def posted(self, index: int, state: str) -> list[Action]:
         """Slice `index` was made and posted; NIXL's `transfer()` answered `state`."""
-        self._unreleased.add(index)
-        self._running.add(index)
+        self._unreleased += (index,)
+        self._running += (index,)
         return self.checked(index, state)
 
     def post_failed(self, index: int, reason: str) -> list[Action]:
@@ -189,7 +199,7 @@ class TransferCore:
         """A check (or the post) of running slice `index` answered `state` ("DONE", "PROC", "ERR"...)."""
         if index not in self._running or state == "PROC":
             return []
-        self._running.discard(index)
+        self._running = tuple(i for i in self._running if i != index)
         if state != "DONE" and self.state is TransferState.POSTING:
             return self._fail(f"{self.op} with {self.peer} failed (NIXL state {state})")  # releases it too
         return [Release(index)]
@@ -198,7 +208,7 @@ class TransferCore:
         """Releasing slice `index`'s handle succeeded (`ok`) or was refused (retried via `to_release`)."""
         if not ok or index not in self._unreleased:
             return []
-        self._unreleased.discard(index)
+        self._unreleased = tuple(i for i in self._unreleased if i != index)
         if self.state is TransferState.POSTING:
             self._done += 1
             return [Complete()] if self._done == self.num_slices else []
@@ -206,7 +216,9 @@ class TransferCore:
 
     def to_release(self) -> list[int]:
         """Ended slices whose release was refused: try again."""
-        return sorted(self._unreleased - self._running)
+        if len(self._unreleased) == len(self._running):  # every held handle is still running
+            return []
+        return sorted(i for i in self._unreleased if i not in self._running)
 
     # -- events from the caller and the clock ---------------------------------------------------
     def succeed(self) -> list[Action]:

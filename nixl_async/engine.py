@@ -68,7 +68,7 @@ from .layout import (
 )
 from .notifications import Lease, Notification, NotificationBox
 from .stats import EngineStats, StatsSnapshot
-from .transfer import Transfer, TransferResult, plan_slices
+from .transfer import Transfer, TransferFuture, TransferResult, plan_slices
 
 __all__ = ["Peer", "TransferEngine"]
 
@@ -128,6 +128,7 @@ class TransferEngine:
         self._final_live: dict[str, int] = {}
         self._ids = itertools.count(1)
         self._copy_rate = CopyRate(self.config)  # sizes the next slices
+        self._cancel_by_awaiter_cb = self._on_awaiter_cancelled  # one bound method for every future
         self._admission = Admission(self.config.max_inflight_transfers, self.config.max_inflight_bytes)
         self._notifications = NotificationBox(self.config.max_unclaimed_notifications)
         self._pacer = AdaptivePacer(self.config.poll)
@@ -677,8 +678,10 @@ class TransferEngine:
             if not peer.connected or peer not in self._table:
                 raise PeerUnknownError(f"peer {peer.engine_id!r} was disconnected while waiting for room")
             self._table.touch(peer, self._loop.time())
+            future = TransferFuture(loop=self._loop)
+            future.transfer_id, future.on_cancel = next(self._ids), self._cancel_by_awaiter_cb
             transfer = Transfer(
-                transfer_id=next(self._ids),
+                transfer_id=future.transfer_id,
                 op=op,
                 peer=peer.engine_id,
                 remote_agent=peer.agent_name,
@@ -691,7 +694,7 @@ class TransferEngine:
                 nbytes=nbytes,
                 deadline=deadline,
                 submitted_at=now,
-                future=self._loop.create_future(),
+                future=future,
                 cancel_cb=self._end,
                 slices_in_flight=self.config.slices_in_flight,
                 release_grace_s=self.config.release_grace_s,
@@ -755,7 +758,7 @@ class TransferEngine:
             nbytes=0,
             deadline=None,
             submitted_at=now,
-            future=self._loop.create_future(),
+            future=TransferFuture(loop=self._loop),
             cancel_cb=self._end,
         )
         try:
@@ -785,7 +788,7 @@ class TransferEngine:
         """
         core = transfer.core
         moved = False
-        for index in sorted(core.running):
+        for index in core.running_list():
             try:
                 state = agent.state(transfer.handles[index])
             except NIXL_ERRORS as exc:
@@ -793,7 +796,7 @@ class TransferEngine:
             if state != "PROC":
                 moved = True
                 self._apply(transfer, core.checked(index, state))
-        if core.running:
+        if core.has_running:
             transfer.last_pending_at = swept
         for index in core.to_release():  # releases NIXL refused earlier
             self._apply(transfer, [Release(index)])
@@ -926,6 +929,12 @@ class TransferEngine:
         self.stats.counters["transfers_" + kind] += 1
         transfer.mark_quiet()
         transfer.finish(error)
+
+    def _on_awaiter_cancelled(self, transfer_id: int) -> None:
+        """A task awaiting the transfer was cancelled (see `TransferFuture`): end the transfer."""
+        transfer = self._active.get(transfer_id)
+        if transfer is not None:
+            transfer.cancel("the awaiting task was cancelled")
 
     def _end(self, transfer: Transfer, error: TransferError) -> None:
         """End a transfer with an error: post nothing more; the caller hears once it is quiet."""

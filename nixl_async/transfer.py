@@ -16,6 +16,7 @@ handles, or with `TransferFenced` if that takes longer than the grace.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Generator
 from typing import Any
 
@@ -25,7 +26,7 @@ from ._state import TransferCore, TransferState
 from .exceptions import TransferCancelled, TransferError, TransferTimeout
 from .layout import IdArray
 
-__all__ = ["Transfer", "TransferResult", "TransferState", "plan_slices"]
+__all__ = ["Transfer", "TransferFuture", "TransferResult", "TransferState", "plan_slices"]
 
 
 class TransferResult(msgspec.Struct, frozen=True):
@@ -53,21 +54,43 @@ def plan_slices(
     return [(local_ids[i : i + per_slice], remote_ids[i : i + per_slice]) for i in range(0, n, per_slice)]
 
 
+class TransferFuture(asyncio.Future[TransferResult]):
+    """The future a `Transfer` resolves: cancelling it ends the transfer instead of abandoning it.
+
+    A task awaiting a transfer that gets cancelled (``task.cancel()``, ``asyncio.timeout``, a
+    TaskGroup) cancels the future it waits on. A plain future would report "cancelled" at once
+    while NIXL may still be writing into the transfer's memory. This one refuses: it asks the
+    engine to end the transfer, and the task (which asyncio marks to be cancelled) resumes with
+    `CancelledError` only when the future resolves -- once the memory is quiet or reported fenced,
+    bounded by `EngineConfig.release_grace_s`. The normal path costs nothing extra.
+    """
+
+    # Set by the engine: on_cancel(transfer_id). No reference to the Transfer itself, so no cycle
+    # keeps finished transfers alive until the garbage collector runs.
+    on_cancel: Callable[[int], object] | None = None
+    transfer_id = 0
+
+    def cancel(self, msg: Any | None = None) -> bool:
+        if self.on_cancel is not None and not self.done():
+            self.on_cancel(self.transfer_id)
+        return False
+
+
 class Transfer:
     """A submitted read or write. Await it (or `wait()`) for its `TransferResult`.
 
     Awaiting raises `TransferFailed`, `TransferTimeout`, `TransferCancelled` or `LeaseExpired`
     once NIXL no longer touches the transfer's memory, or `TransferFenced` when NIXL kept a
     handle past `EngineConfig.release_grace_s` (the memory may still be touched: see
-    `wait_quiet`). Cancelling the awaiting task (``asyncio.timeout``, a TaskGroup) cancels the
-    transfer and waits for the same release (bounded by the grace) before the cancellation
-    propagates. Cancelling `future` directly skips that wait: prefer `cancel()`. Use it from
-    the engine's loop only.
+    `wait_quiet`). Cancelling the awaiting task (``asyncio.timeout``, a TaskGroup) ends the
+    transfer, and the cancellation propagates once the same release happened (bounded by the
+    grace): see `TransferFuture`. Use it from the engine's loop only.
     """
 
     __slots__ = (
         "_cancel_cb",
         "_future",
+        "_is_quiet",
         "_quiet",
         "core",
         "deadline",
@@ -139,7 +162,8 @@ class Transfer:
         self.last_pending_at = 0.0
         self.done_seen_at = 0.0
         self._future = future
-        self._quiet: asyncio.Future[None] = future.get_loop().create_future()
+        self._is_quiet = False
+        self._quiet: asyncio.Future[None] | None = None  # made only when someone waits for it
         self._cancel_cb = cancel_cb
 
     def __repr__(self) -> str:
@@ -159,7 +183,7 @@ class Transfer:
     @property
     def quiet(self) -> bool:
         """NIXL holds none of this transfer's handles: its memory is the caller's again."""
-        return self._quiet.done()
+        return self._is_quiet
 
     def done(self) -> bool:
         return self._future.done()
@@ -189,8 +213,10 @@ class Transfer:
 
     async def wait_quiet(self, timeout: float | None = None) -> bool:
         """Wait until NIXL holds none of this transfer's handles; False if `timeout` passed first."""
-        if self._quiet.done():
+        if self._is_quiet:
             return True
+        if self._quiet is None:
+            self._quiet = self._future.get_loop().create_future()
         try:
             async with asyncio.timeout(timeout):
                 await asyncio.shield(self._quiet)
@@ -207,41 +233,23 @@ class Transfer:
             return await self
         try:
             async with asyncio.timeout(timeout):
-                return await asyncio.shield(self._future)
+                return await asyncio.shield(self._future)  # shielded: a timeout here is a TransferTimeout
         except TimeoutError:
             if self.state is TransferState.POSTING:
                 error = TransferTimeout(f"transfer timed out after {timeout}s", transfer_id=self.id, peer=self.peer)
                 self._cancel_cb(self, error)
         except asyncio.CancelledError:
-            await self._cancelled_by_awaiter()
+            self.cancel("the awaiting task was cancelled")
+            with contextlib.suppress(TransferError):  # the transfer's own outcome: the cancellation wins
+                await self._outcome()
+            raise
         return await self._outcome()
 
     def __await__(self) -> Generator[Any, None, TransferResult]:
-        return self._await().__await__()
-
-    async def _await(self) -> TransferResult:
-        if self._future.done():
-            return self._future.result()
-        try:
-            return await asyncio.shield(self._future)
-        except asyncio.CancelledError:
-            if self._future.done():
-                raise  # it ended meanwhile, and its memory is quiet or reported fenced
-            await self._cancelled_by_awaiter()
-            raise AssertionError("unreachable") from None
-
-    async def _cancelled_by_awaiter(self) -> None:
-        """The awaiting task was cancelled: end the transfer, wait for its release, re-raise."""
-        self.cancel("the awaiting task was cancelled")
-        await self._outcome_settled()
-        raise asyncio.CancelledError
+        return self._future.__await__()
 
     async def _outcome(self) -> TransferResult:
-        await self._outcome_settled()
-        return self._future.result()
-
-    async def _outcome_settled(self) -> None:
-        """Wait until the future is resolved; further cancellations wait too (the grace bounds it)."""
+        """The result once the future is resolved; cancellations meanwhile wait too (the grace bounds it)."""
         cancelled = 0
         while not self._future.done():
             try:
@@ -250,6 +258,7 @@ class Transfer:
                 cancelled += 1
         if cancelled:
             raise asyncio.CancelledError
+        return self._future.result()
 
     # -- used by the engine ---------------------------------------------------------------
     def finish(self, result: TransferResult | BaseException) -> None:
@@ -264,5 +273,6 @@ class Transfer:
             self._future.set_result(result)
 
     def mark_quiet(self) -> None:
-        if not self._quiet.done():
+        self._is_quiet = True
+        if self._quiet is not None and not self._quiet.done():
             self._quiet.set_result(None)
