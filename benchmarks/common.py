@@ -45,7 +45,7 @@ def cpu_meter() -> Iterator[dict[str, float]]:
 
 def fetch_reply(host: str, port: int, timeout: float = 10.0) -> messages.MetadataReply:
     """A blocking handshake query (the raw baselines use it; the engine has its own)."""
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:

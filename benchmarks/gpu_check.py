@@ -841,7 +841,9 @@ class Checks:
         ok = True
         mem_type = MemType.VRAM if self.device.type == "cuda" else MemType.DRAM
         ceiling = self._copy_ceiling(self.tput_bytes)
-        reply = _fetch_metadata(*self.proc.address)
+        from .common import fetch_reply
+
+        reply = fetch_reply(*self.proc.address)
         remote_layouts = {lay.name: lay for lay in reply.layouts}
         for block_len in TPUT_BLOCK_LENS:
             name = f"tput_{block_len >> 10}k"
@@ -982,29 +984,6 @@ class Checks:
         return await asyncio.to_thread(connector_worker_check, self.device, self.rng, buffer_device)
 
 
-def _fetch_metadata(host: str, port: int, timeout: float = 10.0) -> Any:
-    """A blocking handshake query for the raw NIXL loop (as benchmarks/common.py's `fetch_reply`)."""
-    import zmq
-
-    from nixl_async import messages
-
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(f"tcp://{host}:{port}")
-        sock.send(messages.encode(messages.MetadataRequest(engine_id="gpu-check-raw")))
-        if not sock.poll(int(timeout * 1000)):
-            raise TimeoutError(f"no handshake reply from {host}:{port}")
-        reply = messages.decode_reply(sock.recv())
-    finally:
-        sock.close(0)
-        ctx.term()
-    if not isinstance(reply, messages.MetadataReply):
-        raise RuntimeError(f"handshake with {host}:{port} answered {reply!r}")
-    return reply
-
-
 # -- host staging through ConnectorWorker ----------------------------------------------------------
 class _VllmStandIns:
     """The three vLLM modules `ConnectorWorker` imports, replaced so it runs without vLLM."""
@@ -1088,23 +1067,6 @@ def copy_blocks(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor], src_
         torch.cuda.synchronize()
 
 
-def _free_port_base(span: int) -> int:
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = int(s.getsockname()[1])
-        if base + span > 65535:
-            continue
-        try:
-            for k in range(1, span):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", base + k))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no free consecutive ports")
-
-
 def connector_worker_check(
     device: torch.device, rng: np.random.Generator, buffer_device: str, timeout: float = 60.0
 ) -> dict[str, Any]:
@@ -1117,6 +1079,7 @@ def connector_worker_check(
     request. Either way the readers' CUDA caches are checked against the head/token oracle. On a
     CPU run the caches are host memory and no staging happens (the plumbing is still exercised).
     """
+    from nixl_async.testing import free_port_base
     from nixl_async_vllm.worker import ConnectorWorker
 
     ns = types.SimpleNamespace
@@ -1129,7 +1092,7 @@ def connector_worker_check(
     stand_ins = _VllmStandIns()
     with stand_ins.installed():
         try:
-            stand_ins.port, stand_ins.rank = _free_port_base(2), 0
+            stand_ins.port, stand_ins.rank = free_port_base(2), 0
             prefill_port = stand_ins.port
             producer = ConnectorWorker(_vllm_config(1, PEER_BS, buffer_device), "prefill", ns(num_blocks=BLOCKS))
             workers.append(producer)
@@ -1142,7 +1105,7 @@ def connector_worker_check(
             clock = time.perf_counter()
             producer.start_load_kv(ns(reqs_to_send={"req-p": clock + 30}, scheduler_clock=clock,
                                       reqs_in_batch=set(), reqs_not_processed=set(), reqs_to_recv={}))  # fmt: skip
-            stand_ins.port = _free_port_base(3)
+            stand_ins.port = free_port_base(3)
             readers: list[tuple[Any, Memory]] = []
             for rank in (0, 1):
                 stand_ins.rank = rank

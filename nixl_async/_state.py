@@ -44,7 +44,6 @@ _ERROR_STATES: dict[type[TransferError], TransferState] = {
     TransferCancelled: TransferState.CANCELLED,
     TransferTimeout: TransferState.TIMED_OUT,
 }
-ENDED = frozenset({TransferState.DONE, TransferState.FAILED, TransferState.CANCELLED, TransferState.TIMED_OUT})
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,31 +131,18 @@ class TransferCore:
 
     # -- views ------------------------------------------------------------------------------
     @property
-    def running(self) -> frozenset[int]:
-        """Slices to check: posted and not yet seen ended."""
-        return frozenset(self._running)
-
-    @property
     def has_running(self) -> bool:
+        """Some slice is posted and not yet seen ended."""
         return bool(self._running)
 
     def running_list(self) -> list[int]:
-        """`running`, sorted, without building a set (the poller asks on every sweep)."""
+        """The slices to check: posted and not yet seen ended, in order."""
         return sorted(self._running) if self._running else []
-
-    @property
-    def unreleased(self) -> frozenset[int]:
-        """Slices whose handle NIXL still holds."""
-        return frozenset(self._unreleased)
 
     @property
     def quiet(self) -> bool:
         """No handle of this transfer is alive in NIXL."""
         return not self._unreleased
-
-    @property
-    def ended(self) -> bool:
-        return self.state in ENDED
 
     @property
     def slices_done(self) -> int:

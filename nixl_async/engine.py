@@ -507,7 +507,7 @@ class TransferEngine:
         self._drop_quiet_peers()
 
     def _drop_quiet_peers(self) -> None:
-        """Remove what forgotten peers left once no live transfer uses it; forget idle peers."""
+        """Remove what forgotten peers left once no live transfer uses it."""
         if self._orphan_dlists:
             in_use = {id(t.remote_dlist) for t in self._live_transfers()}
             agent = self._require_agent_any()
@@ -519,7 +519,6 @@ class TransferEngine:
             for name, peer in list(self._retiring_peers.items()):
                 if name not in busy:
                     self._drop_remote(peer)
-        self._evict_idle_peers()
 
     def _evict_idle_peers(self) -> None:
         """Forget peers unused for `peer_ttl_s` (a fleet whose instances come and go must not leak)."""
@@ -1068,11 +1067,11 @@ class TransferEngine:
                     swept = time.perf_counter()
                 if transfer.quiet:
                     continue  # ended while we yielded
-                if transfer.state is TransferState.POSTING and transfer.future.cancelled():
-                    self._end(transfer, TransferCancelled("its future was cancelled", transfer_id=transfer.id))
                 if self._pump(agent, transfer, 1, swept):
                     activity = True
                     finished = transfer.done()
+                if transfer.state is TransferState.RELEASING:  # past its grace it is reported fenced
+                    self._apply(transfer, transfer.core.tick(loop.time()))
                 # A post can be a multi-ms copy, and 10k state checks add up: bound the stall.
                 if (activity or not n % 256) and time.perf_counter() - swept > _SWEEP_BUDGET_S:
                     await asyncio.sleep(0)
@@ -1080,9 +1079,8 @@ class TransferEngine:
             now = loop.time()
             if now >= self._next_deadline:
                 self._expire(now)
-            for transfer in [t for t in self._active.values() if t.state is TransferState.RELEASING]:
-                self._apply(transfer, transfer.core.tick(now))
         self._drop_quiet_peers()
+        self._evict_idle_peers()
         now = loop.time()
         if activity:
             self._pacer.activity(now)

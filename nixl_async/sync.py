@@ -186,13 +186,12 @@ class SyncEngine:
         if not pending:
             return
         engine = self.engine
-        while True:
-            try:
-                if await engine.settle(pending, timeout=engine.config.release_grace_s + 0.5):
-                    return
-                break
-            except asyncio.CancelledError:
-                self._cancel_asked.add(request_id)  # cancelled again meanwhile: it changes nothing here
+        settled: bool | None = None
+        while settled is None:
+            with contextlib.suppress(asyncio.CancelledError):  # cancelled again meanwhile: changes nothing here
+                settled = await engine.settle(pending, timeout=engine.config.release_grace_s + 0.5)
+        if settled:
+            return
         fenced = next((t.exception() for t in pending if isinstance(t.exception(), TransferFenced)), None)
         self._finished.put((request_id, "fenced", fenced or error))
         while not all(t.quiet for t in pending):

@@ -263,7 +263,7 @@ class Transfer:
     # -- used by the engine ---------------------------------------------------------------
     def finish(self, result: TransferResult | BaseException) -> None:
         """Resolve the caller's future (a success, an error, or `TransferFenced`)."""
-        if self._future.done():  # cancelled by an awaiter through `future`: the state says what happened
+        if self._future.done():  # told once: a fenced transfer turning quiet is not told again
             return
         if isinstance(result, BaseException):
             self._future.set_exception(result)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import socket
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -74,6 +75,7 @@ __all__ = [
     "WaitNotifications",
     "assert_no_live_handles",
     "fill_pattern",
+    "free_port_base",
     "pattern_block",
     "transfers_settled",
     "verify_blocks",
@@ -116,6 +118,24 @@ def assert_no_live_handles(engine: TransferEngine) -> None:
     live = engine.live_handles()
     if live:
         pytest.fail(f"NIXL handles still live after close: {live}")
+
+
+def free_port_base(span: int) -> int:
+    """A base port with base .. base + span - 1 free on 127.0.0.1 (servers that listen at base + rank)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = int(s.getsockname()[1])
+        if base + span > 65535:
+            continue
+        try:
+            for k in range(1, span):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", base + k))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError(f"no {span} free consecutive ports")
 
 
 async def transfers_settled(engine: TransferEngine, timeout: float = 3.0) -> int:

@@ -53,7 +53,7 @@ async def _in_flight(engine, peer):
     ids = list(range(BLOCKS))
     transfer = await engine.start_read(peer, ids, ids)
     for _ in range(2000):
-        if transfer.core.running:
+        if transfer.core.has_running:
             return transfer
         await asyncio.sleep(0.0005)
     pytest.fail("the read never had a slice in flight: is UCX really using TCP?")

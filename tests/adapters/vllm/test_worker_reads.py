@@ -12,7 +12,6 @@ fill pattern, independently of the planner.
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 
 import numpy as np
@@ -20,7 +19,7 @@ import pytest
 import torch
 
 from nixl_async import EngineConfig, LeaseExpired, TransferEngine
-from nixl_async.testing import WaitNotifications, pattern_block
+from nixl_async.testing import WaitNotifications, free_port_base, pattern_block
 from nixl_async_vllm.settings import rank_engine_id
 from nixl_async_vllm.tp_mapping import expected_consumers
 from nixl_async_vllm.worker import KVGeometry, RecvJob, receive
@@ -32,24 +31,6 @@ MLA_ROW = 64  # one latent per token, bf16
 REMOTE_BLOCKS = [9, 3, 17, 5, 11, 2, 7, 30, 14]  # prefill's blocks for the request, in order
 LOCAL_CANDIDATES = [20, 21, 4, 33, 8, 12, 1, 25, 36]
 LOCAL_HIT = 1  # decode already holds the first local block (prefix cache)
-
-
-def _free_port_pair() -> int:
-    """A base port with base and base+1 free (the adapter's ranks serve at base + rank)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + 4 > 65535:
-            continue
-        try:
-            for k in range(1, 4):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", base + k))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no free consecutive ports")
 
 
 def _page(heads: int, block_size: int, mla: bool) -> int:
@@ -102,7 +83,7 @@ async def _decode_rank(rank, tp_p, tp_d, mla, ratio, port, local_blocks, expires
 
 def _spawn_prefill(factory, tp_p, mla, ratio):
     """(base port, prefill rank processes)."""
-    port = _free_port_pair()
+    port = free_port_base(4)
     bs_p = LOCAL_BLOCK_SIZE // ratio
     return port, [
         factory(
