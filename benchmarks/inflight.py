@@ -9,6 +9,7 @@ hand-written or vLLM-style poller does). Overhead = the engine's extra time per 
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 import tracemalloc
 
@@ -29,7 +30,7 @@ def _rss_mib() -> float:
         return int(f.read().split()[1]) * 4096 / 2**20
 
 
-async def _engine(address, n: int) -> tuple[float, float, float]:
+async def _engine(address, n: int) -> tuple[float, float, float, float]:
     region = np.full(BLOCKS * BLOCK, 1, dtype=np.uint8)
     config = EngineConfig(engine_id="bench-inflight", max_inflight_transfers=n + 1)
     async with TransferEngine(config) as engine:
@@ -42,14 +43,20 @@ async def _engine(address, n: int) -> tuple[float, float, float]:
         await asyncio.gather(*(t.future for t in transfers))
         elapsed = time.perf_counter() - started
         # memory, measured in a second, untimed round (tracemalloc slows Python down)
+        del transfers  # the first round's, finished
+        gc.collect()
+        tracked = len(gc.get_objects())
         tracemalloc.start()
         rss0 = _rss_mib()
         transfers = [await engine.start_read(peer, [i % BLOCKS], [int(r)]) for i, r in enumerate(ids)]
         _, peak = tracemalloc.get_traced_memory()
         rss = _rss_mib() - rss0
+        # objects the garbage collector tracks while the transfers are live (the bench's own list aside):
+        # its full collections walk them all, so each one costs time at 10 k in flight
+        tracked = (len(gc.get_objects()) - tracked - 1) / n
         await asyncio.gather(*(t.future for t in transfers))
         tracemalloc.stop()
-    return elapsed, peak / n, rss
+    return elapsed, peak / n, rss, tracked
 
 
 def _raw(address, n: int) -> float:
@@ -86,22 +93,30 @@ def run(quick: bool) -> Result:
     n = 10_000
     spec = PeerSpec(engine_id="bench-inflight-peer", num_regions=1, num_blocks=BLOCKS, block_len=BLOCK)
     with PeerProcess(spec, env={"UCX_TLS": "tcp"}) as peer:
-        engine_s, bytes_per, rss = asyncio.run(_engine(peer.address, n))
+        engine_s, bytes_per, rss, tracked = asyncio.run(_engine(peer.address, n))
         raw_s = _raw(peer.address, n)
     overhead_us = (engine_s - raw_s) / n * 1e6
     rows = [
-        ["engine", engine_s * 1e3, engine_s / n * 1e6, bytes_per, rss],
-        ["raw post + sweep", raw_s * 1e3, raw_s / n * 1e6, float("nan"), float("nan")],
+        ["engine", engine_s * 1e3, engine_s / n * 1e6, bytes_per, tracked, rss],
+        ["raw post + sweep", raw_s * 1e3, raw_s / n * 1e6, float("nan"), float("nan"), float("nan")],
     ]
     return Result(
         "inflight",
-        ["setup", "10k reads ms", "us per completion", "Python bytes per transfer", "RSS growth MiB"],
+        [
+            "setup",
+            "10k reads ms",
+            "us per completion",
+            "Python bytes per transfer",
+            "GC objects per transfer",
+            "RSS growth MiB",
+        ],
         rows,
         metrics={
             "engine_ms": engine_s * 1e3,
             "raw_ms": raw_s * 1e3,
             "engine_overhead_us_per_completion": overhead_us,
             "python_bytes_per_transfer": bytes_per,
+            "gc_tracked_objects_per_transfer": tracked,
             "rss_growth_mib": rss,
         },
         ratios={"engine_over_raw_time_lower_is_better": engine_s / raw_s},

@@ -17,9 +17,12 @@ Why this shape (measured on 2-core CPU machines, see docs in README "Design"):
 
 from __future__ import annotations
 
+import logging
+import time
+
 from .config import PollConfig
 
-__all__ = ["AdaptivePacer"]
+__all__ = ["AdaptivePacer", "ErrorThrottle"]
 
 
 class AdaptivePacer:
@@ -55,3 +58,26 @@ class AdaptivePacer:
         if waiting or now < self._brisk_until:
             delay = min(delay, cfg.waiting_interval_s)
         return delay
+
+
+class ErrorThrottle:
+    """Log a repeating poller error once per interval with a count, and back off while it repeats."""
+
+    def __init__(self, logger: logging.Logger, what: str, interval_s: float = 10.0) -> None:
+        self._log, self._what, self._interval = logger, what, interval_s
+        self._last_logged = float("-inf")
+        self._suppressed = 0
+        self.backoff_s = 0.01
+
+    def record(self, exc: Exception) -> None:
+        now = time.monotonic()
+        if now - self._last_logged >= self._interval:
+            more = f" ({self._suppressed} more since the last report)" if self._suppressed else ""
+            self._log.error("%s%s", self._what, more, exc_info=exc)
+            self._last_logged, self._suppressed = now, 0
+        else:
+            self._suppressed += 1
+        self.backoff_s = min(self.backoff_s * 2, 1.0)
+
+    def ok(self) -> None:
+        self.backoff_s = 0.01

@@ -122,10 +122,10 @@ class TransferCore:
         self.state = TransferState.POSTING
         self._next = 0  # the next slice to post
         self._done = 0  # slices that arrived and were released
-        # Tuples of ints, not sets: a transfer runs `max_running` slices at most (2 by default), and
-        # with 10 k transfers in flight every container the garbage collector must track counts.
-        self._running: tuple[int, ...] = ()  # posted, not yet seen DONE/ERR
-        self._unreleased: tuple[int, ...] = ()  # have a handle: running, or ended but not released yet
+        # Bit masks (bit i = slice i), not sets or tuples: with 10 k transfers in flight every
+        # container the garbage collector tracks makes its full collections slower; ints are not tracked.
+        self._running = 0  # posted, not yet seen DONE/ERR
+        self._unreleased = 0  # have a handle: running, or ended but not released yet
         self._error: TransferError | None = None
         self._release_by: float | None = float("inf")  # None: the grace starts at the next tick
 
@@ -137,7 +137,7 @@ class TransferCore:
 
     def running_list(self) -> list[int]:
         """The slices to check: posted and not yet seen ended, in order."""
-        return sorted(self._running) if self._running else []
+        return _bits(self._running) if self._running else []
 
     @property
     def quiet(self) -> bool:
@@ -157,13 +157,19 @@ class TransferCore:
         """When a RELEASING transfer turns FENCED: inf if not releasing, None until the next tick."""
         return self._release_by
 
+    @property
+    def wants_post(self) -> bool:
+        """Some slice is still to be posted (now or once a running one ends)."""
+        return self.state is TransferState.POSTING and self._next < self.num_slices
+
     def to_post(self, budget: int) -> list[int]:
         """Slices to post now (at most `budget`); post them in order and report each with `posted`."""
         if self.state is not TransferState.POSTING:
             return []
         out: list[int] = []
         last = self.num_slices - 1
-        while len(out) < budget and self._next < self.num_slices and len(self._running) + len(out) < self.max_running:
+        running = self._running.bit_count()
+        while len(out) < budget and self._next < self.num_slices and running + len(out) < self.max_running:
             if self.chain_last and self._next == last and (self._running or out or self._done < last):
                 break
             out.append(self._next)
@@ -173,8 +179,9 @@ class TransferCore:
     # -- events from NIXL ---------------------------------------------------------------------
     def posted(self, index: int, state: str) -> list[Action]:
         """Slice `index` was made and posted; NIXL's `transfer()` answered `state`."""
-        self._unreleased += (index,)
-        self._running += (index,)
+        bit = 1 << index
+        self._unreleased |= bit
+        self._running |= bit
         return self.checked(index, state)
 
     def post_failed(self, index: int, reason: str) -> list[Action]:
@@ -183,18 +190,20 @@ class TransferCore:
 
     def checked(self, index: int, state: str) -> list[Action]:
         """A check (or the post) of running slice `index` answered `state` ("DONE", "PROC", "ERR"...)."""
-        if index not in self._running or state == "PROC":
+        bit = 1 << index
+        if not self._running & bit or state == "PROC":
             return []
-        self._running = tuple(i for i in self._running if i != index)
+        self._running &= ~bit
         if state != "DONE" and self.state is TransferState.POSTING:
             return self._fail(f"{self.op} with {self.peer} failed (NIXL state {state})")  # releases it too
         return [Release(index)]
 
     def released(self, index: int, ok: bool = True) -> list[Action]:
         """Releasing slice `index`'s handle succeeded (`ok`) or was refused (retried via `to_release`)."""
-        if not ok or index not in self._unreleased:
+        bit = 1 << index
+        if not ok or not self._unreleased & bit:
             return []
-        self._unreleased = tuple(i for i in self._unreleased if i != index)
+        self._unreleased &= ~bit
         if self.state is TransferState.POSTING:
             self._done += 1
             return [Complete()] if self._done == self.num_slices else []
@@ -202,9 +211,8 @@ class TransferCore:
 
     def to_release(self) -> list[int]:
         """Ended slices whose release was refused: try again."""
-        if len(self._unreleased) == len(self._running):  # every held handle is still running
-            return []
-        return sorted(i for i in self._unreleased if i not in self._running)
+        ended = self._unreleased & ~self._running
+        return _bits(ended) if ended else []
 
     # -- events from the caller and the clock ---------------------------------------------------
     def succeed(self) -> list[Action]:
@@ -237,7 +245,7 @@ class TransferCore:
         assert self._error is not None
         self.state = TransferState.FENCED
         self._release_by = float("inf")
-        return [Fenced(TransferFenced.of(self._error, slices=len(self._unreleased)))]
+        return [Fenced(TransferFenced.of(self._error, slices=self._unreleased.bit_count()))]
 
     # -- internals ---------------------------------------------------------------------------
     def _fail(self, message: str) -> list[Action]:
@@ -251,3 +259,13 @@ class TransferCore:
         self.state = _ERROR_STATES.get(type(self._error), TransferState.FAILED)
         self._release_by = float("inf")
         return [Quiet()] if was_fenced else [Finish(self._error)]
+
+
+def _bits(mask: int) -> list[int]:
+    """The indices of the set bits of `mask`, lowest first."""
+    out = []
+    while mask:
+        low = mask & -mask
+        out.append(low.bit_length() - 1)
+        mask ^= low
+    return out

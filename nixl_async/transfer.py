@@ -26,7 +26,7 @@ from ._state import TransferCore, TransferState
 from .exceptions import TransferCancelled, TransferError, TransferTimeout
 from .layout import IdArray
 
-__all__ = ["Transfer", "TransferFuture", "TransferResult", "TransferState", "plan_slices"]
+__all__ = ["Transfer", "TransferFuture", "TransferResult", "TransferState", "descriptors_per_slice"]
 
 
 class TransferResult(msgspec.Struct, frozen=True):
@@ -43,15 +43,9 @@ class TransferResult(msgspec.Struct, frozen=True):
     post_seconds: float = 0.0  # time spent inside NIXL's post calls (a CMA post is the copy itself)
 
 
-def plan_slices(
-    local_ids: IdArray, remote_ids: IdArray, piece_len: int, max_bytes: int, max_descriptors: int
-) -> list[tuple[IdArray, IdArray]]:
-    """Cut paired descriptor ids into slices of at most `max_bytes` and `max_descriptors`."""
-    per_slice = max(1, min(max_descriptors, max_bytes // max(piece_len, 1)))
-    n = len(local_ids)
-    if n <= per_slice:
-        return [(local_ids, remote_ids)]
-    return [(local_ids[i : i + per_slice], remote_ids[i : i + per_slice]) for i in range(0, n, per_slice)]
+def descriptors_per_slice(piece_len: int, max_bytes: int, max_descriptors: int) -> int:
+    """How many descriptors of `piece_len` bytes one slice carries: at most `max_bytes` and `max_descriptors`."""
+    return max(1, min(max_descriptors, max_bytes // max(piece_len, 1)))
 
 
 class TransferFuture(asyncio.Future[TransferResult]):
@@ -66,9 +60,14 @@ class TransferFuture(asyncio.Future[TransferResult]):
     """
 
     # Set by the engine: on_cancel(transfer_id). No reference to the Transfer itself, so no cycle
-    # keeps finished transfers alive until the garbage collector runs.
-    on_cancel: Callable[[int], object] | None = None
-    transfer_id = 0
+    # keeps finished transfers alive until the garbage collector runs. Slots: no per-future dict.
+    __slots__ = ("on_cancel", "transfer_id")
+
+    def __init__(self, *, loop: asyncio.AbstractEventLoop, transfer_id: int = 0,
+                 on_cancel: Callable[[int], object] | None = None) -> None:  # fmt: skip
+        super().__init__(loop=loop)
+        self.transfer_id = transfer_id
+        self.on_cancel = on_cancel
 
     def cancel(self, msg: Any | None = None) -> bool:
         if self.on_cancel is not None and not self.done():
@@ -96,20 +95,22 @@ class Transfer:
         "deadline",
         "descriptors",
         "done_seen_at",
-        "handles",
         "id",
         "last_pending_at",
         "lease_deadline",
         "local_dlist",
+        "local_ids",
         "nbytes",
         "notify",
+        "num_slices",
         "op",
         "peer",
+        "per_slice",
         "piece_len",
         "post_seconds",
         "remote_agent",
         "remote_dlist",
-        "slices",
+        "remote_ids",
         "submitted_at",
     )
 
@@ -122,7 +123,9 @@ class Transfer:
         remote_agent: str,
         local_dlist: Any,
         remote_dlist: Any,
-        slices: list[tuple[IdArray, IdArray]],
+        local_ids: IdArray,
+        remote_ids: IdArray,
+        per_slice: int,
         notify: bytes | None,
         nbytes: int,
         deadline: float | None,
@@ -138,17 +141,22 @@ class Transfer:
         self.remote_agent = remote_agent
         self.local_dlist = local_dlist
         self.remote_dlist = remote_dlist
-        self.slices = slices
+        # Descriptor ids, posted `per_slice` at a time (views are cut when a slice is posted:
+        # with 10 k transfers in flight, fewer live containers means cheaper garbage collections).
+        self.local_ids = local_ids
+        self.remote_ids = remote_ids
+        self.per_slice = per_slice
+        self.descriptors = len(local_ids)
+        self.num_slices = -(-self.descriptors // per_slice)
         self.notify = notify
         self.nbytes = nbytes
-        self.descriptors = int(sum(len(s[0]) for s in slices))
         self.piece_len = nbytes // self.descriptors if self.descriptors else 0
         self.deadline = deadline
         self.lease_deadline: float | None = None  # loop time past which the producer may reuse its blocks
         self.submitted_at = submitted_at
         self.post_seconds = 0.0
         self.core = TransferCore(
-            len(slices),
+            self.num_slices,
             max_running=slices_in_flight,
             grace_s=release_grace_s,
             chain_last=op == "WRITE" and notify is not None,
@@ -156,7 +164,6 @@ class Transfer:
             peer=peer,
             transfer_id=transfer_id,
         )
-        self.handles: dict[int, Any] = {}  # slice index -> NIXL handle, while NIXL holds it
         # perf_counter stamps: the last sweep that saw a slice still in flight, and when the last
         # slice was seen DONE. The true completion lies between them (benchmarks use this).
         self.last_pending_at = 0.0
@@ -169,8 +176,15 @@ class Transfer:
     def __repr__(self) -> str:
         return (
             f"<Transfer #{self.id} {self.op} peer={self.peer} {self.nbytes}B "
-            f"{self.core.slices_done}/{len(self.slices)} slices {self.state}>"
+            f"{self.core.slices_done}/{self.num_slices} slices {self.state}>"
         )
+
+    def slice_ids(self, index: int) -> tuple[IdArray, IdArray]:
+        """Slice `index`'s (local, remote) descriptor ids."""
+        if self.num_slices == 1:
+            return self.local_ids, self.remote_ids
+        start = index * self.per_slice
+        return self.local_ids[start : start + self.per_slice], self.remote_ids[start : start + self.per_slice]
 
     @property
     def state(self) -> TransferState:

@@ -41,7 +41,7 @@ def _sample(engine: TransferEngine) -> dict[str, float]:
         "remote_agents": live.get("remote_agents", 0),
         "remote_dlists": live.get("dlists", 0) - 1,  # our own layout's list stays
         "peers": len(engine.peers),
-        "sockets": len(engine._notifier),  # side-channel notifier sockets, one per peer address
+        "sockets": engine._notify.side_sockets,  # side-channel notifier sockets, one per peer address
         "rss_mib": _rss_mib(),
     }
 

@@ -35,7 +35,7 @@ def _collect(engine, request_id, timeout=30.0):
 
 def _wait_in_flight(engine, request_id, timeout=10.0):
     def running():
-        return any(t.core.has_running for t in list(engine.engine._active.values()))
+        return any(t.core.has_running for t in list(engine.engine._driver.active.values()))
 
     deadline = time.monotonic() + timeout
     while not engine.call(running):

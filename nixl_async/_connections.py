@@ -1,0 +1,150 @@
+"""What the engine holds for each peer in NIXL, and when it lets go of it.
+
+`_peers.py` decides (which peer is which, what a new handshake reply means); this module carries
+the decisions out against NIXL: it loads remote agents, drops prepared descriptor lists, closes
+notifier sockets, and forgets peers. A forgotten peer's transfers are ended at once, but its
+remote agent and descriptor lists are released only once no live transfer uses them (NIXL may
+still be moving that transfer's bytes), so a peer is *retiring* in between.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from . import messages
+from ._agent import OwnedAgent
+from ._driver import TransferDriver
+from ._memory import MemoryRegistry
+from ._notify_transport import NotificationTransport
+from ._peers import Address, Peer, PeerTable, Reconcile, reconcile
+from .config import EngineConfig
+from .exceptions import HandshakeRejected, TransferCancelled
+from .stats import EngineStats
+
+__all__ = ["Connections"]
+
+
+class Connections:
+    """The peers we handshook with, and the NIXL state each one keeps alive."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        stats: EngineStats,
+        table: PeerTable,
+        memory: MemoryRegistry,
+        driver: TransferDriver,
+        notify: NotificationTransport,
+        wakeup: Callable[[], None],
+    ) -> None:
+        self._config = config
+        self._stats = stats
+        self.table = table
+        self._memory = memory
+        self._driver = driver
+        self._notify = notify
+        self._wakeup = wakeup
+        self.agent: OwnedAgent | None = None  # set while the engine runs (and while it closes)
+        self.retiring: dict[str, Peer] = {}  # forgotten; their remote agent goes once quiet
+        self._orphan_dlists: list[Any] = []  # remote lists a peer's new layouts replaced, still in use
+        self._next_eviction = float("-inf")
+
+    async def adopt(self, reply: messages.MetadataReply, address: Address, offset: float, now: float) -> Peer:
+        """Carry out what `reconcile` decides for a handshake reply; the peer to use from now on."""
+        agent = self._agent()
+        old = self.table.get(reply.engine_id)
+        busy = old is not None and old.agent_name in self._driver.busy_agents()
+        decision = reconcile(old, reply, busy=busy)
+        previous = self.table.at(address)
+        if previous is not None and previous.engine_id != reply.engine_id:
+            self.forget(previous)  # another engine now answers at this address: that one is gone
+        if old is not None and decision in (Reconcile.KEEP, Reconcile.REFRESH_LAYOUTS):
+            if decision is Reconcile.REFRESH_LAYOUTS:
+                in_use = {id(t.remote_dlist) for t in self._driver.live()}
+                self._orphan_dlists += self._memory.drop_remote(agent, old.agent_name, keep=in_use)
+            old.refresh(reply, clock_offset_s=offset, now=now)
+            self.table.add(old, address)
+            return old
+        if old is not None:  # RELOAD or REPLACE: its transfers end; its remote agent goes once quiet
+            self.forget(old)
+        retiring = self.retiring.get(reply.agent_name)
+        if retiring is not None:
+            # NIXL still has that agent loaded for transfers that are releasing: wait for them
+            # (bounded by the grace) before loading it anew.
+            await self._retired(retiring, self._config.release_grace_s + 0.5)
+        assert self._driver.loop is not None
+        peer = Peer(reply, address, now=self._driver.loop.time())
+        peer.agent_name = agent.add_remote(reply.agent_metadata)
+        peer.clock_offset_s = offset
+        self.table.add(peer)
+        return peer
+
+    async def _retired(self, peer: Peer, timeout: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while peer.agent_name in self.retiring:
+            if loop.time() >= deadline:
+                raise HandshakeRejected(
+                    f"transfers with the previous connection to {peer.engine_id} are still fenced in NIXL",
+                    address=f"{peer.address[0]}:{peer.address[1]}",
+                )
+            self._wakeup()
+            await asyncio.sleep(0.005)
+
+    def forget(self, peer: Peer) -> None:
+        """Stop using a peer now; its remote agent and descriptor lists go once its transfers are quiet."""
+        if not peer.connected:
+            return
+        self._driver.end_all(
+            lambda t: TransferCancelled("peer disconnected", transfer_id=t.id, peer=peer.engine_id),
+            agent_name=peer.agent_name,
+        )
+        self._notify.forget(peer)
+        peer.connected = False
+        self.table.remove(peer)
+        self.retiring[peer.agent_name] = peer
+        self.drop_quiet()
+
+    def drop_quiet(self) -> None:
+        """Remove what forgotten peers left once no live transfer uses it."""
+        if self._orphan_dlists:
+            in_use = {id(t.remote_dlist) for t in self._driver.live()}
+            agent = self._agent()
+            for handle in [h for h in self._orphan_dlists if id(h) not in in_use]:
+                self._orphan_dlists.remove(handle)
+                agent.release_dlist(handle)
+        if self.retiring:
+            busy = self._driver.busy_agents()
+            for name, peer in list(self.retiring.items()):
+                if name not in busy:
+                    self._drop_remote(peer)
+
+    def evict_idle(self, now: float) -> None:
+        """Forget peers unused for `peer_ttl_s` (a fleet whose instances come and go must not leak)."""
+        ttl = self._config.peer_ttl_s
+        if ttl is None or now < self._next_eviction or not len(self.table):
+            return
+        self._next_eviction = now + min(ttl / 2, 1.0)
+        for peer in self.table.idle(now, ttl, self._driver.busy_agents()):
+            self._stats.counters["peers_evicted"] += 1
+            self.forget(peer)
+
+    def release_all(self) -> None:
+        """At close, with every transfer quiet: forget every peer and unload its remote agent."""
+        for peer in [*self.table, *self.retiring.values()]:
+            self.forget(peer)
+            self._drop_remote(peer)
+        self.drop_quiet()  # lists replaced by a refresh
+
+    def _drop_remote(self, peer: Peer) -> None:
+        if self.retiring.pop(peer.agent_name, None) is None:
+            return
+        agent = self._agent()
+        self._memory.drop_remote(agent, peer.agent_name)
+        agent.remove_remote(peer.agent_name)
+
+    def _agent(self) -> OwnedAgent:
+        assert self.agent is not None
+        return self.agent

@@ -1,0 +1,399 @@
+"""The transfer driver: carries every transfer from submit to quiet, on the engine's loop.
+
+It is where the state machine (`_state.py`) meets NIXL. For each transfer it posts slices,
+checks the running ones, releases handles, and tells the caller (through the transfer's future)
+only once NIXL holds none of its handles, or with `TransferFenced` past the grace. What NIXL says
+goes into the transfer's `TransferCore`; the actions that come out are carried out by `_apply`.
+The engine validates and admits a submit, then hands it here; its poller calls `sweep`.
+
+Per-transfer cost matters at 10 k transfers in flight: one submit keeps four objects the garbage
+collector tracks (transfer, core, future, NIXL handle), handles live in one driver-wide dict,
+and every transfer shares one bound method for its callbacks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ._admission import Admission
+from ._agent import NIXL_ERRORS, OwnedAgent
+from ._notify_transport import NOTIFY_ERRORS, NotificationTransport
+from ._peers import Peer, PeerTable
+from ._poller import AdaptivePacer
+from ._slicing import CopyRate
+from ._state import Action, Complete, Fenced, Finish, Quiet, Release, TransferState
+from .config import EngineConfig
+from .exceptions import LeaseExpired, TransferError, TransferFailed, TransferTimeout
+from .layout import BlockView, IdArray
+from .stats import EngineStats
+from .transfer import Transfer, TransferFuture, TransferResult, descriptors_per_slice
+
+__all__ = ["COLLECTOR", "TransferDriver"]
+
+log = logging.getLogger("nixl_async.engine")
+
+_NEVER = float("inf")
+# A post slower than this ends the poller's sweep early so other coroutines get the loop.
+_SWEEP_BUDGET_S = 0.001
+# Handles are keyed by transfer id * _SLICE_KEY + slice index.
+_SLICE_KEY = 1 << 32
+_EMPTY_IDS: IdArray = np.empty(0, dtype=np.int64)
+# Where `TransferEngine.collect_transfers()` gathers the transfers submitted in its context.
+COLLECTOR: contextvars.ContextVar[list[Transfer] | None] = contextvars.ContextVar("nixl_async_collector", default=None)
+
+
+class TransferDriver:
+    """Owns the transfers in flight (and the fenced ones) and everything NIXL holds for them."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        stats: EngineStats,
+        admission: Admission,
+        table: PeerTable,
+        notify: NotificationTransport,
+        pacer: AdaptivePacer,
+        wakeup: Callable[[], None],
+    ) -> None:
+        self._config = config
+        self._stats = stats
+        self._admission = admission
+        self._table = table
+        self._notify = notify
+        self._pacer = pacer
+        self._wakeup = wakeup
+        self.agent: OwnedAgent | None = None  # set while the engine runs (and while it closes)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.active: dict[int, Transfer] = {}  # not yet told, or told but still releasing
+        self.fenced: dict[int, Transfer] = {}  # told the caller, NIXL still holds handles
+        self._handles: dict[int, Any] = {}  # see _SLICE_KEY
+        self._ids = itertools.count(1)
+        self._copy_rate = CopyRate(config)  # sizes the next slices
+        self._next_deadline = _NEVER  # no transfer's deadline comes before this
+        # One bound method each, shared by every transfer (a bound method per transfer is one
+        # more object for the garbage collector).
+        self._end_cb = self.end
+        self._awaiter_cancelled_cb = self._on_awaiter_cancelled
+
+    # -- views ------------------------------------------------------------------------------
+    def live(self) -> list[Transfer]:
+        """Transfers whose handles NIXL may still hold."""
+        return [*self.active.values(), *self.fenced.values()]
+
+    def busy_agents(self) -> set[str]:
+        """Remote agents some live transfer uses."""
+        return {t.remote_agent for t in self.live()}
+
+    # -- submitting -----------------------------------------------------------------------------
+    def submit(
+        self,
+        op: str,
+        peer: Peer,
+        local: tuple[BlockView, Any, IdArray],
+        remote: tuple[BlockView, Any, IdArray],
+        nbytes: int,
+        notify: bytes | None,
+        deadline: float | None,
+        lease_deadline: float | None,
+    ) -> Transfer:
+        """Start an admitted transfer: `local`/`remote` are (view, prepared descriptor list, ids)."""
+        agent, loop = self.agent, self.loop
+        assert agent is not None and loop is not None
+        local_view, local_dlist, lidx = local
+        _, remote_dlist, ridx = remote
+        transfer_id = next(self._ids)
+        now = loop.time()
+        transfer = Transfer(
+            transfer_id=transfer_id,
+            op=op,
+            peer=peer.engine_id,
+            remote_agent=peer.agent_name,
+            local_dlist=local_dlist,
+            remote_dlist=remote_dlist,
+            local_ids=lidx,
+            remote_ids=ridx,
+            per_slice=descriptors_per_slice(
+                local_view.piece_len, self._copy_rate.slice_bytes(), self._config.max_post_descriptors
+            ),
+            notify=notify,
+            nbytes=nbytes,
+            deadline=deadline,
+            submitted_at=now,
+            future=TransferFuture(loop=loop, transfer_id=transfer_id, on_cancel=self._awaiter_cancelled_cb),
+            cancel_cb=self._end_cb,
+            slices_in_flight=self._config.slices_in_flight,
+            release_grace_s=self._config.release_grace_s,
+        )
+        transfer.lease_deadline = lease_deadline
+        if (collected := COLLECTOR.get()) is not None:
+            collected.append(transfer)
+        self.active[transfer_id] = transfer  # from here on `_retire` gives the admitted room back
+        if deadline is not None and deadline < self._next_deadline:
+            self._next_deadline = deadline
+        self._stats.counters["transfers_submitted"] += 1
+        if min(transfer.per_slice, transfer.descriptors) * transfer.piece_len <= self._config.min_post_bytes:
+            self.pump(agent, transfer, max_posts=1)  # the fast path: small transfers finish here
+        # (a bigger first slice is posted by the poller, after other coroutines had a turn)
+        if transfer.state is TransferState.POSTING:
+            self._pacer.activity(loop.time())
+            self._wakeup()
+        return transfer
+
+    def notify_only(self, op: str, peer: Peer, notify: bytes | None) -> Transfer:
+        """A transfer with no blocks (a full prefix-cache hit): only the notification goes out."""
+        assert self.loop is not None
+        now = self.loop.time()
+        transfer = Transfer(
+            transfer_id=next(self._ids),
+            op=op,
+            peer=peer.engine_id,
+            remote_agent=peer.agent_name,
+            local_dlist=None,
+            remote_dlist=None,
+            local_ids=_EMPTY_IDS,
+            remote_ids=_EMPTY_IDS,
+            per_slice=1,
+            notify=notify,
+            nbytes=0,
+            deadline=None,
+            submitted_at=now,
+            future=TransferFuture(loop=self.loop),
+            cancel_cb=self._end_cb,
+        )
+        try:
+            if notify is not None:
+                self._notify.send(peer, notify)
+                self._notify.sent(now)
+        except NOTIFY_ERRORS as exc:
+            error = TransferFailed(f"notification to {peer.engine_id} failed: {exc}",
+                                   transfer_id=transfer.id, peer=peer.engine_id)  # fmt: skip
+            transfer.core.end(error, now)
+            transfer.mark_quiet()
+            transfer.finish(error)
+            return transfer
+        transfer.core.succeed()
+        transfer.mark_quiet()
+        transfer.finish(TransferResult(transfer.id, op, peer.engine_id, 0, 0, 0, 0.0, notify is not None))
+        return transfer
+
+    # -- ending -------------------------------------------------------------------------------
+    def end(self, transfer: Transfer, error: TransferError) -> None:
+        """End a transfer with an error: post nothing more; the caller hears once it is quiet."""
+        assert self.loop is not None
+        self._apply(transfer, transfer.core.end(error, self.loop.time()))
+        if transfer.core.state is TransferState.RELEASING:
+            self._wakeup()  # the poller watches its running slices until they end
+
+    def end_all(self, make_error: Callable[[Transfer], TransferError], agent_name: str | None = None) -> None:
+        """End every active transfer (or those with `agent_name`) with `make_error(transfer)`."""
+        for transfer in list(self.active.values()):
+            if agent_name is None or transfer.remote_agent == agent_name:
+                self.end(transfer, make_error(transfer))
+
+    def _on_awaiter_cancelled(self, transfer_id: int) -> None:
+        """A task awaiting the transfer was cancelled (see `TransferFuture`): end the transfer."""
+        transfer = self.active.get(transfer_id)
+        if transfer is not None:
+            transfer.cancel("the awaiting task was cancelled")
+
+    # -- the sweep ------------------------------------------------------------------------------
+    async def sweep(self, agent: OwnedAgent, loop: asyncio.AbstractEventLoop) -> bool:
+        """Advance every live transfer once; end those past their deadline. Returns whether anything moved."""
+        activity = False
+        swept = time.perf_counter()
+        finished = False
+        for n, transfer in enumerate(self.live(), 1):
+            if finished and transfer.core.wants_post:
+                # Let the awaiters of finished transfers run (and submit their next) before a post,
+                # which can be a copy of a few ms. With nothing to post, one sweep ends them all.
+                await asyncio.sleep(0)
+                finished = False
+                swept = time.perf_counter()
+            if transfer.quiet:
+                continue  # ended while we yielded
+            if self.pump(agent, transfer, 1, swept):
+                activity = True
+                finished = finished or transfer.done()
+            if transfer.state is TransferState.RELEASING:  # past its grace it is reported fenced
+                self._apply(transfer, transfer.core.tick(loop.time()))
+            # A post can be a multi-ms copy, and 10k state checks add up: bound the stall.
+            if (activity or not n % 256) and time.perf_counter() - swept > _SWEEP_BUDGET_S:
+                await asyncio.sleep(0)
+                swept = time.perf_counter()
+        now = loop.time()
+        if now >= self._next_deadline:
+            self._expire(now)
+        return activity
+
+    def _expire(self, now: float) -> None:
+        """End transfers past their deadline; remember the next deadline so sweeps skip this."""
+        posting = [t for t in self.active.values() if t.state is TransferState.POSTING]
+        for transfer in [t for t in posting if t.deadline is not None and now >= t.deadline]:
+            self.end(transfer, TransferTimeout(f"{transfer.op} with {transfer.peer} missed its deadline",
+                                               transfer_id=transfer.id, peer=transfer.peer))  # fmt: skip
+        self._next_deadline = min(
+            (t.deadline for t in self.active.values() if t.deadline is not None and t.state is TransferState.POSTING),
+            default=_NEVER,
+        )
+
+    def pump(self, agent: OwnedAgent, transfer: Transfer, max_posts: int, swept: float = 0.0) -> bool:
+        """Advance one transfer: check its running slices, post new ones (at most `max_posts`).
+
+        `swept` is when the poller's sweep began, recorded while slices are in flight.
+        Returns whether anything moved (a slice ended or was posted, or the transfer ended).
+        """
+        core = transfer.core
+        base = transfer.id * _SLICE_KEY
+        moved = False
+        for index in core.running_list():
+            try:
+                state = agent.state(self._handles[base + index])
+            except NIXL_ERRORS as exc:
+                state = f"ERR ({exc})"
+            if state != "PROC":
+                moved = True
+                self._apply(transfer, core.checked(index, state))
+        if core.has_running:
+            transfer.last_pending_at = swept
+        for index in core.to_release():  # releases NIXL refused earlier
+            self._apply(transfer, [Release(index)])
+        chained = transfer.op == "WRITE" and transfer.notify is not None
+        last = transfer.num_slices - 1
+        for index in core.to_post(max_posts):
+            if core.state is not TransferState.POSTING:
+                break
+            # A WRITE's notification rides on its last slice (NIXL orders it after the data at
+            # the target). A READ's is sent once the data has landed here: chained to the READ it
+            # keeps the READ "PROC" until the *producer's* worker is progressed.
+            notif = transfer.notify if chained and index == last else None
+            lidx, ridx = transfer.slice_ids(index)
+            started = time.perf_counter()
+            try:
+                handle = agent.make_xfer(transfer.op, transfer.local_dlist, lidx, transfer.remote_dlist, ridx,
+                                         notif or b"")  # fmt: skip
+            except NIXL_ERRORS as exc:
+                self._apply(transfer, core.post_failed(index, str(exc)))
+                return True
+            self._handles[base + index] = handle
+            try:
+                state = agent.post(handle)
+            except NIXL_ERRORS as exc:
+                state = f"ERR ({exc})"
+            took = time.perf_counter() - started
+            transfer.post_seconds += took
+            self._stats.histograms["post_us"].record(took)
+            moved = True
+            if state == "DONE":  # copied inside the call: tells us the copy rate
+                self._copy_rate.observe(len(lidx) * transfer.piece_len, took)
+            self._apply(transfer, core.posted(index, state))
+        return moved
+
+    # -- carrying out actions -------------------------------------------------------------------
+    def _apply(self, transfer: Transfer, actions: list[Action]) -> None:
+        """Carry out what a transfer's state machine asked for."""
+        for action in actions:
+            match action:
+                case Release(index=index):
+                    key = transfer.id * _SLICE_KEY + index
+                    handle = self._handles.get(key)
+                    ok = handle is None or self._agent().release_xfer(handle)
+                    if ok:
+                        self._handles.pop(key, None)
+                    self._apply(transfer, transfer.core.released(index, ok))
+                case Complete():
+                    self._apply(transfer, self._check_complete(transfer))
+                case Finish(error=None):
+                    self._complete(transfer)
+                case Finish(error=TransferError() as error):
+                    self._failed(transfer, error)
+                case Fenced(error=error):
+                    error.quiet = transfer.wait_quiet
+                    self._retire(transfer)
+                    self.fenced[transfer.id] = transfer
+                    self._stats.counters["transfers_fenced"] += 1
+                    log.warning("transfer #%d with %s: %s", transfer.id, transfer.peer, error)
+                    transfer.finish(error)
+                case Quiet():
+                    self.fenced.pop(transfer.id, None)
+                    self._stats.counters["transfers_unfenced"] += 1
+                    transfer.mark_quiet()
+
+    def _agent(self) -> OwnedAgent:
+        assert self.agent is not None
+        return self.agent
+
+    def _check_complete(self, transfer: Transfer) -> list[Action]:
+        """Every byte arrived: refuse data that came past the lease, send a READ's notification."""
+        assert self.loop is not None
+        core = transfer.core
+        if transfer.lease_deadline is not None and self.loop.time() >= transfer.lease_deadline:
+            # The data arrived, but maybe after the producer reused the blocks: not to be trusted.
+            expired = LeaseExpired(f"the lease from {transfer.peer} ran out during the {transfer.op}",
+                                   peer=transfer.peer)  # fmt: skip
+            return core.end(expired, self.loop.time())
+        if transfer.op == "READ" and transfer.notify is not None:
+            try:
+                peer = self._table.of_agent(transfer.remote_agent)
+                if peer is None:
+                    raise KeyError(f"no connected peer has agent {transfer.remote_agent}")
+                self._notify.send(peer, transfer.notify)
+            except NOTIFY_ERRORS as exc:
+                error = TransferFailed(f"the data was read but notifying {transfer.peer} failed: {exc}",
+                                       transfer_id=transfer.id, peer=transfer.peer)  # fmt: skip
+                return core.end(error, self.loop.time())
+        return core.succeed()
+
+    def _complete(self, transfer: Transfer) -> None:
+        assert self.loop is not None
+        transfer.done_seen_at = time.perf_counter()
+        now = self.loop.time()
+        elapsed = now - transfer.submitted_at
+        self._retire(transfer)
+        if (peer := self._table.of_agent(transfer.remote_agent)) is not None:
+            self._table.touch(peer, now)  # a transfer longer than the TTL is still use
+        counters = self._stats.counters
+        counters["transfers_done"] += 1
+        counters["bytes_" + transfer.op.lower()] += transfer.nbytes
+        if transfer.notify is not None:
+            self._notify.sent(now)
+        self._stats.histograms["transfer_us"].record(elapsed)
+        transfer.mark_quiet()
+        transfer.finish(
+            TransferResult(
+                transfer.id,
+                transfer.op,
+                transfer.peer,
+                transfer.nbytes,
+                transfer.descriptors,
+                transfer.num_slices,
+                elapsed,
+                transfer.notify is not None,
+                transfer.post_seconds,
+            )
+        )
+
+    def _failed(self, transfer: Transfer, error: TransferError) -> None:
+        """A transfer ended with `error` and its memory is quiet: tell the caller."""
+        self._retire(transfer)
+        if isinstance(error, TransferFailed):
+            peer = self._table.of_agent(transfer.remote_agent)
+            if peer is not None:
+                peer.stale = True  # the next connect() handshakes again
+        kind = {TransferState.CANCELLED: "cancelled", TransferState.TIMED_OUT: "timeouts"}.get(
+            transfer.state, "failures"
+        )
+        self._stats.counters["transfers_" + kind] += 1
+        transfer.mark_quiet()
+        transfer.finish(error)
+
+    def _retire(self, transfer: Transfer) -> None:
+        if self.active.pop(transfer.id, None) is not None:
+            self._admission.release(transfer.nbytes)

@@ -1,0 +1,115 @@
+"""How notifications leave and arrive: through NIXL, or through the side channel.
+
+Outgoing notifications go the way `EngineConfig.notify_via` says: NIXL's own (`genNotif`, which
+leaves only when our UCX worker is progressed) or the authenticated side channel
+(`_side_notify.py`). Incoming ones come from draining NIXL's queue on each poll, or from the
+handshake server's socket; both land in the engine's `NotificationBox`.
+
+NIXL gives no handle for a notification, so after sending one the poller is kept brisk a while
+(`WIREUP_BRISK_S`): the message, and for a new peer UCX's connection wire-up, need our worker
+progressed. `close()` gives recently sent notifications a moment for the same reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import zmq
+import zmq.asyncio
+
+from ._agent import NIXL_ERRORS, OwnedAgent
+from ._peers import Peer, PeerTable
+from ._poller import AdaptivePacer
+from ._side_notify import SideChannelNotifier
+from .config import EngineConfig
+from .notifications import NotificationBox
+from .stats import EngineStats
+
+__all__ = ["NOTIFY_ERRORS", "WIREUP_BRISK_S", "NotificationTransport", "engine_id_of"]
+
+# After a handshake or a notification, poll briskly this long: the peer's next step needs our
+# UCX worker progressed (wire-up, the notification itself).
+WIREUP_BRISK_S = 2.0
+# What sending a notification raises when the peer is unknown to NIXL or its queue is full.
+NOTIFY_ERRORS: tuple[type[BaseException], ...] = (*NIXL_ERRORS, KeyError, zmq.ZMQError)
+
+
+def engine_id_of(agent_name: str) -> str:
+    """Our agents are named "<engine id>/<start time>"; other agents keep their own name."""
+    engine_id, sep, stamp = agent_name.rpartition("/")
+    return engine_id if sep and stamp.isalnum() else agent_name
+
+
+class NotificationTransport:
+    """Sends notifications to peers and feeds arriving ones into the engine's box."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        stats: EngineStats,
+        box: NotificationBox,
+        pacer: AdaptivePacer,
+        wakeup: Callable[[], None],
+    ) -> None:
+        self._via_nixl = config.notify_via == "nixl"
+        self._engine_id = config.engine_id
+        self._secret = config.auth_secret
+        self._stats = stats
+        self._box = box
+        self._pacer = pacer
+        self._wakeup = wakeup
+        self._agent: OwnedAgent | None = None
+        self._side: SideChannelNotifier | None = None
+        self.last_sent_at = float("-inf")
+
+    def open(self, agent: OwnedAgent, context: zmq.asyncio.Context) -> None:
+        self._agent = agent
+        self._side = SideChannelNotifier(context, self._engine_id, self._secret)
+
+    def close(self) -> None:
+        """Close the side channel's sockets (before the ZMQ context goes) and let go of the agent."""
+        if self._side is not None:
+            self._side.close()
+        self._agent = None
+
+    @property
+    def side_sockets(self) -> int:
+        """Open side-channel sockets (one per peer address notified)."""
+        return len(self._side) if self._side is not None else 0
+
+    def send(self, peer: Peer, message: bytes) -> None:
+        """Send `message` to `peer` (raises one of `NOTIFY_ERRORS`; `zmq.Again` when its queue is full)."""
+        if self._via_nixl:
+            assert self._agent is not None
+            self._agent.send_notification(peer.agent_name, message)
+        else:
+            assert self._side is not None
+            self._side.send(peer.address, peer.notify_session, message)
+
+    def sent(self, now: float) -> None:
+        """A notification went out: count it and keep the poller brisk while it leaves."""
+        self._stats.counters["notifications_sent"] += 1
+        self.last_sent_at = now
+        self._pacer.stay_brisk(now + WIREUP_BRISK_S)
+        self._wakeup()
+
+    def forget(self, peer: Peer) -> None:
+        if self._side is not None:
+            self._side.forget(peer.address)
+
+    def drain(self, agent: OwnedAgent, table: PeerTable) -> None:
+        """Move what NIXL received into the box, naming senders by engine id."""
+        batch = agent.notifications()
+        if not batch:
+            return
+        for agent_name, msgs in batch.items():
+            peer = table.of_agent(agent_name)
+            sender = peer.engine_id if peer is not None else engine_id_of(agent_name)
+            for msg in msgs:
+                self._box.deliver(sender, bytes(msg))
+        self._stats.counters["notifications_received"] += sum(len(m) for m in batch.values())
+
+    def deliver(self, sender: str, message: bytes) -> None:
+        """A notification came through the side channel (already authenticated and de-duplicated)."""
+        self._box.deliver(sender, message)
+        self._stats.counters["notifications_received"] += 1
