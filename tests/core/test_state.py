@@ -209,3 +209,34 @@ def test_any_event_order_keeps_the_contract(n, running, events):
     outcomes = [t for t in told if isinstance(t, Finish | Fenced)]
     assert len(outcomes) <= 1
     assert (c.state in (TransferState.RELEASING, TransferState.FENCED)) == (bool(holders) and c.error is not None)
+
+
+def test_slice_indices_beyond_a_machine_word_are_tracked_and_released_in_order():
+    # Running/unreleased slices are bit masks: indices past 64 must behave like small ones.
+    c = core(n=130, running=4)
+    for _ in range(31):
+        for i in c.to_post(4):
+            assert c.posted(i, "PROC") == []
+        running = c.running_list()
+        assert running == sorted(running) and len(running) == 4
+        for i in running[:2]:
+            assert c.checked(i, "DONE") == [Release(i)]
+        c.released(running[1])
+        c.released(running[0], ok=False)  # refused once: retried via to_release
+        assert c.to_release() == [running[0]]
+        c.released(running[0])
+        for i in running[2:]:
+            c.checked(i, "DONE")
+            c.released(i)
+    assert c.slices_done == 124 and c.to_post(10) == [124, 125, 126, 127]
+    for i in [124, 125, 126, 127]:
+        c.posted(i, "DONE")
+        c.released(i)
+    assert c.to_post(1) == [128]
+    c.posted(128, "DONE")
+    c.released(128)
+    assert c.to_post(10) == [129]
+    c.posted(129, "PROC")
+    actions = c.end(TransferCancelled("stop"), 0.0)
+    assert actions == [] and not c.quiet and c.running_list() == [129]
+    assert c.checked(129, "DONE") == [Release(129)] and c.released(129) == [Finish(c.error)]
