@@ -44,11 +44,13 @@ class EngineConfig:
 
     `compat` holds whatever must agree between two engines before their memory can be mixed
     (model, dtype, cache layout...); its hash is exchanged in the handshake and a peer whose
-    hash differs is refused with `IncompatiblePeerError`.
+    hash differs is refused with `IncompatiblePeerError` (unless `enforce_compat` is False: then
+    the mismatch is logged and the peer used, at the caller's risk).
     """
 
     engine_id: str = field(default_factory=_default_engine_id)
     compat: Mapping[str, str] = field(default_factory=dict)
+    enforce_compat: bool = True
     backends: tuple[str, ...] = ("UCX",)
     backend_params: Mapping[str, str] = field(default_factory=dict)
     # Backpressure: a submit beyond either limit waits for room.

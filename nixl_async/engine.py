@@ -390,11 +390,12 @@ class TransferEngine:
             answered_at = time.time()
             offset = reply.wall_clock - (asked_at + answered_at) / 2 if reply.wall_clock else 0.0
             if reply.compat_hash != self._compat_hash:
-                raise IncompatiblePeerError(
-                    f"{host}:{port} (engine {reply.engine_id!r}) has compatibility hash {reply.compat_hash}, "
-                    f"ours is {self._compat_hash}: its memory cannot be used with ours",
-                    address=f"{host}:{port}",
-                )
+                mismatch = (f"{host}:{port} (engine {reply.engine_id!r}) has compatibility hash {reply.compat_hash}, "
+                            f"ours is {self._compat_hash}")  # fmt: skip
+                if self.config.enforce_compat:
+                    raise IncompatiblePeerError(f"{mismatch}: its memory cannot be used with ours",
+                                                address=f"{host}:{port}")  # fmt: skip
+                log.warning("%s: connecting anyway (EngineConfig.enforce_compat is off)", mismatch)
             peer = await self._peers.adopt(reply, (host, port), offset, self._loop.time())
         except BaseException:
             self.stats.counters["handshake_failures"] += 1

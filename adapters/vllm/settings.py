@@ -15,6 +15,12 @@ NixlConnector; our own knobs live in ``kv_connector_extra_config``:
   never raised). The engine's loop thread shares the interpreter with vLLM's worker thread; at
   Python's default 5 ms, each hand-over to the loop can wait that long (measured here: decode
   TTFT at concurrency 4 went from 58 to 39 ms p50 with 0.5 ms).
+
+NixlConnector's own keys are honoured (``backends``, ``num_threads``, ``engine_ttl``,
+``enforce_handshake_compat``, ``kv_lease_duration``, and ``kv_recompute_threshold``, which
+vLLM's scheduler we reuse applies) or refused at startup with an error naming the key
+(`REFUSED`), as are unknown keys and the parallel layouts the adapter does not implement
+(pipeline parallel, decode/prefill context parallel, ``enable_permute_local_kv``).
 """
 
 from __future__ import annotations
@@ -27,9 +33,77 @@ from typing import Any
 
 from nixl_async import EngineConfig, PollConfig
 
-__all__ = ["AdapterSettings", "rank_engine_id"]
+__all__ = ["REFUSED", "AdapterSettings", "UnsupportedSetting", "rank_engine_id"]
 
 ADAPTER_PROTOCOL = "nixl_async-vllm-pull-1"
+
+# Keys we read, ours and NixlConnector's (see the module docstring).
+_KNOWN = {
+    "kv_lease_duration", "auth_secret", "auth_secret_env", "auth_secret_file", "transfer_timeout",
+    "handshake_timeout", "switch_interval_s", "backends", "num_threads", "engine_ttl",
+    "enforce_handshake_compat", "kv_recompute_threshold",
+}  # fmt: skip
+# NixlConnector keys the adapter does not implement: refused when set (to anything but the default).
+REFUSED: dict[str, tuple[object, str]] = {
+    "bidirectional_kv_xfer": (False, "KV transfer from decode back to prefill is not implemented"),
+    "decoder_kv_blocks_ttl": (None, "it is used only with bidirectional_kv_xfer, which is not implemented"),
+    "push_registration_timeout": (None, "push mode (NixlPushConnector) is not implemented by this adapter"),
+}
+
+
+class UnsupportedSetting(ValueError):
+    """A vLLM or NixlConnector setting the adapter does not implement: refused, never ignored."""
+
+
+def _refuse_unsupported(vllm_config: Any, extra: dict[str, Any]) -> None:
+    for key, value in extra.items():
+        if key in REFUSED:
+            default, why = REFUSED[key]
+            if value != default:
+                raise UnsupportedSetting(f"kv_connector_extra_config[{key!r}] = {value!r} is not supported: {why}")
+        elif key not in _KNOWN:
+            raise UnsupportedSetting(
+                f"kv_connector_extra_config[{key!r}] is not a setting of this adapter (known: {sorted(_KNOWN)})"
+            )
+    parallel = vllm_config.parallel_config
+    for name, what in (
+        ("pipeline_parallel_size", "pipeline parallelism"),
+        ("decode_context_parallel_size", "decode context parallelism (DCP)"),
+        ("prefill_context_parallel_size", "prefill context parallelism (PCP)"),
+    ):
+        size = getattr(parallel, name, 1)
+        if size > 1:
+            raise UnsupportedSetting(f"{name}={size}: {what} is not supported by the nixl_async adapter yet")
+    if getattr(vllm_config.kv_transfer_config, "enable_permute_local_kv", False):
+        raise UnsupportedSetting("enable_permute_local_kv is not supported: the adapter reads layouts as they are")
+
+
+def _backends(extra: dict[str, Any]) -> tuple[str, ...]:
+    value = extra.get("backends", ["UCX"])
+    if isinstance(value, str) or not value or not all(isinstance(b, str) and b for b in value):
+        raise ValueError(f"kv_connector_extra_config['backends'] must be a list of NIXL backend names, got {value!r}")
+    return tuple(value)
+
+
+def _backend_params(extra: dict[str, Any], backends: tuple[str, ...]) -> dict[str, str]:
+    """NIXL backend parameters: ``num_threads`` for the UCX backend, as NixlConnector passes it."""
+    if "num_threads" not in extra:
+        return {}  # UCX's own default: our loop progresses the worker, no extra threads wanted
+    threads = extra["num_threads"]
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+        raise ValueError(f"kv_connector_extra_config['num_threads'] must be an integer >= 0, got {threads!r}")
+    if backends != ("UCX",):
+        raise UnsupportedSetting(
+            f"kv_connector_extra_config['num_threads'] applies to the UCX backend alone, not to backends {backends}"
+        )
+    return {"num_threads": str(threads)} if threads else {}
+
+
+def _flag(extra: dict[str, Any], key: str, default: bool) -> bool:
+    value = extra.get(key, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"kv_connector_extra_config[{key!r}] must be true or false, got {value!r}")
+    return value
 
 
 def rank_engine_id(engine_id: str, tp_rank: int) -> str:
@@ -78,6 +152,10 @@ class AdapterSettings:
     handshake_timeout_s: float
     auth_secret: bytes | None
     switch_interval_s: float = 0.0005
+    backends: tuple[str, ...] = ("UCX",)
+    backend_params: tuple[tuple[str, str], ...] = ()
+    peer_ttl_s: float | None = 3600.0  # NixlConnector's engine_ttl; None: never evict
+    enforce_compat: bool = True
 
     def __repr__(self) -> str:  # the secret never appears in logs
         secret = "set" if self.auth_secret else "none"
@@ -92,11 +170,16 @@ class AdapterSettings:
 
         transfer = vllm_config.kv_transfer_config
         extra = dict(transfer.kv_connector_extra_config or {})
+        _refuse_unsupported(vllm_config, extra)
         parallel = vllm_config.parallel_config
         tp = max(parallel.tensor_parallel_size, parallel.decode_context_parallel_size)
         # Each data-parallel instance gets its own range of ports, one per TP rank.
         port = envs.VLLM_NIXL_SIDE_CHANNEL_PORT + parallel.data_parallel_index * tp
         secret = _secret(extra)
+        backends = _backends(extra)
+        ttl = extra.get("engine_ttl", 3600.0)
+        if isinstance(ttl, bool) or not isinstance(ttl, int | float):
+            raise ValueError(f"kv_connector_extra_config['engine_ttl'] must be a number of seconds, got {ttl!r}")
         return cls(
             side_channel_host=envs.VLLM_NIXL_SIDE_CHANNEL_HOST,
             side_channel_port=port,
@@ -105,6 +188,10 @@ class AdapterSettings:
             handshake_timeout_s=_number(extra, "handshake_timeout", 5),
             auth_secret=secret,
             switch_interval_s=_number(extra, "switch_interval_s", 0.0005),
+            backends=backends,
+            backend_params=tuple(_backend_params(extra, backends).items()),
+            peer_ttl_s=float(ttl) if ttl > 0 else None,  # as NixlConnector: <= 0 turns eviction off
+            enforce_compat=_flag(extra, "enforce_handshake_compat", True),
         )
 
     def bind_host(self) -> str:
@@ -118,6 +205,10 @@ class AdapterSettings:
             transfer_timeout_s=self.transfer_timeout_s,
             handshake_timeout_s=self.handshake_timeout_s,
             auth_secret=self.auth_secret,
+            backends=self.backends,
+            backend_params=dict(self.backend_params),
+            peer_ttl_s=self.peer_ttl_s,
+            enforce_compat=self.enforce_compat,
             # Readers notify producers through the side channel: a NIXL notification would hold
             # the reader's next read until the producer's loop polls (see EngineConfig.notify_via).
             notify_via="side_channel",

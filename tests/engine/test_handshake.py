@@ -126,6 +126,16 @@ async def test_compat_hash_mismatch(nixl_peer_factory):
         await engine.connect(*peer_proc.address)
 
 
+async def test_compat_mismatch_is_logged_and_allowed_when_enforcement_is_off(nixl_peer_factory, caplog):
+    # vLLM's enforce_handshake_compat=false: the user takes the risk, and the log says so.
+    peer_proc = nixl_peer_factory(compat={"model": "llama", "dtype": "bf16"})
+    config = EngineConfig(compat={"model": "llama", "dtype": "fp16"}, enforce_compat=False)
+    async with TransferEngine(config) as engine:
+        peer = await engine.connect(*peer_proc.address)
+        assert engine.peers == [peer]
+    assert "connecting anyway" in caplog.text and "compatibility hash" in caplog.text
+
+
 async def test_engine_id_mismatch(nixl_engine, nixl_peer):
     with pytest.raises(EngineIdMismatch, match="expected 'someone-else'"):
         await nixl_engine.connect(*nixl_peer.address, expected_engine_id="someone-else")

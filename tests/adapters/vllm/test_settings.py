@@ -10,16 +10,20 @@ import pytest
 if os.environ.get("NIXL_ASYNC_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm", reason="vLLM not installed (bash scripts/setup-vllm.sh)")
 
-from nixl_async_vllm.settings import AdapterSettings, rank_engine_id
+from nixl_async_vllm.settings import AdapterSettings, UnsupportedSetting, rank_engine_id
 
 SECRET = "correct horse battery staple"
 
 
-def _config(extra, tp=2, dp_index=0):
+def _config(extra, tp=2, dp_index=0, pp=1, dcp=1, pcp=1, permute=False):
     return SimpleNamespace(
-        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra),
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra, enable_permute_local_kv=permute),
         parallel_config=SimpleNamespace(
-            tensor_parallel_size=tp, decode_context_parallel_size=1, data_parallel_index=dp_index
+            tensor_parallel_size=tp,
+            decode_context_parallel_size=dcp,
+            prefill_context_parallel_size=pcp,
+            pipeline_parallel_size=pp,
+            data_parallel_index=dp_index,
         ),
     )
 
@@ -62,3 +66,53 @@ def test_secret_from_an_environment_variable_or_a_file(monkeypatch, tmp_path):
         with pytest.raises(ValueError, match="kv_connector_extra_config") as info:
             AdapterSettings.from_vllm(_config(extra))
         assert SECRET not in str(info.value)
+
+
+def test_nixl_connector_settings_are_honoured():
+    extra = {"backends": ["UCX"], "num_threads": 2, "engine_ttl": 60, "enforce_handshake_compat": False,
+             "kv_recompute_threshold": 32}  # fmt: skip
+    config = AdapterSettings.from_vllm(_config(extra)).engine_config("e", {})
+    assert config.backends == ("UCX",) and config.backend_params == {"num_threads": "2"}
+    assert config.peer_ttl_s == 60 and config.enforce_compat is False
+    default = AdapterSettings.from_vllm(_config({})).engine_config("e", {})
+    assert default.peer_ttl_s == 3600 and default.enforce_compat is True and default.backend_params == {}
+    assert AdapterSettings.from_vllm(_config({"engine_ttl": 0})).engine_config("e", {}).peer_ttl_s is None
+
+
+@pytest.mark.parametrize(
+    ("extra", "knobs", "named"),
+    [
+        ({"bidirectional_kv_xfer": True}, {}, "bidirectional_kv_xfer"),
+        ({"decoder_kv_blocks_ttl": 100}, {}, "decoder_kv_blocks_ttl"),
+        ({"push_registration_timeout": 5}, {}, "push_registration_timeout"),
+        ({"kv_lease_durration": 5}, {}, "kv_lease_durration"),  # a typo is refused, not ignored
+        ({"backends": ["UCX", "GDS"], "num_threads": 2}, {}, "num_threads"),
+        ({}, {"pp": 2}, "pipeline_parallel_size=2"),
+        ({}, {"dcp": 2}, "decode_context_parallel_size=2"),
+        ({}, {"pcp": 2}, "prefill_context_parallel_size=2"),
+        ({}, {"permute": True}, "enable_permute_local_kv"),
+    ],
+)
+def test_unsupported_settings_are_refused_by_name(extra, knobs, named):
+    with pytest.raises(UnsupportedSetting, match=named):
+        AdapterSettings.from_vllm(_config(extra, **knobs))
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"backends": "UCX"},
+        {"backends": []},
+        {"num_threads": -1},
+        {"num_threads": "4"},
+        {"engine_ttl": "long"},
+        {"enforce_handshake_compat": "no"},
+    ],
+)
+def test_malformed_nixl_connector_settings_are_refused(extra):
+    with pytest.raises(ValueError, match=next(iter(extra))):
+        AdapterSettings.from_vllm(_config(extra))
+
+
+def test_refused_settings_at_their_default_are_accepted():
+    AdapterSettings.from_vllm(_config({"bidirectional_kv_xfer": False}))
