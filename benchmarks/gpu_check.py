@@ -932,7 +932,7 @@ class Checks:
         from nixl_async import EngineConfig, TransferEngine
         from nixl_async_vllm.settings import rank_engine_id
         from nixl_async_vllm.tp_mapping import expected_consumers
-        from nixl_async_vllm.worker import KVGeometry, RecvJob, _kv_regions, receive
+        from nixl_async_vllm.worker import KVGeometry, RecvJob, receive
 
         prod = producer_layouts()[0]
         spec = {"engine_id": rank_engine_id("prefill", 0), "device": str(self.device),
@@ -946,8 +946,10 @@ class Checks:
 
             async def rank(r: int) -> tuple[Memory, int]:
                 mem = Memory(dec, self.device)
-                regions, block_len, run_len = _kv_regions({f"layer{i}": c for i, c in enumerate(mem.caches)},
-                                                          dec.num_blocks)  # fmt: skip
+                # K and V apart, each plane [blocks, heads, tokens, head_dim]: a run is one head's K (or V)
+                regions = mem.regions
+                block_len = regions[0][0].numel() * regions[0].element_size()
+                run_len = DECODE_BS * HEAD_DIM * regions[0].element_size()
                 geometry = KVGeometry(tp_size=2, tp_rank=r, block_size=DECODE_BS, part_len=block_len,
                                       run_len=run_len, mla=False)  # fmt: skip
                 job = RecvJob(request_id="req-d", remote_request_id="req-p", remote_engine_id="prefill", host=host,

@@ -38,6 +38,7 @@ from nixl_async import (
 )
 
 from . import cpu_quirks
+from .kv_layout import CacheLayout, describe_cache
 from .send_book import SendBook
 from .settings import AdapterSettings, rank_engine_id
 from .tp_mapping import RankRead, expected_consumers, plan_reads, remote_ranks, split_for_block_ratio
@@ -57,8 +58,10 @@ class KVGeometry:
     tp_rank: int
     block_size: int  # tokens per block
     part_len: int  # bytes of one block part (one layer's block, or its K or V half)
-    run_len: int | None  # bytes of one head's K (or V) for all tokens of a block; None when token-major (MLA)
+    run_len: int | None  # bytes of one run a block-size ratio cuts (see kv_layout); None when token-major
     mla: bool
+    head_window: bool = True  # a rank's heads are one byte range of a block (heterogeneous TP can read it)
+    ratio_refusal: str | None = None  # why smaller remote blocks cannot be placed, if they cannot
 
 
 @dataclass(frozen=True)
@@ -87,40 +90,61 @@ def select_remote_blocks(job: RecvJob, ratio: int) -> list[int]:
     return remote[skip:]
 
 
-def _kv_regions(kv_caches: dict[str, Any], num_blocks: int) -> tuple[list[Any], int, int | None]:
-    """(per-layer block tensors, bytes per block, bytes per token run or None) of vLLM's caches.
+def _kv_regions(kv_caches: dict[str, Any], num_blocks: int) -> tuple[list[Any], int]:
+    """(per-layer block tensors, bytes per block) of vLLM's caches.
 
-    vLLM hands one view per layer, either ``[num_blocks, heads, tokens, 2 * head_dim]`` with K and
-    V packed (the CPU backend: a head's bytes are all its tokens' K, then all their V) or
-    ``[2, num_blocks, heads, tokens, head_dim]`` (K and V apart, registered as two regions).
-    A *token run* is the contiguous bytes of one head's K (or V) for every token of a block:
-    the unit a block-size ratio cuts (see `tp_mapping.split_for_block_ratio`). Heads must come
-    before tokens (layout LBHNC). Layers sharing a cache alias the same memory: registered once.
+    vLLM 0.32 hands one ``[blocks, heads, tokens, content]`` view per layer (see `kv_layout`), each
+    block dense. Layers sharing a cache alias the same memory: registered once.
     """
     seen: set[int] = set()
     regions: list[Any] = []
-    kv_apart = False
     for tensor in kv_caches.values():
-        parts = [tensor]
-        if tensor.shape[0] == 2 and tensor.dim() > 1 and tensor.shape[1] == num_blocks:
-            parts, kv_apart = [tensor[0], tensor[1]], True
-        for part in parts:
-            if part.shape[0] != num_blocks:
-                raise LayoutError(f"a KV cache of shape {tuple(part.shape)} does not have {num_blocks} blocks first")
-            if part.data_ptr() not in seen:
-                seen.add(part.data_ptr())
-                regions.append(part)
-    first = regions[0]
-    block_len = first.stride(0) * first.element_size()
+        if tensor.shape[0] != num_blocks:
+            if tensor.shape[0] % num_blocks == 0:  # vLLM split each block into smaller kernel pages
+                raise LayoutError(
+                    f"a KV cache of {tensor.shape[0]} kernel blocks for {num_blocks} blocks: a kernel block size "
+                    "smaller than the block size is not supported by the adapter yet"
+                )
+            raise LayoutError(f"a KV cache of shape {tuple(tensor.shape)} does not have {num_blocks} blocks first")
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            regions.append(tensor)
+    block_len = regions[0].stride(0) * regions[0].element_size()
     for part in regions:
         if part.stride(0) * part.element_size() != block_len or part[0].numel() * part.element_size() != block_len:
-            raise LayoutError("KV cache blocks must be compact and equal in every layer (layout LBHNC)")
-    if first.dim() != 4:
-        return regions, block_len, None  # token-major (MLA): no heads
-    if not first.stride(1) > first.stride(2):
-        raise LayoutError("KV cache blocks must be head-major (layout LBHNC: heads before tokens)")
-    head_len = first.stride(1) * first.element_size()
-    return regions, block_len, head_len if kv_apart else head_len // 2
+            raise LayoutError("KV cache blocks must be dense and of equal size in every layer")
+    return regions, block_len
+
+
+@dataclass(frozen=True)
+class AttentionChoice:
+    """The attention backend and KV cache layout vLLM chose (and, for the CPU backend, its ISA)."""
+
+    backend: str
+    layout: str
+    isa: str | None
+
+    @classmethod
+    def of(cls, vllm_config: Any) -> AttentionChoice:
+        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+        backend = get_current_attn_backends(vllm_config)[0].get_name()
+        layout = vllm_config.cache_config.get_resolved_kv_cache_layout().name
+        isa = None
+        if backend == "CPU_ATTN":  # its block packing depends on the ISA it picks
+            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+            model, cache = vllm_config.model_config, vllm_config.cache_config
+            isa = _get_attn_isa(model.dtype, cache.block_size, model.get_head_size(), cache.cache_dtype)
+        return cls(backend, layout, isa)
+
+    def describe(self, vllm_config: Any, tensor: Any) -> CacheLayout:
+        """What one layer's view means (refuses a packing the adapter cannot read correctly)."""
+        model = vllm_config.model_config
+        return describe_cache(
+            self.backend, self.layout, tuple(tensor.shape), tuple(tensor.stride()), tensor.element_size(),
+            num_kv_heads=model.get_num_kv_heads(vllm_config.parallel_config), mla=bool(model.use_mla), isa=self.isa,
+        )  # fmt: skip
 
 
 class ConnectorWorker:
@@ -140,8 +164,10 @@ class ConnectorWorker:
         self.use_mla = bool(vllm_config.model_config.use_mla)
         self.block_size = vllm_config.cache_config.block_size
         self.buffer_device = vllm_config.kv_transfer_config.kv_buffer_device
+        self.vllm_config = vllm_config
+        self.attention = AttentionChoice.of(vllm_config)
         self.sync = SyncEngine(
-            self.settings.engine_config(rank_engine_id(engine_id, self.tp_rank), _compat(vllm_config))
+            self.settings.engine_config(rank_engine_id(engine_id, self.tp_rank), _compat(vllm_config, self.attention))
         )
         self._notifications: queue.SimpleQueue[Notification] = self.sync.feed_notifications()
         self.geometry: KVGeometry | None = None
@@ -159,15 +185,16 @@ class ConnectorWorker:
     # -- registration ----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         num_blocks = self.kv_cache_config.num_blocks
-        regions, block_len, run_len = _kv_regions(kv_caches, num_blocks)
+        regions, block_len = _kv_regions(kv_caches, num_blocks)
         first = regions[0]
+        cache = self.attention.describe(self.vllm_config, first)
         if first.device.type == "cuda" and self.buffer_device == "cpu":
             # Host staging: NIXL moves host copies; `wait_for_save` / receive copy to and from the device.
             self._device_caches = kv_caches
             self._host_caches = {
                 name: torch.empty_like(t, device="cpu", pin_memory=True) for name, t in kv_caches.items()
             }
-            regions, block_len, run_len = _kv_regions(self._host_caches, num_blocks)
+            regions, block_len = _kv_regions(self._host_caches, num_blocks)
             first = regions[0]
         mem_type, device = (MemType.VRAM, first.device.index or 0) if first.device.type == "cuda" else (MemType.DRAM, 0)
         layout = BlockLayout.from_regions(
@@ -176,8 +203,8 @@ class ConnectorWorker:
         )  # fmt: skip
         self.sync.register_layout(layout)
         self._regions = regions
-        self.geometry = KVGeometry(self.tp_size, self.tp_rank, self.block_size, layout.part_len,
-                                   None if self.use_mla else run_len, self.use_mla)  # fmt: skip
+        self.geometry = KVGeometry(self.tp_size, self.tp_rank, self.block_size, layout.part_len, cache.run_len,
+                                   self.use_mla, cache.head_window, cache.ratio_refusal)  # fmt: skip
         self.sync.set_extra(block_size=str(self.block_size), tp_size=str(self.tp_size), tp_rank=str(self.tp_rank))
         host, port = self.sync.serve(self.settings.bind_host(), self.settings.side_channel_port + self.tp_rank)
         log.info("nixl_async worker %s rank %d: %d layers x %d blocks of %d bytes, serving %s:%d",
@@ -339,6 +366,12 @@ async def receive(engine: TransferEngine, geometry: KVGeometry, job: RecvJob) ->
     if remote_block_size <= 0 or geometry.block_size % remote_block_size:
         raise LayoutError(f"remote block size {remote_block_size} does not divide ours ({geometry.block_size})")
     ratio = geometry.block_size // remote_block_size
+    if ratio > 1 and geometry.ratio_refusal:
+        raise LayoutError(f"remote blocks of {remote_block_size} tokens cannot fill ours of {geometry.block_size}: "
+                          f"{geometry.ratio_refusal}")  # fmt: skip
+    if job.remote_tp != geometry.tp_size and not geometry.mla and not geometry.head_window:
+        raise LayoutError(f"TP {job.remote_tp} -> {geometry.tp_size}: a rank's heads are not one byte range of a "
+                          "block in this cache layout (heterogeneous TP needs LBHNC)")  # fmt: skip
     plan = plan_reads(
         local_tp=geometry.tp_size, local_rank=geometry.tp_rank, remote_tp=job.remote_tp, mla=geometry.mla,
         local_part_len=geometry.part_len, remote_part_len=remote_layout.part_len * ratio,
@@ -384,8 +417,14 @@ async def _connect(engine: TransferEngine, job: RecvJob, rank: int) -> Peer:
     )
 
 
-def _compat(vllm_config: Any) -> dict[str, str]:
-    """What must agree between producer and reader (TP size and block size may differ)."""
+def _compat(vllm_config: Any, attention: AttentionChoice) -> dict[str, str]:
+    """What must agree between producer and reader (TP size and block size may differ).
+
+    vLLM's own hash (model, dtype, KV heads, head size, layers, attention backend, cache dtype,
+    hybrid manager, speculative decoding), plus the cache layout and the CPU backend's ISA, which
+    change what a block's bytes mean.
+    """
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import compute_nixl_compatibility_hash
 
-    return {"vllm": compute_nixl_compatibility_hash(vllm_config, "nixl_async", transfer_mode="pull")}
+    vllm_hash = compute_nixl_compatibility_hash(vllm_config, attention.backend, transfer_mode="pull")
+    return {"vllm": vllm_hash, "kv_cache_layout": attention.layout, "cpu_attn_isa": attention.isa or ""}

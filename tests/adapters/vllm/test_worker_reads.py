@@ -1,12 +1,13 @@
 """The adapter's read path (`worker.receive`) at worker level, over real NIXL, without vLLM.
 
-Prefill ranks are peer processes holding caches shaped as vLLM's CPU backend allocates them
-(``[blocks, heads, tokens, 2 * head_dim]`` bf16 per layer, head-major; MLA: ``[blocks, tokens,
-latent]``), serving at ``base port + rank`` under ``{engine_id}/tp{rank}`` as the adapter does.
-The CPU backend reads a head's bytes as ``[2 * tokens, head_dim]``: every token's K, then every
-token's V (`cpu_attn.py`), so the oracle indexes (head, K|V, token). Decode ranks run `receive`
-on their own engine. The expected bytes come from that oracle, built from the prefill ranks'
-fill pattern, independently of the planner.
+Prefill ranks are peer processes holding caches of vLLM 0.32's shape (``[blocks, heads, tokens,
+2 * head_dim]`` bf16 per layer, head-major (LBHNC); MLA: ``[blocks, tokens, latent]``), serving at
+``base port + rank`` under ``{engine_id}/tp{rank}`` as the adapter does. What a head's bytes mean
+depends on the backend: FlashAttention (and Triton, FlashInfer...) keeps ``[tokens, K|V]`` (vLLM
+splits ``kv_cache.transpose(1, 2).split(head_dim, -1)``), the CPU backend ``[K of every token, V
+of every token]``. The oracle indexes (head, token, K|V) in each backend's own order, from the
+prefill ranks' fill pattern, independently of the planner; the geometry comes from
+`kv_layout.describe_cache`, as in the worker. Decode ranks run `receive` on their own engine.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import numpy as np
 import pytest
 import torch
 
-from nixl_async import EngineConfig, LeaseExpired, TransferEngine
+from nixl_async import EngineConfig, LayoutError, LeaseExpired, TransferEngine
 from nixl_async.testing import WaitNotifications, free_port_base, pattern_block
+from nixl_async_vllm.kv_layout import describe_cache
 from nixl_async_vllm.settings import rank_engine_id
 from nixl_async_vllm.tp_mapping import expected_consumers
 from nixl_async_vllm.worker import KVGeometry, RecvJob, receive
@@ -37,14 +39,17 @@ def _page(heads: int, block_size: int, mla: bool) -> int:
     return block_size * (MLA_ROW if mla else heads * ROW)
 
 
-def _expected(rank, tp_p, tp_d, mla, ratio, layer, local_index) -> np.ndarray:
+def _expected(rank, tp_p, tp_d, mla, ratio, layer, local_index, backend="CPU_ATTN") -> np.ndarray:
     """Bytes of decode rank `rank`'s local block `local_index` (of the request), token by token."""
     bs_p = LOCAL_BLOCK_SIZE // ratio
     heads_p, heads_d = HEADS // tp_p, HEADS // tp_d
+    cpu = backend == "CPU_ATTN"
     if mla:
         out = np.zeros((LOCAL_BLOCK_SIZE, MLA_ROW), np.uint8)
-    else:
+    elif cpu:
         out = np.zeros((heads_d, 2, LOCAL_BLOCK_SIZE, VEC), np.uint8)  # (head, K|V, token, bytes)
+    else:
+        out = np.zeros((heads_d, LOCAL_BLOCK_SIZE, 2, VEC), np.uint8)  # (head, token, K|V, bytes)
     for t in range(LOCAL_BLOCK_SIZE):
         pos = (LOCAL_HIT + local_index) * LOCAL_BLOCK_SIZE + t
         block_index, token = divmod(pos, bs_p)
@@ -58,17 +63,23 @@ def _expected(rank, tp_p, tp_d, mla, ratio, layer, local_index) -> np.ndarray:
         for h in range(heads_d):
             p, hp = divmod(rank * heads_d + h, heads_p)
             src = pattern_block(100 + p, layer, remote_block, _page(heads_p, bs_p, False))
-            out[h, :, t] = src.reshape(heads_p, 2, bs_p, VEC)[hp, :, token]
+            if cpu:
+                out[h, :, t] = src.reshape(heads_p, 2, bs_p, VEC)[hp, :, token]
+            else:
+                out[h, t] = src.reshape(heads_p, bs_p, 2, VEC)[hp, token]
     return out.reshape(-1)
 
 
-async def _decode_rank(rank, tp_p, tp_d, mla, ratio, port, local_blocks, expires_at=None):
+async def _decode_rank(rank, tp_p, tp_d, mla, ratio, port, local_blocks, expires_at=None, backend="CPU_ATTN"):
     heads_d = HEADS // tp_d
-    shape = (NUM_BLOCKS, LOCAL_BLOCK_SIZE, MLA_ROW // 2) if mla else (NUM_BLOCKS, heads_d, LOCAL_BLOCK_SIZE, ROW // 2)
+    shape = (
+        (NUM_BLOCKS, 1, LOCAL_BLOCK_SIZE, MLA_ROW // 2) if mla else (NUM_BLOCKS, heads_d, LOCAL_BLOCK_SIZE, ROW // 2)
+    )
     caches = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(LAYERS)]
+    cache = describe_cache(backend, "LBHNC", shape, caches[0].stride(), 2, num_kv_heads=heads_d, mla=mla)
     geometry = KVGeometry(
-        tp_size=tp_d, tp_rank=rank, block_size=LOCAL_BLOCK_SIZE, part_len=_page(heads_d, LOCAL_BLOCK_SIZE, mla),
-        run_len=None if mla else LOCAL_BLOCK_SIZE * VEC, mla=mla,
+        tp_size=tp_d, tp_rank=rank, block_size=LOCAL_BLOCK_SIZE, part_len=cache.block_len, run_len=cache.run_len,
+        mla=mla, head_window=cache.head_window, ratio_refusal=cache.ratio_refusal,
     )  # fmt: skip
     job = RecvJob(
         request_id="req-d", remote_request_id="req-p", remote_engine_id="prefill", host="127.0.0.1", port=port,
@@ -103,36 +114,49 @@ async def _assert_notified(prefill, readers: int) -> None:
 
 
 CASES = [
-    # tp_p, tp_d, mla, ratio (local block size / remote block size)
-    (1, 1, False, 1),
-    (1, 2, False, 1),
-    (2, 1, False, 1),
-    (1, 2, True, 1),
-    (2, 1, True, 1),
-    (1, 1, False, 2),
-    (1, 2, False, 2),
-    (2, 1, False, 2),
-    (1, 1, True, 2),
+    # tp_p, tp_d, mla, ratio (local block size / remote block size), attention backend
+    (1, 1, False, 1, "CPU_ATTN"),
+    (1, 2, False, 1, "CPU_ATTN"),
+    (2, 1, False, 1, "CPU_ATTN"),
+    (1, 2, True, 1, "TRITON_MLA"),
+    (2, 1, True, 1, "TRITON_MLA"),
+    (1, 1, True, 2, "TRITON_MLA"),
+    (1, 2, False, 1, "FLASH_ATTN"),
+    (1, 1, False, 2, "FLASH_ATTN"),
+    (1, 2, False, 2, "FLASH_ATTN"),
+    (2, 1, False, 2, "FLASH_ATTN"),
+    (1, 1, False, 4, "FLASH_ATTN"),
 ]
 
 
 @pytest.mark.parametrize(
-    ("tp_p", "tp_d", "mla", "ratio"), CASES, ids=[f"p{a}-d{b}{'-mla' if m else ''}-ratio{r}" for a, b, m, r in CASES]
+    ("tp_p", "tp_d", "mla", "ratio", "backend"), CASES, ids=[f"{n}-p{a}-d{b}-ratio{r}" for a, b, _, r, n in CASES]
 )
-async def test_every_byte_lands_where_vllm_expects_it(nixl_peer_factory, tp_p, tp_d, mla, ratio):
+async def test_every_byte_lands_where_vllm_expects_it(nixl_peer_factory, tp_p, tp_d, mla, ratio, backend):
     port, prefill = _spawn_prefill(nixl_peer_factory, tp_p, mla, ratio)
     remote_left = len(REMOTE_BLOCKS) - LOCAL_HIT * ratio
     local_blocks = LOCAL_CANDIDATES[: -(-remote_left // ratio)]  # the tail block may be partly filled
-    outcomes = await asyncio.gather(*(_decode_rank(d, tp_p, tp_d, mla, ratio, port, local_blocks) for d in range(tp_d)))
+    outcomes = await asyncio.gather(
+        *(_decode_rank(d, tp_p, tp_d, mla, ratio, port, local_blocks, backend=backend) for d in range(tp_d))
+    )
     for rank, (caches, results) in enumerate(outcomes):
         assert results, "something must have been read"
         for layer, cache in enumerate(caches):
             for i, block in enumerate(local_blocks):
-                want = _expected(rank, tp_p, tp_d, mla, ratio, layer, i)
+                want = _expected(rank, tp_p, tp_d, mla, ratio, layer, i, backend)
                 assert np.array_equal(cache[block], want), (rank, layer, i)
             untouched = [b for b in range(NUM_BLOCKS) if b not in local_blocks]
             assert not cache[untouched].any(), "blocks outside the request must stay untouched"
     await _assert_notified(prefill, expected_consumers(remote_tp=tp_p, local_tp=tp_d))
+
+
+async def test_a_block_size_ratio_into_the_cpu_backend_is_refused_before_reading(nixl_peer_factory):
+    # The CPU backend stores each head's K per ISA (transposed on "vec", tiled on AMX): smaller remote
+    # blocks cannot be placed by token runs, so the read is refused rather than scrambled.
+    port, _prefill = _spawn_prefill(nixl_peer_factory, 1, False, 2)
+    local = LOCAL_CANDIDATES[:4]
+    with pytest.raises(LayoutError, match="CPU backend"):
+        await _decode_rank(0, 1, 1, False, 2, port, local)
 
 
 async def test_full_prefix_hit_only_notifies(nixl_peer_factory):
@@ -149,18 +173,16 @@ async def test_read_after_the_producer_lease_is_refused(nixl_peer_factory):
         await _decode_rank(0, 1, 1, False, 1, port, local, expires_at=time.time() - 1)
 
 
-def test_kv_regions_find_vllms_token_runs():
-    from nixl_async import LayoutError
+def test_kv_regions_register_each_layer_once():
     from nixl_async_vllm.worker import _kv_regions
 
     buffer = torch.zeros(2 * NUM_BLOCKS * HEADS * LOCAL_BLOCK_SIZE * 2 * HEAD_DIM, dtype=torch.bfloat16)
-    packed = buffer.view(2, NUM_BLOCKS, HEADS, LOCAL_BLOCK_SIZE, 2 * HEAD_DIM)  # CPU: one view per layer
-    regions, block_len, run = _kv_regions({"l0": packed[0], "l1": packed[1], "alias": packed[1]}, NUM_BLOCKS)
+    packed = buffer.view(2, NUM_BLOCKS, HEADS, LOCAL_BLOCK_SIZE, 2 * HEAD_DIM)  # one view per layer
+    regions, block_len = _kv_regions({"l0": packed[0], "l1": packed[1], "alias": packed[1]}, NUM_BLOCKS)
     assert len(regions) == 2 and block_len == HEADS * LOCAL_BLOCK_SIZE * ROW
-    assert run == LOCAL_BLOCK_SIZE * VEC, "packed K|V: a run is half a head (its K, or its V)"
-    apart = buffer.view(2, NUM_BLOCKS, HEADS, LOCAL_BLOCK_SIZE, 2 * HEAD_DIM)[..., :HEAD_DIM].contiguous()
-    regions, _, run = _kv_regions({"l0": apart}, NUM_BLOCKS)  # [2, blocks, heads, tokens, dim]: K and V apart
-    assert len(regions) == 2 and run == LOCAL_BLOCK_SIZE * VEC
-    token_major = packed[0].transpose(1, 2)  # tokens before heads (NHD)
-    with pytest.raises(LayoutError):
-        _kv_regions({"l0": token_major}, NUM_BLOCKS)
+    padded = torch.zeros(NUM_BLOCKS, HEADS + 1, LOCAL_BLOCK_SIZE, 2 * HEAD_DIM, dtype=torch.bfloat16)[:, :HEADS]
+    with pytest.raises(LayoutError, match="dense"):
+        _kv_regions({"l0": padded}, NUM_BLOCKS)
+    kernel_pages = buffer.view(2 * NUM_BLOCKS, HEADS, LOCAL_BLOCK_SIZE, 2 * HEAD_DIM)  # 2 kernel pages per block
+    with pytest.raises(LayoutError, match="kernel block size"):
+        _kv_regions({"l0": kernel_pages}, NUM_BLOCKS)

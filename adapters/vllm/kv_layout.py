@@ -1,0 +1,116 @@
+"""How a vLLM attention backend packs one layer's KV block: pure translation, no I/O.
+
+vLLM 0.32 hands the connector one view per layer with the logical shape ``[blocks, H, tokens,
+C]`` (H head slots, C bytes per slot and token); the memory order comes from the model-wide
+`KVCacheLayout` and shows only in the strides. What those bytes mean inside a block depends on
+the backend, and that decides which reads are correct:
+
+=========================  ====================================================  ===============  ==============
+backend (vLLM name)        one block of one layer                                TP head window   block-size cut
+=========================  ====================================================  ===============  ==============
+FlashAttention, Triton,    LBHNC: ``[heads, tokens, K|V]`` (K and V side by      yes              by head slab
+FlashInfer, Flex, ...      side per token); LBNHC: ``[tokens, heads, K|V]``      no (LBNHC)       whole block
+CPU_ATTN                   LBHNC, each head ``[K (N*D), V (N*D)]`` with K stored yes              refused
+                           per ISA (transposed on "vec", VNNI tiles on "amx")
+ROCM_ATTN, B12X, ...       two planes ``[K|V, tokens, heads*D]`` (and ROCm's     refused          refused
+                           paged kernels re-tile each plane)
+MLA backends               ``[1, tokens, latent]``: token-major                  (replicated)     whole block
+=========================  ====================================================  ===============  ==============
+
+A *head window* is a TP rank's share of a block (heterogeneous TP reads it as one byte range);
+it is one range only when heads are outermost inside the block. A *block-size cut* fills one
+local block from ``ratio`` smaller remote blocks: remote block k's tokens must land at token
+offset ``k * remote_block_size`` in every *run* (a head's slab, tokens outermost inside it), so
+it is only possible where tokens are outermost within a run. Anything else is refused by name
+rather than read into the wrong place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+from nixl_async.exceptions import LayoutError
+
+__all__ = ["CacheLayout", "describe_cache"]
+
+# Backends whose C is one head's K then V (or a quantized slot) for one token.
+_PER_TOKEN_SLOT = frozenset({
+    "FLASH_ATTN", "FLASH_ATTN_DIFFKV", "TRITON_ATTN", "TRITON_ATTN_DIFFKV", "TRITON_FLASH_ATTN", "FLASHINFER",
+    "TRITON_FLASHINFER", "FLEX_ATTENTION", "HPC_ATTN", "TURBOQUANT", "ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN",
+})  # fmt: skip
+# Backends that keep K and V as two planes of all heads.
+_TWO_PLANES = frozenset({"ROCM_ATTN", "ROCM_SEGMENTED_ATTN", "B12X"})
+_CPU = "CPU_ATTN"
+_SUPPORTED_LAYOUTS = ("LBHNC", "LBNHC")
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """One layer's block, as the read planner needs it."""
+
+    backend: str
+    layout: str  # vLLM's KVCacheLayout name
+    isa: str | None  # the CPU backend's packing depends on it
+    block_len: int  # bytes of one block of one layer
+    head_window: bool  # a TP rank's heads are one contiguous byte range of the block
+    run_len: int | None  # bytes of one run cut by a block-size ratio; None: the whole block is token-major
+    ratio_refusal: str | None  # why a block-size ratio cannot be read, or None
+
+
+def describe_cache(
+    backend: str,
+    layout: str,
+    shape: tuple[int, ...],
+    stride: tuple[int, ...],
+    element_size: int,
+    *,
+    num_kv_heads: int,
+    mla: bool,
+    isa: str | None = None,
+) -> CacheLayout:
+    """The packing of a layer view `shape`/`stride` (elements) from `backend` under `layout`.
+
+    Raises `LayoutError` naming the backend or layout when the adapter cannot read it correctly.
+    """
+    where = f"attention backend {backend} with KV cache layout {layout}"
+    if layout not in _SUPPORTED_LAYOUTS:
+        raise LayoutError(
+            f"{where}: only the layer-compact layouts {_SUPPORTED_LAYOUTS} are supported "
+            "(set VLLM_KV_CACHE_LAYOUT=LBHNC, NixlConnector's choice)"
+        )
+    if len(shape) != 4 or len(stride) != 4:
+        raise LayoutError(f"{where}: expected one [blocks, heads, tokens, content] view per layer, got {shape}")
+    _, heads, tokens, content = shape
+    block_len = prod(shape[1:]) * element_size
+    dense = _dense(shape, layout)
+    if any(size > 1 and got != want for size, got, want in zip(shape, stride, dense, strict=True)):
+        raise LayoutError(f"{where}: a view of shape {shape} and strides {stride} is not made of dense blocks")
+    head_major = layout == "LBHNC"
+    if mla:
+        if heads != 1:
+            raise LayoutError(f"{where}: an MLA cache has one latent slot per token, got {heads} head slots")
+        return CacheLayout(backend, layout, None, block_len, True, None, None)
+    if backend in _PER_TOKEN_SLOT:
+        if heads != num_kv_heads:
+            raise LayoutError(f"{where}: {heads} head slots for {num_kv_heads} KV heads (a packing not known here)")
+        run = tokens * content * element_size if head_major else None
+        return CacheLayout(backend, layout, None, block_len, head_major, run, None)
+    if backend == _CPU:
+        if not head_major:
+            raise LayoutError(f"{where}: the CPU backend is known only head-major (LBHNC)")
+        why = (f"the CPU backend packs each head's K per ISA ({isa or 'unknown'}: transposed or tiled), "
+               "so smaller remote blocks cannot be placed by tokens")  # fmt: skip
+        return CacheLayout(backend, layout, isa, block_len, True, None, why)
+    if backend in _TWO_PLANES:
+        why = f"{backend} keeps K and V as two planes of all heads, re-tiled by its kernels"
+        return CacheLayout(backend, layout, None, block_len, False, None, why)
+    raise LayoutError(f"{where}: this backend's cache packing is not known to the nixl_async adapter")
+
+
+def _dense(shape: tuple[int, ...], layout: str) -> tuple[int, ...]:
+    """Element strides of dense ``[B, H, N, C]`` blocks stored in `layout`'s order."""
+    _, heads, tokens, content = shape
+    if layout == "LBHNC":
+        return (heads * tokens * content, tokens * content, content, 1)
+    return (heads * tokens * content, content, heads * content, 1)  # LBNHC

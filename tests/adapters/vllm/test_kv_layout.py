@@ -1,0 +1,110 @@
+"""`kv_layout.describe_cache` on the views vLLM 0.32 itself builds for each attention backend.
+
+The views come from vLLM's own allocator code (`create_kv_cache_views` with each backend's
+customized spec and each layout it accepts), so shapes and strides are exactly what a GPU server
+hands the connector. Where the adapter claims a head slab is ``[tokens, K|V]``, vLLM's own K/V
+accessor (``kv_cache.transpose(1, 2).split(head_size, -1)``) is checked to agree, byte offsets
+against the claimed run.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+if os.environ.get("NIXL_ASYNC_REQUIRE_VLLM") != "1":
+    pytest.importorskip("vllm", reason="vLLM not installed (bash scripts/setup-vllm.sh)")
+
+import torch
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheLayout,
+    KVCacheTensor,
+    MLAAttentionSpec,
+    compute_layout_strides,
+    create_kv_cache_views,
+)
+from vllm.v1.worker.utils import customize_attention_spec
+
+from nixl_async import LayoutError
+from nixl_async_vllm.kv_layout import describe_cache
+
+BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM, LAYERS = 8, 32, 4, 64, 2
+
+
+def _views(backend: str, layout: str, mla: bool = False) -> tuple[str, torch.Tensor]:
+    """(vLLM's backend name, layer 0's view) as vLLM allocates it."""
+    cls = getattr(AttentionBackendEnum, backend).get_class()
+    if mla:
+        spec = MLAAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=576, dtype=torch.bfloat16,
+                                cache_dtype_str="auto")  # fmt: skip
+    else:
+        spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.bfloat16)
+    spec = customize_attention_spec(cls, spec)
+    kv_layout = KVCacheLayout[layout]
+    layer_stride, block_stride, *_ = compute_layout_strides(
+        spec, BLOCKS, LAYERS, kv_layout,
+        fixed_strides=(None, spec.page_size_bytes * LAYERS if kv_layout.is_block_outermost else None, None, None, None),
+    )  # fmt: skip
+    size = spec.page_size_bytes * BLOCKS * LAYERS
+    tensor = KVCacheTensor(size=size, layers=[f"l{i}" for i in range(LAYERS)], layer_stride=layer_stride,
+                           block_stride=block_stride)  # fmt: skip
+    views = create_kv_cache_views(torch.zeros(size, dtype=torch.int8), spec, BLOCKS, kv_layout, tensor)
+    return cls.get_name(), next(iter(views.values())) if isinstance(views, dict) else views[0]
+
+
+def _describe(name: str, view: torch.Tensor, layout: str, mla: bool = False):
+    return describe_cache(name, layout, tuple(view.shape), tuple(view.stride()), view.element_size(),
+                          num_kv_heads=1 if mla else HEADS, mla=mla, isa="vec")  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION", "ROCM_AITER_UNIFIED_ATTN"])
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC"])
+def test_per_token_kv_backends_match_vllms_own_k_and_v(backend, layout):
+    name, view = _views(backend, layout)
+    cache = _describe(name, view, layout)
+    elem = view.element_size()
+    assert cache.block_len == HEADS * BLOCK_SIZE * 2 * HEAD_DIM * elem
+    key, value = view.transpose(1, 2).split(HEAD_DIM, dim=-1)  # vLLM's accessor: [blocks, tokens, heads, dim]
+    base = view[0].data_ptr()
+    for h, t in [(0, 0), (1, 5), (3, BLOCK_SIZE - 1)]:
+        k_at, v_at = key[0, t, h].data_ptr() - base, value[0, t, h].data_ptr() - base
+        assert v_at - k_at == HEAD_DIM * elem  # K then V for one (head, token)
+        if layout == "LBHNC":  # head slab h holds its tokens in order: the run the ratio cuts
+            assert cache.head_window and k_at == h * cache.run_len + t * 2 * HEAD_DIM * elem
+        else:  # token-major: a block's first tokens are its first bytes, heads interleaved
+            assert not cache.head_window and cache.run_len is None
+            assert k_at == (t * HEADS + h) * 2 * HEAD_DIM * elem
+
+
+def test_cpu_backend_reads_whole_blocks_and_head_windows_but_refuses_a_block_size_ratio():
+    name, view = _views("CPU_ATTN", "LBHNC")
+    cache = _describe(name, view, "LBHNC")
+    assert name == "CPU_ATTN" and cache.head_window and cache.ratio_refusal and "ISA" in cache.ratio_refusal
+    assert cache.isa == "vec"
+
+
+@pytest.mark.parametrize("backend", ["ROCM_ATTN", "B12X"])
+def test_two_plane_backends_refuse_head_windows_and_ratios(backend):
+    name, view = _views(backend, "LBHNC")
+    assert view.shape[1] == 2  # K and V planes, not heads
+    cache = _describe(name, view, "LBHNC")
+    assert not cache.head_window and cache.ratio_refusal
+
+
+@pytest.mark.parametrize("backend", ["TRITON_MLA", "FLASHMLA"])
+def test_mla_backends_are_token_major(backend):
+    name, view = _views(backend, "LBHNC", mla=True)
+    cache = _describe(name, view, "LBHNC", mla=True)
+    assert cache.run_len is None and cache.ratio_refusal is None and cache.block_len == BLOCK_SIZE * 576 * 2
+
+
+def test_packed_layouts_and_unknown_backends_are_refused_by_name():
+    name, view = _views("FLASH_ATTN", "BLHNC")
+    with pytest.raises(LayoutError, match="BLHNC"):
+        _describe(name, view, "BLHNC")
+    name, view = _views("FLASH_ATTN", "LBHNC")
+    with pytest.raises(LayoutError, match="SOME_NEW_BACKEND"):
+        _describe("SOME_NEW_BACKEND", view, "LBHNC")
