@@ -32,7 +32,7 @@ from ._slicing import CopyRate
 from ._state import Action, Complete, Fenced, Finish, Quiet, Release, TransferState
 from .config import EngineConfig
 from .exceptions import LeaseExpired, TransferError, TransferFailed, TransferTimeout
-from .layout import BlockView, IdArray
+from .layout import IdArray
 from .stats import EngineStats
 from .transfer import Transfer, TransferFuture, TransferResult, descriptors_per_slice
 
@@ -97,18 +97,18 @@ class TransferDriver:
         self,
         op: str,
         peer: Peer,
-        local: tuple[BlockView, Any, IdArray],
-        remote: tuple[BlockView, Any, IdArray],
-        nbytes: int,
+        local: tuple[Any, IdArray],
+        remote: tuple[Any, IdArray],
+        piece_len: int,
         notify: bytes | None,
         deadline: float | None,
         lease_deadline: float | None,
     ) -> Transfer:
-        """Start an admitted transfer: `local`/`remote` are (view, prepared descriptor list, ids)."""
+        """Start an admitted transfer: `local`/`remote` are (prepared descriptor list, descriptor ids)."""
         agent, loop = self.agent, self.loop
         assert agent is not None and loop is not None
-        local_view, local_dlist, lidx = local
-        _, remote_dlist, ridx = remote
+        local_dlist, lidx = local
+        remote_dlist, ridx = remote
         transfer_id = next(self._ids)
         now = loop.time()
         transfer = Transfer(
@@ -121,10 +121,10 @@ class TransferDriver:
             local_ids=lidx,
             remote_ids=ridx,
             per_slice=descriptors_per_slice(
-                local_view.piece_len, self._copy_rate.slice_bytes(), self._config.max_post_descriptors
+                piece_len, self._copy_rate.slice_bytes(), self._config.max_post_descriptors
             ),
             notify=notify,
-            nbytes=nbytes,
+            nbytes=len(lidx) * piece_len,
             deadline=deadline,
             submitted_at=now,
             future=TransferFuture(loop=loop, transfer_id=transfer_id, on_cancel=self._awaiter_cancelled_cb),

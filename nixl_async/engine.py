@@ -564,14 +564,7 @@ class TransferEngine:
             self._admission.release(nbytes)
             raise
         return self._driver.submit(
-            op,
-            peer,
-            (local_view, local_dlist, lidx),
-            (remote_view, remote_dlist, ridx),
-            nbytes,
-            notify,
-            deadline,
-            lease_deadline,
+            op, peer, (local_dlist, lidx), (remote_dlist, ridx), local_view.piece_len, notify, deadline, lease_deadline
         )
 
     # -- notifications --------------------------------------------------------------------

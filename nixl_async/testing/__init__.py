@@ -81,28 +81,12 @@ __all__ = [
     "verify_blocks",
 ]
 
-# Loaded on first access, not here: ``python -m nixl_async.testing.peer_process`` imports this package
-# first, and runpy warns (and runs a second copy) if the module it is about to run is already imported.
-_FROM_PEER_PROCESS = frozenset(
-    {
-        "Checksums",
-        "Exit",
-        "Fill",
-        "Notify",
-        "PeerCommandError",
-        "PeerProcess",
-        "PeerSpec",
-        "Reincarnate",
-        "Stats",
-        "TransferCommand",
-        "Verify",
-        "WaitNotifications",
-    }
-)
-
 
 def __getattr__(name: str) -> Any:
-    if name in _FROM_PEER_PROCESS:
+    # Exported names not defined here come from the peer harness, loaded on first access, not at import:
+    # ``python -m nixl_async.testing.peer_process`` imports this package first, and runpy warns (and runs a
+    # second copy) if the module it is about to run is already imported.
+    if name in __all__:
         from . import peer_process
 
         return getattr(peer_process, name)
