@@ -31,7 +31,7 @@ from ._poller import AdaptivePacer
 from ._slicing import CopyRate
 from ._state import Action, Complete, Fenced, Finish, Quiet, Release, TransferState
 from .config import EngineConfig
-from .exceptions import LeaseExpired, TransferError, TransferFailed, TransferTimeout
+from .exceptions import LeaseExpired, NotificationFailed, TransferError, TransferFailed, TransferTimeout
 from .layout import IdArray
 from .stats import EngineStats
 from .transfer import Transfer, TransferFuture, TransferResult, descriptors_per_slice
@@ -173,7 +173,7 @@ class TransferDriver:
                 self._notify.send(peer, notify)
                 self._notify.sent(now)
         except NOTIFY_ERRORS as exc:
-            error = TransferFailed(f"notification to {peer.engine_id} failed: {exc}",
+            error = NotificationFailed(f"notification to {peer.engine_id} failed: {exc}",
                                    transfer_id=transfer.id, peer=peer.engine_id)  # fmt: skip
             transfer.core.end(error, now)
             transfer.mark_quiet()
@@ -276,6 +276,8 @@ class TransferDriver:
             notif = transfer.notify if chained and index == last else None
             lidx, ridx = transfer.slice_ids(index)
             started = time.perf_counter()
+            if not transfer.first_post_at:
+                transfer.first_post_at = started
             try:
                 handle = agent.make_xfer(transfer.op, transfer.local_dlist, lidx, transfer.remote_dlist, ridx,
                                          notif or b"")  # fmt: skip
@@ -377,6 +379,7 @@ class TransferDriver:
                 elapsed,
                 transfer.notify is not None,
                 transfer.post_seconds,
+                transfer.done_seen_at - (transfer.first_post_at or transfer.done_seen_at),
             )
         )
 

@@ -31,7 +31,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, Self
 
 import msgspec
@@ -61,7 +61,7 @@ from .exceptions import (
     TransferFailed,
     TransferTimeout,
 )
-from .handshake import HandshakeServer, Refusal, fetch_metadata
+from .handshake import HandshakeServer, Refusal, call_peer, fetch_metadata
 from .layout import BlockLayout, LayoutKind, as_block_ids, pair_descriptor_ids
 from .notifications import Lease, Notification, NotificationBox
 from .stats import EngineStats, StatsSnapshot
@@ -93,6 +93,7 @@ class TransferEngine:
         self._compat_hash = messages.compat_hash(self.config.compat)
         self._reply_cache: messages.MetadataReply | None = None
         self.extra: dict[str, str] = {}
+        self._call_handlers: dict[str, Callable[[str, bytes], bytes]] = {}
         self._connecting: dict[tuple[str, int], asyncio.Task[Peer]] = {}
         self._closed = False
         self._final_live: dict[str, int] = {}
@@ -290,6 +291,7 @@ class TransferEngine:
             max_frame_bytes=self.config.max_frame_bytes,
             on_request=self._on_handshake_request,
             on_notify=self._notify.deliver,
+            on_call=self._answer_call,
             secret=self.config.auth_secret,
         )
         address = await server.start(host, port)
@@ -319,6 +321,56 @@ class TransferEngine:
                 extra=dict(self.extra),
             )
         return msgspec.structs.replace(self._reply_cache, wall_clock=time.time())
+
+    # -- calls: small acknowledged exchanges over the side channel ----------------------------
+    def handle_calls(self, topic: str, handler: Callable[[str, bytes], bytes]) -> None:
+        """Answer peers' `call(peer, topic, payload)`: ``handler(sender_engine_id, payload)`` -> reply.
+
+        The handler runs on the loop thread and must not block. Raising `ValueError` refuses
+        the call with its message (the caller gets `HandshakeRejected`); anything else is
+        refused as an internal error. Calls are authenticated like handshakes.
+        """
+        self._call_handlers[topic] = handler
+
+    def _answer_call(self, request: messages.CallRequest) -> messages.CallReply:
+        handler = self._call_handlers.get(request.topic)
+        if handler is None:
+            raise Refusal("unknown_topic", f"engine {self.engine_id!r} answers no calls on {request.topic!r}")
+        try:
+            payload = handler(request.engine_id, request.payload)
+        except ValueError as exc:
+            raise Refusal("refused", str(exc)) from None
+        self.stats.counters["calls_answered"] += 1
+        return messages.CallReply(engine_id=self.engine_id, payload=payload)
+
+    async def call(self, peer: Peer, topic: str, payload: bytes, *, timeout: float | None = None) -> bytes:
+        """Ask `peer`'s handler for `topic` (see `handle_calls`) and return its reply.
+
+        One request and one reply over the peer's side channel, bounded by `timeout` (default:
+        the handshake timeout). Raises `HandshakeTimeout`, `HandshakeRejected`, `ProtocolError`,
+        or `EngineIdMismatch` when another engine now answers at the peer's address.
+        """
+        self._require_agent()
+        assert self._zmq is not None
+        host, port = peer.address
+        try:
+            reply = await call_peer(
+                self._zmq,
+                host,
+                port,
+                messages.CallRequest(engine_id=self.engine_id, topic=topic, payload=payload),
+                timeout=timeout or self.config.handshake_timeout_s,
+                max_frame_bytes=self.config.max_frame_bytes,
+                secret=self.config.auth_secret,
+            )
+        except BaseException:
+            self.stats.counters["call_failures"] += 1
+            raise
+        if reply.engine_id != peer.engine_id:
+            raise EngineIdMismatch(f"{host}:{port} is now engine {reply.engine_id!r}, not {peer.engine_id!r}",
+                                   address=f"{host}:{port}")  # fmt: skip
+        self.stats.counters["calls"] += 1
+        return reply.payload
 
     def set_extra(self, **extra: str) -> None:
         """Free-form strings sent to peers in the handshake (adapters put TP rank etc. here)."""

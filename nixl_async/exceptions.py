@@ -6,7 +6,7 @@ remote ones (what a peer said or failed to say), so a caller can tell "fix my ca
     ├── EngineClosedError            the engine is not running (not started, or closed)
     ├── WrongThreadError             a NIXL call from a thread that does not own the agent
     ├── LayoutError (ValueError)     bad layout, block ids or memory given by the caller
-    ├── HandshakeError               connecting to a peer failed
+    ├── HandshakeError               connecting to a peer (or a call over the side channel) failed
     │   ├── HandshakeTimeout         nobody answered within the timeout
     │   ├── HandshakeRejected        the peer answered with an error reply
     │   ├── IncompatiblePeerError    the peer's compatibility hash differs from ours
@@ -14,6 +14,7 @@ remote ones (what a peer said or failed to say), so a caller can tell "fix my ca
     │   └── ProtocolError            the reply was malformed or of an unknown version
     ├── TransferError                a transfer did not complete
     │   ├── TransferFailed           NIXL reported an error (dead peer, cut link, ...)
+    │   │   └── NotificationFailed   a notification could not be sent
     │   ├── TransferTimeout          the transfer's deadline passed first
     │   ├── TransferCancelled        the transfer was cancelled
     │   ├── TransferFenced           it ended, but NIXL may still touch its memory: keep it aside
@@ -36,6 +37,7 @@ __all__ = [
     "LayoutError",
     "LeaseExpired",
     "NixlAsyncError",
+    "NotificationFailed",
     "NotificationTimeout",
     "PeerUnknownError",
     "ProtocolError",
@@ -65,7 +67,7 @@ class LayoutError(NixlAsyncError, ValueError):
 
 
 class HandshakeError(NixlAsyncError):
-    """Connecting to a peer failed. `address` says which one."""
+    """Connecting to a peer, or a call to it over the side channel, failed. `address` says which one."""
 
     def __init__(self, message: str, *, address: str | None = None) -> None:
         super().__init__(message)
@@ -103,6 +105,10 @@ class TransferError(NixlAsyncError):
 
 class TransferFailed(TransferError):
     """NIXL reported an error for the transfer (dead peer, cut link, bad remote memory)."""
+
+
+class NotificationFailed(TransferFailed):
+    """A notification could not be sent (the peer is unknown to NIXL, or its queue is full)."""
 
 
 class TransferTimeout(TransferError, TimeoutError):

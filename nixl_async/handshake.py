@@ -14,6 +14,9 @@ With a shared secret, the server answers a request without proof by an `AuthChal
 carrying a fresh single-use nonce; the client asks again with an HMAC over that nonce and its
 request. Refusals are logged with the asker's engine id, never with the secret.
 
+The same socket answers calls (`CallRequest`): small authenticated request/reply exchanges a
+handler registered by topic answers (`on_call`), such as an adapter's lease renewals.
+
 The same socket takes side-channel notifications (`NotifyMessage`, never answered). Every
 metadata reply carries a fresh notify session issued to the asker's engine id by the server's
 `NotifyGuard`; a notification is delivered only in a known session, from the engine it was
@@ -42,7 +45,7 @@ from . import messages
 from ._notify_guard import NotifyGuard
 from .exceptions import HandshakeRejected, HandshakeTimeout, ProtocolError
 
-__all__ = ["HandshakeServer", "Refusal", "fetch_metadata"]
+__all__ = ["HandshakeServer", "Refusal", "call_peer", "fetch_metadata"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +53,8 @@ log = logging.getLogger(__name__)
 # (Prepared bytes are still answered as they are, without a session: notifications from that
 # asker are then refused. Transitional, until every caller returns the struct.)
 ReplyFor = Callable[[messages.MetadataRequest], messages.MetadataReply]
+# A call handler answers one `CallRequest` (raising `Refusal` to refuse it).
+CallHandler = Callable[[messages.CallRequest], messages.CallReply]
 _NONCE_TTL_S = 10.0
 _MAX_RESTARTS = 5
 _MAX_NONCES = 4096
@@ -85,6 +90,7 @@ class HandshakeServer:
         max_frame_bytes: int,
         on_request: Callable[[], None] | None = None,
         on_notify: Callable[[str, bytes], None] | None = None,
+        on_call: CallHandler | None = None,
         secret: bytes | None = None,
         max_notify_sessions: int = _MAX_NOTIFY_SESSIONS,
     ) -> None:
@@ -100,7 +106,9 @@ class HandshakeServer:
         self._max_frame_bytes = max_frame_bytes
         self._on_request = on_request
         self._on_notify = on_notify
+        self._on_call = on_call
         self.notifications = 0
+        self.calls = 0
         self._socket: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
         self.host = ""
@@ -217,22 +225,31 @@ class HandshakeServer:
             if not self._verify(request):
                 self.rejected += 1
                 self.auth_failures += 1
-                log.warning("refused a handshake from engine %r: bad or stale credentials", request.engine_id)
+                log.warning("refused a %s from engine %r: bad or stale credentials", _kind(request), request.engine_id)
                 return identity, delimiter, _error("auth_failed", "authentication failed")
-        if self._on_request is not None:
-            self._on_request()
         try:
+            if isinstance(request, messages.CallRequest):
+                return identity, delimiter, messages.encode(self._call(request))
+            if self._on_request is not None:
+                self._on_request()
             reply = self._reply_for(request)
         except Refusal as refusal:
             self.rejected += 1
             return identity, delimiter, _error(refusal.code, str(refusal))
         except Exception as exc:  # never let one request take the server down
-            log.exception("handshake reply failed")
+            log.exception("answering a %s failed", type(request).__name__)
             self.rejected += 1
             return identity, delimiter, _error("internal", type(exc).__name__)
         session = self.guard.issue(request.engine_id)
         self.served += 1
         return identity, delimiter, messages.encode(msgspec.structs.replace(reply, notify_session=session))
+
+    def _call(self, request: messages.CallRequest) -> messages.CallReply:
+        if self._on_call is None:
+            raise Refusal("no_handler", "this engine answers no calls")
+        reply = self._on_call(request)
+        self.calls += 1
+        return reply
 
     def _take_notification(self, note: messages.NotifyMessage) -> None:
         if self._on_notify is None:
@@ -269,7 +286,7 @@ class HandshakeServer:
         self._nonces[nonce] = now + _NONCE_TTL_S
         return nonce
 
-    def _verify(self, request: messages.MetadataRequest) -> bool:
+    def _verify(self, request: messages.Authenticated) -> bool:
         expires = self._nonces.pop(request.nonce, None)  # single use: a replay finds nothing
         if expires is None or expires < time.monotonic():
             return False
@@ -302,6 +319,44 @@ async def fetch_metadata(
     Raises `HandshakeTimeout` when no reply comes within `timeout`, `HandshakeRejected` for an
     error reply or a challenge we cannot answer, and `ProtocolError` for an undecodable reply.
     """
+    reply = await _ask(context, host, port, request, timeout=timeout, max_frame_bytes=max_frame_bytes, secret=secret)
+    if not isinstance(reply, messages.MetadataReply):
+        raise ProtocolError(
+            f"{host}:{port} answered a handshake with a {type(reply).__name__}", address=f"{host}:{port}"
+        )
+    if reply.version != messages.PROTOCOL_VERSION:
+        raise ProtocolError(f"{host}:{port} speaks protocol version {reply.version}", address=f"{host}:{port}")
+    return reply
+
+
+async def call_peer(
+    context: zmq.asyncio.Context,
+    host: str,
+    port: int,
+    request: messages.CallRequest,
+    *,
+    timeout: float,
+    max_frame_bytes: int,
+    secret: bytes | None = None,
+) -> messages.CallReply:
+    """Send one call to the engine at host:port and return its reply; raises as `fetch_metadata`."""
+    reply = await _ask(context, host, port, request, timeout=timeout, max_frame_bytes=max_frame_bytes, secret=secret)
+    if not isinstance(reply, messages.CallReply):
+        raise ProtocolError(f"{host}:{port} answered a call with a {type(reply).__name__}", address=f"{host}:{port}")
+    return reply
+
+
+async def _ask(
+    context: zmq.asyncio.Context,
+    host: str,
+    port: int,
+    request: messages.Authenticated,
+    *,
+    timeout: float,
+    max_frame_bytes: int,
+    secret: bytes | None,
+) -> messages.MetadataReply | messages.CallReply:
+    """One exchange on a fresh DEALER, answering an authentication challenge once, bounded by `timeout`."""
     address = f"{host}:{port}"
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -320,21 +375,24 @@ async def fetch_metadata(
                     signed = msgspec.structs.replace(signed, mac=messages.request_mac(secret, signed))
                     reply = await _exchange(sock, signed, address)
         except TimeoutError:
-            raise HandshakeTimeout(f"no handshake reply from {address} within {timeout}s", address=address) from None
+            raise HandshakeTimeout(
+                f"no {_kind(request)} reply from {address} within {timeout}s", address=address
+            ) from None
     finally:
         sock.close(0)
     if isinstance(reply, messages.AuthChallenge):
         raise ProtocolError(f"{address} challenged twice", address=address)
     if isinstance(reply, messages.ErrorReply):
-        raise HandshakeRejected(f"{address} refused the handshake ({reply.code}): {reply.message}", address=address)
-    if reply.version != messages.PROTOCOL_VERSION:
-        raise ProtocolError(f"{address} speaks protocol version {reply.version}", address=address)
+        raise HandshakeRejected(f"{address} refused the {_kind(request)} ({reply.code}): {reply.message}",
+                                address=address)  # fmt: skip
     return reply
 
 
-async def _exchange(
-    sock: zmq.asyncio.Socket, request: messages.MetadataRequest, address: str
-) -> messages.MetadataReply | messages.ErrorReply | messages.AuthChallenge:
+def _kind(request: messages.Authenticated) -> str:
+    return "call" if isinstance(request, messages.CallRequest) else "handshake"
+
+
+async def _exchange(sock: zmq.asyncio.Socket, request: messages.Authenticated, address: str) -> messages.Reply:
     await sock.send(messages.encode(request))
     frames = await sock.recv_multipart()
     if len(frames) != 1:
@@ -342,4 +400,4 @@ async def _exchange(
     try:
         return messages.decode_reply(frames[0])
     except msgspec.DecodeError as exc:
-        raise ProtocolError(f"undecodable handshake reply from {address}: {exc}", address=address) from None
+        raise ProtocolError(f"undecodable {_kind(request)} reply from {address}: {exc}", address=address) from None

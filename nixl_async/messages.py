@@ -6,6 +6,10 @@ layouts and the compatibility hash, and a fresh notify session for side-channel 
 Any request that cannot be decoded gets an `ErrorReply`. New fields go last, with defaults, so
 older peers still decode newer messages.
 
+A `CallRequest` asks the handler a peer registered for a topic and gets one `CallReply`
+(adapters use it for small acknowledged exchanges, such as lease renewals); it is
+authenticated exactly like a `MetadataRequest`.
+
 A `NotifyMessage` names the session the receiver issued to its sender and a sequence number
 that grows with every notification in that session, so the receiver refuses a replayed one
 (see `_notify_guard.py`); with a shared secret its HMAC covers session, sequence number,
@@ -25,6 +29,8 @@ from .layout import BlockLayout
 __all__ = [
     "PROTOCOL_VERSION",
     "AuthChallenge",
+    "CallReply",
+    "CallRequest",
     "ErrorReply",
     "MetadataReply",
     "MetadataRequest",
@@ -100,30 +106,49 @@ class NotifyMessage(msgspec.Struct, tag="notify", frozen=True, kw_only=True):
     seq: int = 0
 
 
-Reply = MetadataReply | ErrorReply | AuthChallenge
-Request = MetadataRequest | NotifyMessage
+class CallRequest(msgspec.Struct, tag="call", frozen=True, kw_only=True):
+    """Asks the handler the receiving engine registered for `topic`; answered by one `CallReply`."""
+
+    version: int = PROTOCOL_VERSION
+    engine_id: str = ""
+    topic: str
+    payload: bytes = b""
+    nonce: bytes = b""
+    mac: bytes = b""
+
+
+class CallReply(msgspec.Struct, tag="call_reply", frozen=True, kw_only=True):
+    """The handler's answer; `engine_id` lets the caller check who answered."""
+
+    engine_id: str
+    payload: bytes
+
+
+Reply = MetadataReply | CallReply | ErrorReply | AuthChallenge
+Request = MetadataRequest | CallRequest | NotifyMessage
+Authenticated = MetadataRequest | CallRequest
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)
 _reply_decoder = msgspec.msgpack.Decoder(Reply)
 
 
-def encode(message: MetadataRequest | MetadataReply | ErrorReply | AuthChallenge | NotifyMessage) -> bytes:
+def encode(message: Request | Reply) -> bytes:
     return _encoder.encode(message)
 
 
-def decode_request(data: bytes) -> MetadataRequest | NotifyMessage:
+def decode_request(data: bytes) -> Request:
     """Decode a request; raises `msgspec.DecodeError` (incl. `ValidationError`) on bad input."""
     return _request_decoder.decode(data)
 
 
-def decode_reply(data: bytes) -> MetadataReply | ErrorReply | AuthChallenge:
+def decode_reply(data: bytes) -> Reply:
     """Decode a reply; raises `msgspec.DecodeError` (incl. `ValidationError`) on bad input."""
     return _reply_decoder.decode(data)
 
 
-def request_mac(secret: bytes, request: MetadataRequest) -> bytes:
-    """HMAC-SHA256 binding the secret to the server's nonce and to the request's fields."""
+def request_mac(secret: bytes, request: Authenticated) -> bytes:
+    """HMAC-SHA256 binding the secret to the server's nonce and to the request's fields (and its kind)."""
     unsigned = msgspec.structs.replace(request, mac=b"")
     return hmac.new(secret, _encoder.encode(unsigned), hashlib.sha256).digest()
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import logging
 import queue
 import threading
 from collections.abc import Callable, Coroutine, Sequence
@@ -38,6 +39,8 @@ from .exceptions import EngineClosedError, TransferFenced
 from .layout import BlockLayout, ViewSpec
 from .notifications import Notification
 from .stats import StatsSnapshot
+
+log = logging.getLogger(__name__)
 
 __all__ = ["FinishedRequests", "PeerInfo", "SyncEngine"]
 
@@ -99,6 +102,7 @@ class SyncEngine:
         self._cancel_asked: set[str] = set()  # loop thread only: cancelled before it started
         self._lock = threading.Lock()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Task[None]] = set()  # spawn(): cancelled at close
         self._closed = False
 
     # -- blocking calls -------------------------------------------------------------------
@@ -121,6 +125,10 @@ class SyncEngine:
 
     def set_extra(self, **extra: str) -> None:
         self.call(lambda: self.engine.set_extra(**extra))
+
+    def handle_calls(self, topic: str, handler: Callable[[str, bytes], bytes]) -> None:
+        """Answer peers' calls on `topic` (see `TransferEngine.handle_calls`; `handler` runs on the loop)."""
+        self.call(lambda: self.engine.handle_calls(topic, handler))
 
     def serve(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
         return self.call(self.engine.serve, host, port)
@@ -205,6 +213,29 @@ class SyncEngine:
         reads from the peer's layout). The outcome shows in `get_finished()`.
         """
         self._submit(request_id, func(self.engine, *args))
+
+    def spawn(self, func: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> None:
+        """Run ``func(engine, *args)`` on the loop in the background, outside any request.
+
+        Returns at once. For work whose outcome the coroutine handles itself (heartbeats,
+        housekeeping): nothing is reported by `get_finished`, an exception is only logged,
+        and `close()` cancels what is still running.
+        """
+        if self._closed:
+            raise EngineClosedError("the sync engine is closed")
+
+        async def run() -> None:
+            try:
+                await func(self.engine, *args)
+            except Exception:
+                log.exception("background task %s failed", getattr(func, "__name__", func))
+
+        def start() -> None:
+            if not self._closed:
+                self._background.add(task := asyncio.get_running_loop().create_task(run()))
+                task.add_done_callback(self._background.discard)
+
+        self._loop.call_soon_threadsafe(start)
 
     def poke(self) -> None:
         """Have the loop progress NIXL and drain notifications soon (`TransferEngine.poll_soon`).
@@ -355,10 +386,17 @@ class SyncEngine:
         for request_id in pending:
             self._loop.call_soon_threadsafe(self._cancel_on_loop, request_id)
         try:
+            self._portal.call(self._stop_background)
             self._portal.call(self.engine.close)
         finally:
             with contextlib.suppress(Exception):
                 self._portal_cm.__exit__(None, None, None)
+
+    async def _stop_background(self) -> None:
+        tasks = list(self._background)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def __enter__(self) -> SyncEngine:
         return self

@@ -41,6 +41,9 @@ class TransferResult(msgspec.Struct, frozen=True):
     seconds: float
     notified: bool
     post_seconds: float = 0.0  # time spent inside NIXL's post calls (a CMA post is the copy itself)
+    # From the first post to the last slice seen DONE: the time NIXL had it, without admission
+    # waits or queueing before the first post (what NIXL's own telemetry calls a transfer's duration).
+    wire_seconds: float = 0.0
 
 
 def descriptors_per_slice(piece_len: int, max_bytes: int, max_descriptors: int) -> int:
@@ -95,6 +98,7 @@ class Transfer:
         "deadline",
         "descriptors",
         "done_seen_at",
+        "first_post_at",
         "id",
         "last_pending_at",
         "lease_deadline",
@@ -155,6 +159,7 @@ class Transfer:
         self.lease_deadline: float | None = None  # loop time past which the producer may reuse its blocks
         self.submitted_at = submitted_at
         self.post_seconds = 0.0
+        self.first_post_at = 0.0  # perf_counter at the first post (0: not posted yet)
         self.core = TransferCore(
             self.num_slices,
             max_running=slices_in_flight,

@@ -131,6 +131,15 @@ class NixlAsyncConnector(KVConnectorBase_V1):
 
         return NixlKVConnectorStats(data=data) if data is not None else NixlKVConnectorStats()
 
+    @classmethod
+    def build_prom_metrics(
+        cls, vllm_config: Any, metric_types: Any, labelnames: Any, per_engine_labelvalues: Any
+    ) -> Any:
+        """NixlConnector's Prometheus series (``vllm:nixl_*``), so dashboards built for it keep working."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlPromMetrics
+
+        return NixlPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.shutdown()

@@ -37,11 +37,18 @@ CONNECTORS = {
 }
 
 
-def kv_transfer_config(connector: str, role: str, extra: Mapping[str, Any] | None = None) -> str:
-    """The ``--kv-transfer-config`` JSON: only the connector name and module differ between the two."""
+def kv_transfer_config(
+    connector: str, role: str, extra: Mapping[str, Any] | None = None, *, failure_policy: str | None = None
+) -> str:
+    """The ``--kv-transfer-config`` JSON: only the connector name and module differ between the two.
+
+    `failure_policy`: vLLM's ``kv_load_failure_policy`` (``"fail"``, its default, or ``"recompute"``).
+    """
     name, module = CONNECTORS[connector]
     config: dict[str, Any] = {"kv_connector": name, "kv_connector_module_path": module, "kv_role": role,
                               "kv_buffer_device": "cpu"}  # fmt: skip
+    if failure_policy is not None:
+        config["kv_load_failure_policy"] = failure_policy
     if extra:
         config["kv_connector_extra_config"] = dict(extra)
     return json.dumps(config)
@@ -62,6 +69,7 @@ class VllmServer:
     kv_config: str | None = None  # --kv-transfer-config JSON; None: no disaggregation
     cpu: int = 0  # VLLM_CPU_OMP_THREADS_BIND
     max_model_len: int = 512
+    max_num_seqs: int = 8
     kv_cache_bytes: int = 64 << 20
     extra_env: dict[str, str] = field(default_factory=dict)
     log_path: Path | None = None
@@ -76,7 +84,7 @@ class VllmServer:
         cmd = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16",
-            "--max-model-len", str(self.max_model_len), "--max-num-seqs", "8",
+            "--max-model-len", str(self.max_model_len), "--max-num-seqs", str(self.max_num_seqs),
             "--max-num-batched-tokens", str(max(512, self.max_model_len)), "--enforce-eager", "--seed", "0",
             "--kv-cache-memory-bytes", str(self.kv_cache_bytes),
         ]  # fmt: skip

@@ -6,6 +6,8 @@ leases on blocks held for a reader), so it is reused as is. What differs:
 
 - no side channel here: each worker's transfer engine answers handshakes itself, at
   ``base port + tp_rank``, so `set_xfer_handshake_metadata` does nothing;
+- heartbeats are packed every ``lease / 6`` seconds as vLLM does (the worker sends them as
+  acknowledged calls, see `leases`);
 - the producer tells the reader when its blocks expire (``remote_blocks_expiry_time``, wall
   clock), and the reader refuses a read that would land after it instead of reading blocks
   that may already belong to another request.
@@ -33,6 +35,8 @@ class AdapterScheduler(NixlPullConnectorScheduler):
         self.side_channel_host = self.settings.side_channel_host
         self.side_channel_port = self.settings.side_channel_port
         self._kv_lease_duration = self.settings.lease_s  # type: ignore[assignment]
+        # vLLM's integer division makes leases under 6 s heartbeat every step; keep lease / 6.
+        self._heartbeat_interval = self.settings.lease_s / 6  # type: ignore[assignment]
 
     def set_xfer_handshake_metadata(self, metadata: Any) -> None:
         """Workers serve their own handshakes; nothing to publish from the scheduler."""

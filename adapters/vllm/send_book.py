@@ -6,10 +6,19 @@ vLLM keeps a finished prefill request's blocks until the connector reports it in
 may arrive before vLLM hands over the lease (the request is then only "in batch"); they are
 counted and kept until it does. Notifications for requests we never heard of are refused, so a
 stray or late message cannot free someone else's blocks.
+
+Readers whose request waits in their queue renew its lease (`renew`, answering their
+heartbeat): the deadline only moves later, and the reply says until when, so a reader never
+reads past a deadline we did not acknowledge. Renewing a request we no longer hold answers
+nothing for it: the reader learns its blocks are gone.
+
+`renew` is called from the engine's loop thread, the rest from vLLM's worker thread: every
+method takes the book's lock.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 
 __all__ = ["SendBook", "parse_notification"]
@@ -29,16 +38,36 @@ class SendBook:
         self._deadlines: dict[str, float] = {}  # finished, blocks held until then
         self._seen: Counter[str] = Counter()
         self._needed: dict[str, int] = {}
+        self._renewed: dict[str, float] = {}  # renewed while still in batch: applied when held
+        self._lock = threading.Lock()
 
     def in_batch(self, request_ids: set[str]) -> None:
-        self._in_batch |= request_ids
+        with self._lock:
+            self._in_batch |= request_ids
 
     def hold(self, request_id: str, deadline: float) -> None:
         """Blocks of `request_id` are held for readers until `deadline` (our monotonic clock)."""
-        self._deadlines[request_id] = deadline
+        with self._lock:
+            self._deadlines[request_id] = max(deadline, self._renewed.pop(request_id, deadline))
+
+    def renew(self, request_ids: list[str], until: float) -> dict[str, float]:
+        """Hold each known request at least until `until`; -> its deadline now (unknown ones left out)."""
+        held = {}
+        with self._lock:
+            for request_id in request_ids:
+                if request_id in self._deadlines:
+                    held[request_id] = self._deadlines[request_id] = max(self._deadlines[request_id], until)
+                elif request_id in self._in_batch:
+                    held[request_id] = self._renewed[request_id] = max(self._renewed.get(request_id, until), until)
+        return held
 
     def drop(self, request_id: str) -> None:
         """Forget a request (aborted, or reported)."""
+        with self._lock:
+            self._forget(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        self._renewed.pop(request_id, None)
         self._in_batch.discard(request_id)
         self._deadlines.pop(request_id, None)
         self._seen.pop(request_id, None)
@@ -50,23 +79,25 @@ class SendBook:
         if parsed is None:
             return False
         request_id, readers = parsed
-        if request_id not in self._in_batch and request_id not in self._deadlines:
-            return False
-        self._seen[request_id] += 1
-        self._needed[request_id] = readers
+        with self._lock:
+            if request_id not in self._in_batch and request_id not in self._deadlines:
+                return False
+            self._seen[request_id] += 1
+            self._needed[request_id] = readers
         return True
 
     def collect(self, now: float) -> tuple[set[str], set[str]]:
         """(read by all readers, lease expired): both may be freed now; they are forgotten."""
         read, expired = set(), set()
-        for request_id, deadline in self._deadlines.items():
-            needed = self._needed.get(request_id)
-            if needed is not None and self._seen[request_id] >= needed:
-                read.add(request_id)
-            elif now >= deadline:
-                expired.add(request_id)
-        for request_id in read | expired:
-            self.drop(request_id)
+        with self._lock:
+            for request_id, deadline in self._deadlines.items():
+                needed = self._needed.get(request_id)
+                if needed is not None and self._seen[request_id] >= needed:
+                    read.add(request_id)
+                elif now >= deadline:
+                    expired.add(request_id)
+            for request_id in read | expired:
+                self._forget(request_id)
         return read, expired
 
     def __len__(self) -> int:

@@ -10,12 +10,14 @@ Neither may wait on transfers, so:
   notifications (`SyncEngine.feed_notifications`) without waiting, and counts readers.
 
 On the producer side a finished request's blocks are held until every reader notified
-``"{request_id}:{readers}"`` or the lease expires.
+``"{request_id}:{readers}"`` or the lease expires; readers whose request still waits renew the
+lease through acknowledged calls (`leases`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import sys
@@ -27,9 +29,12 @@ import torch
 
 from nixl_async import (
     BlockLayout,
+    HandshakeError,
     LayoutError,
+    LeaseExpired,
     MemType,
     Notification,
+    NotificationFailed,
     Peer,
     SyncEngine,
     Transfer,
@@ -39,6 +44,7 @@ from nixl_async import (
 
 from . import cpu_quirks
 from .kv_layout import CacheLayout, describe_cache
+from .leases import LEASE_TOPIC, LearnedLeases, answer_renewal, heartbeat
 from .send_book import SendBook
 from .settings import AdapterSettings, rank_engine_id
 from .tp_mapping import RankRead, expected_consumers, plan_reads, remote_ranks, split_for_block_ratio
@@ -180,6 +186,11 @@ class ConnectorWorker:
         self._invalid_blocks: set[int] = set()
         self._results: queue.SimpleQueue[TransferResult] = queue.SimpleQueue()
         self._sends = SendBook()  # producer side
+        self._leases = LearnedLeases()  # reader side: renewals producers acknowledged (loop thread)
+        self._lease_extension_s = self.settings.lease_s * 2 / 3  # per renewal, as NixlConnector
+        self._lease_margin_s = min(LEASE_MARGIN_S, self.settings.lease_s / 10)
+        self._heartbeating: set[str] = set()  # producer engines with a renewal round under way
+        self.sync.handle_calls(LEASE_TOPIC, self._answer_renewal)
         self._stats: Any = None
 
     # -- registration ----------------------------------------------------------------------
@@ -226,6 +237,26 @@ class ConnectorWorker:
             self._sends.drop(request_id)
         for request_id, req in metadata.reqs_to_recv.items():
             self._start_receive(request_id, req)
+        for engine_id, info in getattr(metadata, "heartbeat_by_engine", {}).items():
+            self._start_heartbeat(engine_id, info)
+
+    def _start_heartbeat(self, engine_id: str, info: Any) -> None:
+        """Renew the leases of requests still waiting to read from `engine_id` (on the loop)."""
+        ranks = remote_ranks(local_tp=self.tp_size, local_rank=self.tp_rank, remote_tp=int(info.tp_size))
+        addresses = [(info.host, int(info.port) + rank, rank_engine_id(engine_id, rank)) for rank in ranks]
+        if engine_id in self._heartbeating:
+            return  # the last round is still waiting on a slow or dead producer: no pile-up of rounds
+        self._heartbeating.add(engine_id)
+        self.sync.spawn(self._heartbeat_round, engine_id, addresses, sorted(info.req_ids))
+
+    async def _heartbeat_round(self, engine: TransferEngine, engine_id: str, addresses: Any, ids: list[str]) -> None:
+        try:
+            await heartbeat(engine, self._leases, engine_id, addresses, ids)
+        finally:
+            self._heartbeating.discard(engine_id)  # set.add/discard are atomic: no lock with the worker thread
+
+    def _answer_renewal(self, _sender: str, payload: bytes) -> bytes:
+        return answer_renewal(self._sends, payload, self._lease_extension_s)
 
     def _start_receive(self, request_id: str, req: Any) -> None:
         remote = req.remote
@@ -254,8 +285,13 @@ class ConnectorWorker:
     async def _receive(self, engine: TransferEngine, job: RecvJob) -> None:
         if self.geometry is None:
             raise LayoutError("register_kv_caches() has not run")
-        for result in await receive(engine, self.geometry, job):
-            self._results.put(result)
+        expires_at = self._leases.expiry(job.remote_engine_id, job.remote_request_id, job.expires_at)
+        job = dataclasses.replace(job, expires_at=expires_at)
+        try:
+            for result in await receive(engine, self.geometry, job, lease_margin_s=self._lease_margin_s):
+                self._results.put(result)
+        finally:
+            self._leases.forget(job.remote_engine_id, job.remote_request_id)
 
     def wait_for_save(self, metadata: Any) -> None:
         """Host staging only: copy the blocks a producer just computed to the registered host copy."""
@@ -283,7 +319,7 @@ class ConnectorWorker:
                         request_id, type(error).__name__)  # fmt: skip
         for request_id, error in finished.failed.items():
             log.warning("KV load for request %s failed: %s: %s", request_id, type(error).__name__, error)
-            self._record("num_failed_transfers", 1)
+            self._record(_failure_kind(error), 1)
             blocks = self._awaiting.pop(request_id, None)
             if blocks is not None:
                 self._invalid_blocks.update(blocks)
@@ -332,7 +368,7 @@ class ConnectorWorker:
                 result = self._results.get_nowait()
             except queue.Empty:
                 break
-            stats.data["transfer_duration"].append(result.seconds)
+            stats.data["transfer_duration"].append(result.wire_seconds)  # NIXL's time, not queueing
             stats.data["post_duration"].append(result.post_seconds)
             stats.data["bytes_transferred"].append(result.nbytes)
             stats.data["num_descriptors"].append(result.descriptors)
@@ -342,10 +378,23 @@ class ConnectorWorker:
         self.sync.close()
 
 
-LEASE_MARGIN_S = 2.0  # a read must end this long before the producer's lease, for clock-offset error
+LEASE_MARGIN_S = 2.0  # at most: a read must start this long before the producer's lease ends
 
 
-async def receive(engine: TransferEngine, geometry: KVGeometry, job: RecvJob) -> list[TransferResult]:
+def _failure_kind(error: BaseException) -> str:
+    """The NixlKVConnectorStats series a failed load counts in (vLLM's names)."""
+    if isinstance(error, HandshakeError):
+        return "num_failed_handshakes"
+    if isinstance(error, NotificationFailed):
+        return "num_failed_notifications"
+    if isinstance(error, LeaseExpired):
+        return "num_kv_expired_reqs"
+    return "num_failed_transfers"
+
+
+async def receive(
+    engine: TransferEngine, geometry: KVGeometry, job: RecvJob, *, lease_margin_s: float = LEASE_MARGIN_S
+) -> list[TransferResult]:
     """Pull one request on the engine's loop: handshake, plan from the producer's layout, read, notify.
 
     Every producer rank this rank reads (or, for MLA siblings and full prefix hits, only
@@ -377,7 +426,7 @@ async def receive(engine: TransferEngine, geometry: KVGeometry, job: RecvJob) ->
         local_part_len=geometry.part_len, remote_part_len=remote_layout.part_len * ratio,
     )  # fmt: skip
     remote_blocks = select_remote_blocks(job, ratio)
-    lease = None if job.expires_at is None else job.expires_at - LEASE_MARGIN_S
+    lease = None if job.expires_at is None else job.expires_at - lease_margin_s
     peers = await asyncio.gather(*(_connect(engine, job, step.remote_rank) for step in plan))
     results: list[TransferResult] = []
     started: list[Transfer] = []

@@ -50,3 +50,35 @@ def test_aborted_request_is_dropped():
 def test_parse_notification_keeps_colons_in_request_ids():
     assert parse_notification(b"cmpl-1:a:b:3") == ("cmpl-1:a:b", 3)
     assert parse_notification(b"no-count") is None
+
+
+def test_a_renewal_only_moves_a_held_lease_later_and_says_until_when():
+    book = SendBook()
+    book.hold("r1", deadline=10.0)
+    assert book.renew(["r1"], until=15.0) == {"r1": 15.0}
+    assert book.renew(["r1"], until=12.0) == {"r1": 15.0}, "a late or reordered heartbeat never shortens it"
+    assert book.collect(now=14.9) == (set(), set())
+    assert book.collect(now=15.0) == (set(), {"r1"})
+
+
+def test_renewing_a_request_we_no_longer_hold_answers_nothing_for_it():
+    book = SendBook()
+    book.hold("r1", deadline=10.0)
+    book.hold("r2", deadline=10.0)
+    assert book.notified(b"r1:1")
+    assert book.collect(now=1.0) == ({"r1"}, set())
+    assert book.collect(now=11.0) == (set(), {"r2"})
+    assert book.renew(["r1", "r2", "never-seen"], until=20.0) == {}, "the reader must learn the blocks are gone"
+
+
+def test_a_renewal_while_still_in_batch_is_applied_when_the_lease_starts():
+    book = SendBook()
+    book.in_batch({"r1"})
+    assert book.renew(["r1"], until=30.0) == {"r1": 30.0}
+    book.hold("r1", deadline=20.0)
+    assert book.collect(now=25.0) == (set(), set()), "the acknowledged renewal holds"
+    assert book.collect(now=30.0) == (set(), {"r1"})
+    book.in_batch({"r2"})
+    book.renew(["r2"], until=5.0)
+    book.hold("r2", deadline=20.0)
+    assert book.collect(now=19.0) == (set(), set()), "an earlier renewal does not shorten the lease"

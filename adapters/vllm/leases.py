@@ -1,0 +1,114 @@
+"""Lease renewal: a reader whose request waits in its queue keeps the producer's blocks held.
+
+vLLM's scheduler on the reader lists, every ``kv_lease_duration / 6`` seconds, the producer
+requests it still has to read (``heartbeat_by_engine``). NixlConnector sends them as a NIXL
+notification and assumes the producer extended their leases. We make it a call over the
+engine's authenticated side channel instead, and the producer answers until when it now
+holds each request (its wall clock), or leaves the request out when it no longer holds it.
+So the reader reads only within a lease the producer acknowledged, and learns at once when
+blocks are gone (the read is refused as `LeaseExpired` instead of reading reused blocks).
+
+Producer: `answer_renewal` (runs on the engine's loop, as the topic's call handler).
+Reader: `heartbeat` (a coroutine on the engine's loop) records replies in `LearnedLeases`,
+which `expiry` consults when a read starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import msgspec
+
+from nixl_async import HandshakeError, TransferEngine
+
+from .send_book import SendBook
+
+__all__ = ["LEASE_TOPIC", "LearnedLeases", "answer_renewal", "heartbeat"]
+
+log = logging.getLogger(f"vllm.{__name__}")
+
+LEASE_TOPIC = "kv_lease"
+GONE = 0.0  # the producer no longer holds the request's blocks
+_ids = msgspec.msgpack.Decoder(list[str])
+_expiries = msgspec.msgpack.Decoder(dict[str, float])
+_encode = msgspec.msgpack.Encoder().encode
+
+
+def answer_renewal(book: SendBook, payload: bytes, extension_s: float) -> bytes:
+    """Extend the leases named in `payload` to now + `extension_s`; reply {request: wall-clock expiry}.
+
+    Raises `msgspec.DecodeError` (a `ValueError`: the call is refused) for a malformed payload.
+    """
+    request_ids = _ids.decode(payload)
+    now = time.perf_counter()
+    held = book.renew(request_ids, now + extension_s)
+    wall = time.time()
+    return _encode({request_id: wall + (deadline - now) for request_id, deadline in held.items()})
+
+
+class LearnedLeases:
+    """Reader side: the latest expiry each producer acknowledged, per (engine, request). Loop thread only."""
+
+    def __init__(self) -> None:
+        self._expiry: dict[tuple[str, str], float] = {}
+
+    def learn(self, engine_id: str, request_ids: list[str], replies: list[dict[str, float]]) -> None:
+        """Record one heartbeat round: every producer rank's reply (a request is held until the earliest)."""
+        for request_id in request_ids:
+            acknowledged = min(reply.get(request_id, GONE) for reply in replies)
+            key = (engine_id, request_id)
+            known = self._expiry.get(key)
+            if known == GONE:
+                continue  # released is final; a slower, older reply cannot bring it back
+            self._expiry[key] = GONE if acknowledged == GONE else max(acknowledged, known or GONE)
+        asked = set(request_ids)
+        for key in [k for k in self._expiry if k[0] == engine_id and k[1] not in asked]:
+            del self._expiry[key]  # no longer heartbeated: read, or aborted
+
+    def expiry(self, engine_id: str, request_id: str, announced: float | None) -> float | None:
+        """When the producer's blocks expire: the latest word, the announced lease if none came."""
+        learned = self._expiry.get((engine_id, request_id))
+        if learned is None:
+            return announced
+        if learned == GONE or announced is None:
+            return learned
+        return max(learned, announced)
+
+    def forget(self, engine_id: str, request_id: str) -> None:
+        self._expiry.pop((engine_id, request_id), None)
+
+    def __len__(self) -> int:
+        return len(self._expiry)
+
+
+async def heartbeat(
+    engine: TransferEngine,
+    leases: LearnedLeases,
+    engine_id: str,
+    addresses: list[tuple[str, int, str]],
+    request_ids: list[str],
+    *,
+    on_failure: Callable[[BaseException], None] | None = None,
+) -> None:
+    """Renew `request_ids` at every producer rank in `addresses` (host, port, rank engine id).
+
+    A round counts only if every rank answered; otherwise nothing is learned (the reader keeps
+    the last acknowledged expiry, which is safe) and `on_failure` hears why.
+    """
+    payload = _encode(request_ids)
+
+    async def renew(host: str, port: int, rank_engine_id: str) -> dict[str, float]:
+        peer = await engine.connect(host, port, expected_engine_id=rank_engine_id)
+        return _expiries.decode(await engine.call(peer, LEASE_TOPIC, payload))
+
+    try:
+        replies = await asyncio.gather(*(renew(*address) for address in addresses))
+    except (HandshakeError, msgspec.DecodeError) as exc:
+        log.debug("lease renewal with %s failed: %s", engine_id, exc)
+        if on_failure is not None:
+            on_failure(exc)
+        return
+    leases.learn(engine_id, request_ids, list(replies))

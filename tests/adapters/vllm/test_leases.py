@@ -1,0 +1,96 @@
+"""Lease renewal between real engines: the reader learns only what producers acknowledged.
+
+Producer ranks are engines answering the adapter's renewal calls from a `SendBook`; the reader
+runs `heartbeat` as the worker does. (The whole path in vLLM: `test_pd_end_to_end`.)
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from nixl_async import EngineConfig, TransferEngine
+from nixl_async_vllm.leases import GONE, LEASE_TOPIC, LearnedLeases, answer_renewal, heartbeat
+from nixl_async_vllm.send_book import SendBook
+
+EXTENSION_S = 2.0
+
+
+async def _producer(rank: int, book: SendBook) -> TransferEngine:
+    engine = await TransferEngine(EngineConfig(engine_id=f"prefill/tp{rank}")).start()
+    engine.handle_calls(LEASE_TOPIC, lambda _sender, payload: answer_renewal(book, payload, EXTENSION_S))
+    await engine.serve("127.0.0.1", 0)
+    return engine
+
+
+@pytest.fixture
+async def cluster():
+    books = [SendBook(), SendBook()]
+    producers = [await _producer(rank, book) for rank, book in enumerate(books)]
+    reader = await TransferEngine(EngineConfig(engine_id="decode/tp0", handshake_timeout_s=1.0)).start()
+    addresses = [(*p.address, p.engine_id) for p in producers]
+    try:
+        yield books, producers, reader, addresses
+    finally:
+        for engine in (reader, *producers):
+            if engine.running:
+                await engine.close()
+
+
+async def test_a_renewal_extends_held_leases_and_reports_released_ones_gone(cluster):
+    books, _producers, reader, addresses = cluster
+    now = time.perf_counter()
+    for book in books:
+        book.hold("waiting", now + 0.2)
+        book.hold("read", now + 0.2)
+        book.notified(b"read:1")
+        assert book.collect(now) == ({"read"}, set())  # its reader finished: blocks freed
+    leases = LearnedLeases()
+    announced = time.time() + 0.2  # what prefill's kv_transfer_params said
+    await heartbeat(reader, leases, "prefill", addresses, ["waiting", "read", "never-held"])
+    extended = leases.expiry("prefill", "waiting", announced)
+    assert extended is not None and abs(extended - (time.time() + EXTENSION_S)) < 0.5
+    assert leases.expiry("prefill", "read", announced) == GONE, "a freed request must not be read"
+    assert leases.expiry("prefill", "never-held", announced) == GONE
+    assert leases.expiry("prefill", "not-asked", announced) == announced
+    # ...and the producers really hold it longer: past the original deadline nothing expires.
+    assert all(book.collect(now + 1.0) == (set(), set()) for book in books)
+    assert all(book.collect(now + EXTENSION_S + 0.5) == (set(), {"waiting"}) for book in books)
+
+
+async def test_a_request_only_one_rank_still_holds_counts_as_gone(cluster):
+    books, _producers, reader, addresses = cluster
+    books[0].hold("r", time.perf_counter() + 5)
+    leases = LearnedLeases()
+    await heartbeat(reader, leases, "prefill", addresses, ["r"])
+    assert leases.expiry("prefill", "r", time.time() + 5) == GONE
+
+
+async def test_a_failed_round_learns_nothing_and_keeps_the_last_acknowledged_lease(cluster):
+    books, producers, reader, addresses = cluster
+    for book in books:
+        book.hold("r", time.perf_counter() + 0.5)
+    leases = LearnedLeases()
+    await heartbeat(reader, leases, "prefill", addresses, ["r"])
+    acknowledged = leases.expiry("prefill", "r", None)
+    await producers[1].close()
+    failures = []
+    started = time.monotonic()
+    await heartbeat(reader, leases, "prefill", addresses, ["r"], on_failure=failures.append)
+    assert time.monotonic() - started < reader.config.handshake_timeout_s + 1
+    assert len(failures) == 1 and leases.expiry("prefill", "r", None) == acknowledged
+
+
+def test_learned_leases_only_grow_until_gone_and_forget_what_is_no_longer_asked():
+    leases = LearnedLeases()
+    leases.learn("p", ["a", "b"], [{"a": 100.0, "b": 100.0}])
+    leases.learn("p", ["a", "b"], [{"a": 90.0, "b": 100.0}])  # an older round answering late
+    assert leases.expiry("p", "a", None) == 100.0
+    leases.learn("p", ["a", "b"], [{"a": 120.0}])  # b released
+    leases.learn("p", ["a", "b"], [{"a": 130.0, "b": 140.0}])  # a slow reply from before the release
+    assert leases.expiry("p", "b", 50.0) == GONE and leases.expiry("p", "a", 50.0) == 130.0
+    leases.learn("p", ["b"], [{}])
+    assert leases.expiry("p", "a", 50.0) == 50.0, "a is no longer heartbeated: read or aborted, forgotten"
+    leases.forget("p", "b")
+    assert len(leases) == 0
