@@ -68,6 +68,7 @@ class KVGeometry:
     mla: bool
     head_window: bool = True  # a rank's heads are one byte range of a block (heterogeneous TP can read it)
     ratio_refusal: str | None = None  # why smaller remote blocks cannot be placed, if they cannot
+    pages_per_block: int = 1  # kernel pages vLLM split each logical block into (block_size is a page's)
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,17 @@ class RecvJob:
     expires_at: float | None  # producer's wall clock
 
 
+def in_kernel_pages(job: RecvJob, local_pages: int, remote_pages: int) -> RecvJob:
+    """`job` with logical block ids turned into kernel page ids on each side (block b -> pages b*k .. b*k+k-1)."""
+
+    def pages(blocks: list[int], k: int) -> list[int]:
+        return [b * k + j for b in blocks for j in range(k)]
+
+    hit = None if job.local_hit_blocks is None else job.local_hit_blocks * local_pages
+    return dataclasses.replace(job, local_blocks=pages(job.local_blocks, local_pages),
+                               remote_blocks=pages(job.remote_blocks, remote_pages), local_hit_blocks=hit)  # fmt: skip
+
+
 def select_remote_blocks(job: RecvJob, ratio: int) -> list[int]:
     """The producer blocks that fill `job.local_blocks` (a local prefix hit skips the head)."""
     remote = job.remote_blocks
@@ -96,30 +108,32 @@ def select_remote_blocks(job: RecvJob, ratio: int) -> list[int]:
     return remote[skip:]
 
 
-def _kv_regions(kv_caches: dict[str, Any], num_blocks: int) -> tuple[list[Any], int]:
-    """(per-layer block tensors, bytes per block) of vLLM's caches.
+def _kv_regions(kv_caches: dict[str, Any], num_blocks: int) -> tuple[list[Any], int, int]:
+    """(per-layer tensors, bytes per kernel page, kernel pages per block) of vLLM's caches.
+
+    When the attention kernel takes smaller blocks than the scheduler's, vLLM views each layer
+    as ``pages_per_block`` times more pages of ``block_size / pages_per_block`` tokens; logical
+    block b is pages ``b * k ... b * k + k - 1`` (as NixlConnector maps them). We then register
+    and read pages.
 
     vLLM 0.32 hands one ``[blocks, heads, tokens, content]`` view per layer (see `kv_layout`), each
     block dense. Layers sharing a cache alias the same memory: registered once.
     """
     seen: set[int] = set()
     regions: list[Any] = []
+    sizes = sorted({int(tensor.shape[0]) for tensor in kv_caches.values()})
+    if len(sizes) != 1 or sizes[0] % num_blocks:
+        raise LayoutError(f"KV caches of {sizes} blocks: expected {num_blocks} blocks, or kernel pages of them")
+    num_pages = sizes[0]
     for tensor in kv_caches.values():
-        if tensor.shape[0] != num_blocks:
-            if tensor.shape[0] % num_blocks == 0:  # vLLM split each block into smaller kernel pages
-                raise LayoutError(
-                    f"a KV cache of {tensor.shape[0]} kernel blocks for {num_blocks} blocks: a kernel block size "
-                    "smaller than the block size is not supported by the adapter yet"
-                )
-            raise LayoutError(f"a KV cache of shape {tuple(tensor.shape)} does not have {num_blocks} blocks first")
         if tensor.data_ptr() not in seen:
             seen.add(tensor.data_ptr())
             regions.append(tensor)
-    block_len = regions[0].stride(0) * regions[0].element_size()
+    page_len = regions[0].stride(0) * regions[0].element_size()
     for part in regions:
-        if part.stride(0) * part.element_size() != block_len or part[0].numel() * part.element_size() != block_len:
+        if part.stride(0) * part.element_size() != page_len or part[0].numel() * part.element_size() != page_len:
             raise LayoutError("KV cache blocks must be dense and of equal size in every layer")
-    return regions, block_len
+    return regions, page_len, num_pages // num_blocks
 
 
 @dataclass(frozen=True)
@@ -196,7 +210,10 @@ class ConnectorWorker:
     # -- registration ----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         num_blocks = self.kv_cache_config.num_blocks
-        regions, block_len = _kv_regions(kv_caches, num_blocks)
+        regions, block_len, pages = _kv_regions(kv_caches, num_blocks)
+        if self.block_size % pages:
+            raise LayoutError(f"{pages} kernel pages do not divide a block of {self.block_size} tokens")
+        page_size = self.block_size // pages
         first = regions[0]
         cache = self.attention.describe(self.vllm_config, first)
         if first.device.type == "cuda" and self.buffer_device == "cpu":
@@ -205,18 +222,19 @@ class ConnectorWorker:
             self._host_caches = {
                 name: torch.empty_like(t, device="cpu", pin_memory=True) for name, t in kv_caches.items()
             }
-            regions, block_len = _kv_regions(self._host_caches, num_blocks)
+            regions, block_len, pages = _kv_regions(self._host_caches, num_blocks)
             first = regions[0]
         mem_type, device = (MemType.VRAM, first.device.index or 0) if first.device.type == "cuda" else (MemType.DRAM, 0)
         layout = BlockLayout.from_regions(
-            LAYOUT, [r.data_ptr() for r in regions], num_blocks=num_blocks, block_len=block_len,
-            mem_type=mem_type, device_id=device, block_size=self.block_size,
+            LAYOUT, [r.data_ptr() for r in regions], num_blocks=num_blocks * pages, block_len=block_len,
+            mem_type=mem_type, device_id=device, block_size=page_size,
         )  # fmt: skip
         self.sync.register_layout(layout)
         self._regions = regions
-        self.geometry = KVGeometry(self.tp_size, self.tp_rank, self.block_size, layout.part_len, cache.run_len,
-                                   self.use_mla, cache.head_window, cache.ratio_refusal)  # fmt: skip
-        self.sync.set_extra(block_size=str(self.block_size), tp_size=str(self.tp_size), tp_rank=str(self.tp_rank))
+        self.geometry = KVGeometry(self.tp_size, self.tp_rank, page_size, layout.part_len, cache.run_len,
+                                   self.use_mla, cache.head_window, cache.ratio_refusal, pages)  # fmt: skip
+        self.sync.set_extra(block_size=str(page_size), pages_per_block=str(pages), tp_size=str(self.tp_size),
+                            tp_rank=str(self.tp_rank))  # fmt: skip
         host, port = self.sync.serve(self.settings.bind_host(), self.settings.side_channel_port + self.tp_rank)
         log.info("nixl_async worker %s rank %d: %d layers x %d blocks of %d bytes, serving %s:%d",
                  self.engine_id, self.tp_rank, len(regions), num_blocks, block_len, host, port)  # fmt: skip
@@ -410,6 +428,10 @@ async def receive(
             await engine.notify(peer, notify.encode())
         return []
     first = await _connect(engine, job, ranks[0])  # every producer rank has the same geometry
+    remote_pages = int(first.extra.get("pages_per_block", "1"))
+    paged = geometry.pages_per_block > 1 or remote_pages > 1
+    if paged:  # read kernel pages: block sizes, ratios and head windows below are a page's
+        job = in_kernel_pages(job, geometry.pages_per_block, remote_pages)
     remote_layout = first.layout(LAYOUT)
     remote_block_size = int(first.extra.get("block_size", geometry.block_size))
     if remote_block_size <= 0 or geometry.block_size % remote_block_size:
@@ -426,6 +448,10 @@ async def receive(
         local_part_len=geometry.part_len, remote_part_len=remote_layout.part_len * ratio,
     )  # fmt: skip
     remote_blocks = select_remote_blocks(job, ratio)
+    local_blocks = job.local_blocks
+    if paged:  # a partly filled last block: read only the pages both sides have for the prompt
+        pairs = min(len(local_blocks), -(-len(remote_blocks) // ratio))
+        local_blocks, remote_blocks = local_blocks[:pairs], remote_blocks[: pairs * ratio]
     lease = None if job.expires_at is None else job.expires_at - lease_margin_s
     peers = await asyncio.gather(*(_connect(engine, job, step.remote_rank) for step in plan))
     results: list[TransferResult] = []
@@ -435,7 +461,7 @@ async def receive(
         if not step.read:  # an MLA sibling: its copy is not read, only freed
             await engine.notify(peer, notify.encode())
             return
-        parts = split_for_block_ratio(step, job.local_blocks, remote_blocks, ratio=ratio,
+        parts = split_for_block_ratio(step, local_blocks, remote_blocks, ratio=ratio,
                                       local_part_len=geometry.part_len, run_len=geometry.run_len)  # fmt: skip
         piggyback = notify.encode() if len(parts) == 1 else None  # else one notification after all parts
         mine = []

@@ -24,7 +24,7 @@ from nixl_async.testing import WaitNotifications, free_port_base, pattern_block
 from nixl_async_vllm.kv_layout import describe_cache
 from nixl_async_vllm.settings import rank_engine_id
 from nixl_async_vllm.tp_mapping import expected_consumers
-from nixl_async_vllm.worker import KVGeometry, RecvJob, receive
+from nixl_async_vllm.worker import KVGeometry, RecvJob, _kv_regions, receive
 
 LAYERS, HEADS, HEAD_DIM, LOCAL_BLOCK_SIZE, NUM_BLOCKS = 2, 4, 8, 16, 40
 VEC = HEAD_DIM * 2  # one head's K (or V) for one token, bf16
@@ -174,15 +174,97 @@ async def test_read_after_the_producer_lease_is_refused(nixl_peer_factory):
 
 
 def test_kv_regions_register_each_layer_once():
-    from nixl_async_vllm.worker import _kv_regions
-
     buffer = torch.zeros(2 * NUM_BLOCKS * HEADS * LOCAL_BLOCK_SIZE * 2 * HEAD_DIM, dtype=torch.bfloat16)
     packed = buffer.view(2, NUM_BLOCKS, HEADS, LOCAL_BLOCK_SIZE, 2 * HEAD_DIM)  # one view per layer
-    regions, block_len = _kv_regions({"l0": packed[0], "l1": packed[1], "alias": packed[1]}, NUM_BLOCKS)
-    assert len(regions) == 2 and block_len == HEADS * LOCAL_BLOCK_SIZE * ROW
+    regions, block_len, pages = _kv_regions({"l0": packed[0], "l1": packed[1], "alias": packed[1]}, NUM_BLOCKS)
+    assert len(regions) == 2 and block_len == HEADS * LOCAL_BLOCK_SIZE * ROW and pages == 1
     padded = torch.zeros(NUM_BLOCKS, HEADS + 1, LOCAL_BLOCK_SIZE, 2 * HEAD_DIM, dtype=torch.bfloat16)[:, :HEADS]
     with pytest.raises(LayoutError, match="dense"):
         _kv_regions({"l0": padded}, NUM_BLOCKS)
     kernel_pages = buffer.view(2 * NUM_BLOCKS, HEADS, LOCAL_BLOCK_SIZE, 2 * HEAD_DIM)  # 2 kernel pages per block
-    with pytest.raises(LayoutError, match="kernel block size"):
-        _kv_regions({"l0": kernel_pages}, NUM_BLOCKS)
+    _regions, page_len, pages = _kv_regions({"l0": kernel_pages}, NUM_BLOCKS)
+    assert pages == 2 and page_len == HEADS * LOCAL_BLOCK_SIZE * ROW
+    odd = buffer[: 3 * HEADS * LOCAL_BLOCK_SIZE * 2 * HEAD_DIM].view(3, HEADS, LOCAL_BLOCK_SIZE, 2 * HEAD_DIM)
+    with pytest.raises(LayoutError, match=r"of \[3\] blocks: expected 40"):
+        _kv_regions({"l0": odd}, NUM_BLOCKS)
+
+
+KERNEL_BLOCK = LOCAL_BLOCK_SIZE // 2  # vLLM split each logical block into 2 kernel pages
+
+
+def _page_expected(cache_pages, local_blocks, remote_pages_per_block, remote_kernel, rank, tp_p, tp_d, layer):
+    """Check decode's kernel pages token by token against prefill's pages: (head, token, K|V) by position."""
+    heads_p, heads_d = HEADS // tp_p, HEADS // tp_d
+    remote_page_len = _page(heads_p, remote_kernel, False)
+    got = cache_pages.reshape(-1, heads_d, KERNEL_BLOCK, 2, VEC)
+    for i, block in enumerate(local_blocks):
+        for t in range(LOCAL_BLOCK_SIZE):
+            pos = (LOCAL_HIT + i) * LOCAL_BLOCK_SIZE + t
+            remote_logical = remote_kernel * remote_pages_per_block
+            index, within = divmod(pos, remote_logical)
+            if index >= len(REMOTE_BLOCKS):
+                assert not got[block * 2 + t // KERNEL_BLOCK, :, t % KERNEL_BLOCK].any()
+                continue
+            page = REMOTE_BLOCKS[index] * remote_pages_per_block + within // remote_kernel
+            for h in range(heads_d):
+                p, hp = divmod(rank * heads_d + h, heads_p)
+                src = pattern_block(100 + p, layer, page, remote_page_len).reshape(heads_p, remote_kernel, 2, VEC)
+                want = src[hp, within % remote_kernel]
+                assert np.array_equal(got[block * 2 + t // KERNEL_BLOCK, h, t % KERNEL_BLOCK], want), (i, t, h)
+
+
+PAGED_CASES = [
+    # tp_p, tp_d, prefill's kernel pages per logical block (prefill's kernel block is always KERNEL_BLOCK)
+    (1, 1, 2),
+    (1, 2, 2),
+    (2, 1, 2),
+    (1, 1, 1),  # prefill's logical block is one kernel page: half of decode's logical block
+]
+
+
+@pytest.mark.parametrize(
+    ("tp_p", "tp_d", "remote_ppb"), PAGED_CASES, ids=[f"p{a}-d{b}-ppb{c}" for a, b, c in PAGED_CASES]
+)
+async def test_kernel_pages_smaller_than_the_block_are_read_page_by_page(nixl_peer_factory, tp_p, tp_d, remote_ppb):
+    """vLLM's views of `[blocks x pages, heads, kernel tokens, K|V]`: logical block b is pages b*k .. b*k+k-1."""
+    port = free_port_base(4)
+    prefill = [
+        nixl_peer_factory(
+            engine_id=rank_engine_id("prefill", p), port=port + p, num_regions=LAYERS,
+            num_blocks=NUM_BLOCKS * remote_ppb, block_len=_page(HEADS // tp_p, KERNEL_BLOCK, False), seed=100 + p,
+            extra={"block_size": str(KERNEL_BLOCK), "pages_per_block": str(remote_ppb)},
+        )
+        for p in range(tp_p)
+    ]  # fmt: skip
+    remote_tokens = len(REMOTE_BLOCKS) * KERNEL_BLOCK * remote_ppb
+    local_blocks = LOCAL_CANDIDATES[: -(-remote_tokens // LOCAL_BLOCK_SIZE) - LOCAL_HIT]
+    remote_blocks = REMOTE_BLOCKS
+
+    async def decode_rank(rank: int):
+        heads_d = HEADS // tp_d
+        shape = (NUM_BLOCKS * 2, heads_d, KERNEL_BLOCK, ROW // 2)
+        caches = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(LAYERS)]
+        regions, page_len, pages_per_block = _kv_regions({f"l{i}": c for i, c in enumerate(caches)}, NUM_BLOCKS)
+        cache = describe_cache("FLASH_ATTN", "LBHNC", shape, caches[0].stride(), 2, num_kv_heads=heads_d, mla=False)
+        geometry = KVGeometry(
+            tp_size=tp_d, tp_rank=rank, block_size=KERNEL_BLOCK, part_len=page_len, run_len=cache.run_len, mla=False,
+            head_window=cache.head_window, ratio_refusal=cache.ratio_refusal, pages_per_block=pages_per_block,
+        )  # fmt: skip
+        job = RecvJob(
+            request_id="req-d", remote_request_id="req-p", remote_engine_id="prefill", host="127.0.0.1", port=port,
+            remote_tp=tp_p, local_blocks=local_blocks, remote_blocks=remote_blocks,
+            local_hit_blocks=LOCAL_HIT, expires_at=None,
+        )  # fmt: skip
+        async with TransferEngine(EngineConfig(engine_id=f"decode/tp{rank}")) as engine:
+            engine.register("kv", regions, num_blocks=NUM_BLOCKS * pages_per_block)
+            await receive(engine, geometry, job)
+        return [c.view(torch.uint8).numpy() for c in caches]
+
+    outcomes = await asyncio.gather(*(decode_rank(d) for d in range(tp_d)))
+    for rank, caches in enumerate(outcomes):
+        for layer, cache in enumerate(caches):
+            _page_expected(cache, local_blocks, remote_ppb, KERNEL_BLOCK, rank, tp_p, tp_d, layer)
+            touched = {b * 2 + j for b in local_blocks for j in range(2)}
+            untouched = [pg for pg in range(NUM_BLOCKS * 2) if pg not in touched]
+            assert not cache.reshape(NUM_BLOCKS * 2, -1)[untouched].any(), "pages outside the request stay untouched"
+    await _assert_notified(prefill, expected_consumers(remote_tp=tp_p, local_tp=tp_d))
