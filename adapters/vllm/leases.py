@@ -32,6 +32,7 @@ log = logging.getLogger(f"vllm.{__name__}")
 
 LEASE_TOPIC = "kv_lease"
 GONE = 0.0  # the producer no longer holds the request's blocks
+IDS_PER_CALL = 512  # a call stays far below the side channel's request size limit (64 KiB by default)
 _ids = msgspec.msgpack.Decoder(list[str])
 _expiries = msgspec.msgpack.Decoder(dict[str, float])
 _encode = msgspec.msgpack.Encoder().encode
@@ -43,9 +44,8 @@ def answer_renewal(book: SendBook, payload: bytes, extension_s: float) -> bytes:
     Raises `msgspec.DecodeError` (a `ValueError`: the call is refused) for a malformed payload.
     """
     request_ids = _ids.decode(payload)
-    now = time.perf_counter()
+    now, wall = time.perf_counter(), time.time()  # sampled together: the reply converts between them
     held = book.renew(request_ids, now + extension_s)
-    wall = time.time()
     return _encode({request_id: wall + (deadline - now) for request_id, deadline in held.items()})
 
 
@@ -96,19 +96,26 @@ async def heartbeat(
     """Renew `request_ids` at every producer rank in `addresses` (host, port, rank engine id).
 
     A round counts only if every rank answered; otherwise nothing is learned (the reader keeps
-    the last acknowledged expiry, which is safe) and `on_failure` hears why.
+    the last acknowledged expiry, which is safe) and `on_failure` hears why. Long queues go in
+    several calls of at most `IDS_PER_CALL` ids.
     """
-    payload = _encode(request_ids)
+    chunks = [request_ids[i : i + IDS_PER_CALL] for i in range(0, len(request_ids), IDS_PER_CALL)]
 
     async def renew(host: str, port: int, rank_engine_id: str) -> dict[str, float]:
         peer = await engine.connect(host, port, expected_engine_id=rank_engine_id)
-        return _expiries.decode(await engine.call(peer, LEASE_TOPIC, payload))
+        reply: dict[str, float] = {}
+        for chunk in chunks:
+            reply.update(_expiries.decode(await engine.call(peer, LEASE_TOPIC, _encode(chunk))))
+        return reply
 
     try:
-        replies = await asyncio.gather(*(renew(*address) for address in addresses))
-    except (HandshakeError, msgspec.DecodeError) as exc:
-        log.debug("lease renewal with %s failed: %s", engine_id, exc)
+        async with asyncio.TaskGroup() as group:  # one failing rank cancels the others' calls
+            tasks = [group.create_task(renew(*address)) for address in addresses]
+    except* (HandshakeError, msgspec.DecodeError) as failures:
+        error: BaseException = failures.exceptions[0]
+        log.debug("lease renewal with %s failed: %s", engine_id, error)
         if on_failure is not None:
-            on_failure(exc)
-        return
-    leases.learn(engine_id, request_ids, list(replies))
+            on_failure(error)
+        tasks = []
+    if tasks:
+        leases.learn(engine_id, request_ids, [task.result() for task in tasks])

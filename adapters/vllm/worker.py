@@ -260,7 +260,11 @@ class ConnectorWorker:
 
     def _start_heartbeat(self, engine_id: str, info: Any) -> None:
         """Renew the leases of requests still waiting to read from `engine_id` (on the loop)."""
-        ranks = remote_ranks(local_tp=self.tp_size, local_rank=self.tp_rank, remote_tp=int(info.tp_size))
+        try:
+            ranks = remote_ranks(local_tp=self.tp_size, local_rank=self.tp_rank, remote_tp=int(info.tp_size))
+        except LayoutError as exc:  # its reads will fail with the same error; never fail vLLM's step
+            log.warning("no lease renewal with %s: %s", engine_id, exc)
+            return
         addresses = [(info.host, int(info.port) + rank, rank_engine_id(engine_id, rank)) for rank in ranks]
         if engine_id in self._heartbeating:
             return  # the last round is still waiting on a slow or dead producer: no pile-up of rounds
@@ -268,8 +272,12 @@ class ConnectorWorker:
         self.sync.spawn(self._heartbeat_round, engine_id, addresses, sorted(info.req_ids))
 
     async def _heartbeat_round(self, engine: TransferEngine, engine_id: str, addresses: Any, ids: list[str]) -> None:
+        def failed(exc: BaseException) -> None:
+            log.warning("lease renewal with %s failed (%s): its requests keep the last acknowledged lease",
+                        engine_id, exc)  # fmt: skip
+
         try:
-            await heartbeat(engine, self._leases, engine_id, addresses, ids)
+            await heartbeat(engine, self._leases, engine_id, addresses, ids, on_failure=failed)
         finally:
             self._heartbeating.discard(engine_id)  # set.add/discard are atomic: no lock with the worker thread
 
@@ -396,7 +404,7 @@ class ConnectorWorker:
         self.sync.close()
 
 
-LEASE_MARGIN_S = 2.0  # at most: a read must start this long before the producer's lease ends
+LEASE_MARGIN_S = 2.0  # at most: a read must be done this long before the producer's lease ends
 
 
 def _failure_kind(error: BaseException) -> str:

@@ -94,3 +94,17 @@ def test_learned_leases_only_grow_until_gone_and_forget_what_is_no_longer_asked(
     assert leases.expiry("p", "a", 50.0) == 50.0, "a is no longer heartbeated: read or aborted, forgotten"
     leases.forget("p", "b")
     assert len(leases) == 0
+
+
+async def test_a_long_queue_is_renewed_in_several_calls(cluster):
+    """Thousands of waiting requests exceed one call's size limit: every one of them is still renewed."""
+    books, _producers, reader, addresses = cluster
+    ids = [f"cmpl-{i:08x}-0-{i:08x}" for i in range(3000)]  # ~90 KiB of ids: over the 64 KiB request limit
+    for book in books:
+        for request_id in ids:
+            book.hold(request_id, time.perf_counter() + 0.5)
+    leases = LearnedLeases()
+    failures = []
+    await heartbeat(reader, leases, "prefill", addresses, ids, on_failure=failures.append)
+    assert failures == []
+    assert all(leases.expiry("prefill", request_id, None) > time.time() + 1 for request_id in ids)
