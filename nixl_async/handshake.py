@@ -36,6 +36,7 @@ import secrets
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
+from typing import TypeVar
 
 import msgspec
 import zmq
@@ -55,6 +56,7 @@ log = logging.getLogger(__name__)
 ReplyFor = Callable[[messages.MetadataRequest], messages.MetadataReply]
 # A call handler answers one `CallRequest` (raising `Refusal` to refuse it).
 CallHandler = Callable[[messages.CallRequest], messages.CallReply]
+_Reply = TypeVar("_Reply", messages.MetadataReply, messages.CallReply)
 _NONCE_TTL_S = 10.0
 _MAX_RESTARTS = 5
 _MAX_NONCES = 4096
@@ -108,7 +110,6 @@ class HandshakeServer:
         self._on_notify = on_notify
         self._on_call = on_call
         self.notifications = 0
-        self.calls = 0
         self._socket: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
         self.host = ""
@@ -229,7 +230,9 @@ class HandshakeServer:
                 return identity, delimiter, _error("auth_failed", "authentication failed")
         try:
             if isinstance(request, messages.CallRequest):
-                return identity, delimiter, messages.encode(self._call(request))
+                if self._on_call is None:
+                    raise Refusal("no_handler", "this engine answers no calls")
+                return identity, delimiter, messages.encode(self._on_call(request))
             if self._on_request is not None:
                 self._on_request()
             reply = self._reply_for(request)
@@ -243,13 +246,6 @@ class HandshakeServer:
         session = self.guard.issue(request.engine_id)
         self.served += 1
         return identity, delimiter, messages.encode(msgspec.structs.replace(reply, notify_session=session))
-
-    def _call(self, request: messages.CallRequest) -> messages.CallReply:
-        if self._on_call is None:
-            raise Refusal("no_handler", "this engine answers no calls")
-        reply = self._on_call(request)
-        self.calls += 1
-        return reply
 
     def _take_notification(self, note: messages.NotifyMessage) -> None:
         if self._on_notify is None:
@@ -319,11 +315,7 @@ async def fetch_metadata(
     Raises `HandshakeTimeout` when no reply comes within `timeout`, `HandshakeRejected` for an
     error reply or a challenge we cannot answer, and `ProtocolError` for an undecodable reply.
     """
-    reply = await _ask(context, host, port, request, timeout=timeout, max_frame_bytes=max_frame_bytes, secret=secret)
-    if not isinstance(reply, messages.MetadataReply):
-        raise ProtocolError(
-            f"{host}:{port} answered a handshake with a {type(reply).__name__}", address=f"{host}:{port}"
-        )
+    reply = await _ask(context, host, port, request, messages.MetadataReply, timeout, max_frame_bytes, secret)
     if reply.version != messages.PROTOCOL_VERSION:
         raise ProtocolError(f"{host}:{port} speaks protocol version {reply.version}", address=f"{host}:{port}")
     return reply
@@ -340,10 +332,7 @@ async def call_peer(
     secret: bytes | None = None,
 ) -> messages.CallReply:
     """Send one call to the engine at host:port and return its reply; raises as `fetch_metadata`."""
-    reply = await _ask(context, host, port, request, timeout=timeout, max_frame_bytes=max_frame_bytes, secret=secret)
-    if not isinstance(reply, messages.CallReply):
-        raise ProtocolError(f"{host}:{port} answered a call with a {type(reply).__name__}", address=f"{host}:{port}")
-    return reply
+    return await _ask(context, host, port, request, messages.CallReply, timeout, max_frame_bytes, secret)
 
 
 async def _ask(
@@ -351,12 +340,15 @@ async def _ask(
     host: str,
     port: int,
     request: messages.Authenticated,
-    *,
+    expect: type[_Reply],
     timeout: float,
     max_frame_bytes: int,
     secret: bytes | None,
-) -> messages.MetadataReply | messages.CallReply:
-    """One exchange on a fresh DEALER, answering an authentication challenge once, bounded by `timeout`."""
+) -> _Reply:
+    """One exchange on a fresh DEALER, answering an authentication challenge once, bounded by `timeout`.
+
+    Raises `ProtocolError` unless the answer is an `expect`.
+    """
     address = f"{host}:{port}"
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -385,6 +377,8 @@ async def _ask(
     if isinstance(reply, messages.ErrorReply):
         raise HandshakeRejected(f"{address} refused the {_kind(request)} ({reply.code}): {reply.message}",
                                 address=address)  # fmt: skip
+    if not isinstance(reply, expect):
+        raise ProtocolError(f"{address} answered a {_kind(request)} with a {type(reply).__name__}", address=address)
     return reply
 
 

@@ -256,6 +256,14 @@ async def test_backpressure_waits_for_room(nixl_engine, nixl_peer_factory):
     await asyncio.gather(a.wait(), b.wait())
 
 
+async def test_wire_time_spans_a_read_in_flight_over_tcp(nixl_engine, nixl_peer_factory):
+    """`wire_seconds` (what the vLLM adapter reports as NIXL's transfer time) runs from the first post to DONE."""
+    _proc, peer = await _tcp_peer(nixl_engine, nixl_peer_factory, 64, 1 << 20)
+    result = await nixl_engine.read(peer, range(64), range(64))  # 64 MiB over TCP: in flight after the posts
+    assert result.slices > 1
+    assert result.post_seconds < result.wire_seconds <= result.seconds + 1e-3, result
+
+
 async def test_dead_peer_fails_the_transfer(nixl_engine, nixl_peer_factory):
     peer_proc = nixl_peer_factory(num_regions=1, num_blocks=64, block_len=1 << 20, tcp=True)
     nixl_engine.register("kv", _regions(1, 64, 1 << 20), block_len=1 << 20)
