@@ -951,7 +951,7 @@ class Checks:
                 block_len = regions[0][0].numel() * regions[0].element_size()
                 run_len = DECODE_BS * HEAD_DIM * regions[0].element_size()
                 geometry = KVGeometry(tp_size=2, tp_rank=r, block_size=DECODE_BS, part_len=block_len,
-                                      run_len=run_len, mla=False)  # fmt: skip
+                                      run_len=run_len, mla=False, kv_heads=HEADS)  # fmt: skip
                 job = RecvJob(request_id="req-d", remote_request_id="req-p", remote_engine_id="prefill", host=host,
                               port=port, remote_tp=1, local_blocks=local_blocks, remote_blocks=remote_blocks,
                               local_hit_blocks=None, expires_at=time.time() + 60)  # fmt: skip

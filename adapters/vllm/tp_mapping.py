@@ -1,14 +1,17 @@
 """Which remote ranks a worker reads, and which byte windows: pure translation, no I/O.
 
-vLLM shards KV heads across tensor-parallel ranks, and on the CPU backend a block of one layer
-is laid out head-major (``[heads, block_size, 2 * head_dim]``), so a rank's share of a block is
-one contiguous byte window. Reading between engines of different TP sizes is then a matter of
-windows (see `nixl_async.layout.BlockView`):
+vLLM shards KV heads across tensor-parallel ranks (rank r of TP t holds heads from
+``r * kv_heads // t``; once t exceeds the KV heads, each holds one head and ``t / kv_heads``
+ranks hold the same one). In a head-major block a rank's heads are one contiguous byte window
+(see `nixl_async.layout.BlockView`), so reading between engines of different TP sizes is a
+matter of windows, counted in heads:
 
-- reader TP > writer TP (ratio r): reader rank d reads writer rank ``d // r``, taking the
-  ``d % r``-th of r equal windows of each remote block into its whole local block;
-- reader TP < writer TP (ratio r): reader rank d reads writer ranks ``d*r .. d*r + r - 1``, each
-  whole remote block landing in the k-th of r windows of its local block;
+- reader TP >= writer TP: reader rank d reads writer rank ``d * writer_tp // reader_tp``,
+  taking the window of its own heads out of each remote block (all of it when both sides hold
+  the same heads, as with replicated heads);
+- reader TP < writer TP: reader rank d hears from writer ranks ``d*r .. d*r + r - 1``; it reads
+  the first of them holding each head group into that group's window of its local block and
+  only notifies the replicas (vLLM's NixlConnector refuses this case for attention models);
 - MLA (one latent cache replicated on every rank): whole blocks from one rank; the other ranks
   of the group are only notified, so they can free their copies.
 
@@ -48,13 +51,31 @@ def _ratio(big: int, small: int, what: str) -> int:
     return big // small
 
 
+def _heads_per_rank(kv_heads: int, tp: int) -> int:
+    """KV heads one rank of `tp` holds: an equal share, or one replicated head once TP exceeds them."""
+    if kv_heads <= 0 or (kv_heads % tp if tp <= kv_heads else tp % kv_heads):
+        raise LayoutError(f"{kv_heads} KV heads cannot be sharded over TP {tp} (nor replicated across it)")
+    return max(1, kv_heads // tp)
+
+
 def plan_reads(
-    *, local_tp: int, local_rank: int, remote_tp: int, local_part_len: int, remote_part_len: int, mla: bool = False
+    *,
+    local_tp: int,
+    local_rank: int,
+    remote_tp: int,
+    local_part_len: int,
+    remote_part_len: int,
+    kv_heads: int,
+    mla: bool = False,
 ) -> list[RankRead]:
     """The remote ranks a local rank must read (or notify), with matching views.
 
-    `*_part_len` are the bytes of one block part (a whole block, or one K/V half) on each side;
-    they must agree with the TP ratio, else `LayoutError` (e.g. different head counts per rank).
+    Rank r of TP t holds KV heads from ``r * kv_heads // t``: ``kv_heads / t`` of them, or one
+    (shared by ``t / kv_heads`` ranks) once TP exceeds the model's KV heads, as vLLM shards
+    them. Where several remote ranks hold the same heads, one is read and the others are only
+    notified, so they free their copies. `*_part_len` are the bytes of one block part (a whole
+    block, or one K/V half) on each side; they must hold the same bytes per head, else
+    `LayoutError`. `kv_heads` is ignored for MLA (one latent replicated on every rank).
     """
     if not 0 <= local_rank < local_tp or remote_tp <= 0:
         raise LayoutError(f"rank {local_rank} of TP {local_tp} reading TP {remote_tp} is not a valid placement")
@@ -67,24 +88,34 @@ def plan_reads(
         r = _ratio(remote_tp, local_tp, "MLA")
         first = local_rank * r
         return [RankRead(first + k, whole, whole, read=k == 0) for k in range(r)]
-    if local_tp >= remote_tp:
-        r = _ratio(local_tp, remote_tp, "heterogeneous TP")
-        if remote_part_len != r * local_part_len:
-            raise LayoutError(
-                f"a remote part of {remote_part_len} bytes does not hold {r} local parts of {local_part_len} bytes"
-            )
-        k = local_rank % r
-        window = ViewSpec(chunk_offset=k * local_part_len, chunk_len=local_part_len)
-        return [RankRead(local_rank // r, whole, window)]
-    r = _ratio(remote_tp, local_tp, "heterogeneous TP")
-    if local_part_len != r * remote_part_len:
+    local_heads, remote_heads = _heads_per_rank(kv_heads, local_tp), _heads_per_rank(kv_heads, remote_tp)
+    head_len, rest = divmod(local_part_len, local_heads)
+    if rest or remote_part_len != head_len * remote_heads:
         raise LayoutError(
-            f"a local part of {local_part_len} bytes does not hold {r} remote parts of {remote_part_len} bytes"
+            f"a local part of {local_part_len} bytes for {local_heads} heads and a remote part of "
+            f"{remote_part_len} bytes for {remote_heads} heads differ in bytes per head"
         )
-    return [
-        RankRead(local_rank * r + k, ViewSpec(chunk_offset=k * remote_part_len, chunk_len=remote_part_len), whole)
-        for k in range(r)
-    ]
+    local_first = local_rank * kv_heads // local_tp
+
+    def window(offset_heads: int, heads: int, part_heads: int) -> ViewSpec:
+        if offset_heads == 0 and heads == part_heads:
+            return whole
+        return ViewSpec(chunk_offset=offset_heads * head_len, chunk_len=heads * head_len)
+
+    if local_tp >= remote_tp:  # our heads are a window of one remote rank's
+        remote_rank = local_rank // _ratio(local_tp, remote_tp, "heterogeneous TP")
+        offset = local_first - remote_rank * kv_heads // remote_tp
+        return [RankRead(remote_rank, whole, window(offset, local_heads, remote_heads))]
+    # several remote ranks hold our heads: read the first holder of each head group, notify the rest
+    r = _ratio(remote_tp, local_tp, "heterogeneous TP")
+    steps, seen = [], set()
+    for remote_rank in range(local_rank * r, local_rank * r + r):
+        remote_first = remote_rank * kv_heads // remote_tp
+        fresh = remote_first not in seen
+        seen.add(remote_first)
+        local_view = window(remote_first - local_first, remote_heads, local_heads) if fresh else whole
+        steps.append(RankRead(remote_rank, local_view, whole, read=fresh))
+    return steps
 
 
 def remote_ranks(*, local_tp: int, local_rank: int, remote_tp: int) -> list[int]:

@@ -40,6 +40,7 @@ from nixl_async import (
     Transfer,
     TransferEngine,
     TransferResult,
+    ViewSpec,
 )
 
 from . import cpu_quirks
@@ -66,6 +67,7 @@ class KVGeometry:
     part_len: int  # bytes of one block part (one layer's block, or its K or V half)
     run_len: int | None  # bytes of one run a block-size ratio cuts (see kv_layout); None when token-major
     mla: bool
+    kv_heads: int  # the model's KV heads, all ranks together (vLLM shards or replicates them across TP)
     head_window: bool = True  # a rank's heads are one byte range of a block (heterogeneous TP can read it)
     ratio_refusal: str | None = None  # why smaller remote blocks cannot be placed, if they cannot
     pages_per_block: int = 1  # kernel pages vLLM split each logical block into (block_size is a page's)
@@ -231,8 +233,10 @@ class ConnectorWorker:
         )  # fmt: skip
         self.sync.register_layout(layout)
         self._regions = regions
-        self.geometry = KVGeometry(self.tp_size, self.tp_rank, page_size, layout.part_len, cache.run_len,
-                                   self.use_mla, cache.head_window, cache.ratio_refusal, pages)  # fmt: skip
+        self.geometry = KVGeometry(
+            self.tp_size, self.tp_rank, page_size, layout.part_len, cache.run_len, self.use_mla,
+            self.vllm_config.model_config.get_total_num_kv_heads(), cache.head_window, cache.ratio_refusal, pages,
+        )  # fmt: skip
         self.sync.set_extra(block_size=str(page_size), pages_per_block=str(pages), tp_size=str(self.tp_size),
                             tp_rank=str(self.tp_rank))  # fmt: skip
         host, port = self.sync.serve(self.settings.bind_host(), self.settings.side_channel_port + self.tp_rank)
@@ -448,13 +452,13 @@ async def receive(
     if ratio > 1 and geometry.ratio_refusal:
         raise LayoutError(f"remote blocks of {remote_block_size} tokens cannot fill ours of {geometry.block_size}: "
                           f"{geometry.ratio_refusal}")  # fmt: skip
-    if job.remote_tp != geometry.tp_size and not geometry.mla and not geometry.head_window:
-        raise LayoutError(f"TP {job.remote_tp} -> {geometry.tp_size}: a rank's heads are not one byte range of a "
-                          "block in this cache layout (heterogeneous TP needs LBHNC)")  # fmt: skip
     plan = plan_reads(
         local_tp=geometry.tp_size, local_rank=geometry.tp_rank, remote_tp=job.remote_tp, mla=geometry.mla,
-        local_part_len=geometry.part_len, remote_part_len=remote_layout.part_len * ratio,
+        kv_heads=geometry.kv_heads, local_part_len=geometry.part_len, remote_part_len=remote_layout.part_len * ratio,
     )  # fmt: skip
+    if not geometry.head_window and any(s.local != ViewSpec() or s.remote != ViewSpec() for s in plan if s.read):
+        raise LayoutError(f"TP {job.remote_tp} -> {geometry.tp_size}: a rank's heads are not one byte range of a "
+                          "block in this cache layout (heterogeneous TP needs LBHNC)")  # fmt: skip
     remote_blocks = select_remote_blocks(job, ratio)
     local_blocks = job.local_blocks
     if paged:  # a partly filled last block: read only the pages both sides have for the prompt

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from nixl_async import EngineConfig, LayoutError, TransferEngine
+from nixl_async import EngineConfig, LayoutError, TransferEngine, ViewSpec
 from nixl_async.testing import WaitNotifications, pattern_block
 from nixl_async_vllm.tp_mapping import expected_consumers, plan_reads
 
@@ -46,7 +46,7 @@ async def _decode_rank(rank, tp_p, tp_d, mla, prefill, message_for):
     async with TransferEngine(EngineConfig(engine_id=f"decode-rank{rank}")) as engine:
         engine.register("kv", caches, num_blocks=NUM_BLOCKS)
         plan = plan_reads(
-            local_tp=tp_d, local_rank=rank, remote_tp=tp_p, mla=mla,
+            local_tp=tp_d, local_rank=rank, remote_tp=tp_p, mla=mla, kv_heads=HEADS,
             local_part_len=_page(heads_d, mla), remote_part_len=_page(HEADS // tp_p, mla),
         )  # fmt: skip
         for step in plan:
@@ -101,26 +101,51 @@ async def test_every_byte_lands_where_vllm_expects_it(nixl_peer_factory, tp_p, t
 
 
 def test_plans_cover_each_case():
-    whole = plan_reads(local_tp=2, local_rank=1, remote_tp=2, local_part_len=512, remote_part_len=512)
+    whole = plan_reads(local_tp=2, local_rank=1, remote_tp=2, local_part_len=512, remote_part_len=512, kv_heads=4)
     assert [(s.remote_rank, s.remote.chunk_offset) for s in whole] == [(1, 0)]
-    up = plan_reads(local_tp=4, local_rank=3, remote_tp=2, local_part_len=256, remote_part_len=512)
+    up = plan_reads(local_tp=4, local_rank=3, remote_tp=2, local_part_len=256, remote_part_len=512, kv_heads=4)
     assert [(s.remote_rank, s.remote.chunk_offset, s.remote.chunk_len) for s in up] == [(1, 256, 256)]
-    down = plan_reads(local_tp=1, local_rank=0, remote_tp=2, local_part_len=1024, remote_part_len=512)
+    down = plan_reads(local_tp=1, local_rank=0, remote_tp=2, local_part_len=1024, remote_part_len=512, kv_heads=4)
     assert [(s.remote_rank, s.local.chunk_offset) for s in down] == [(0, 0), (1, 512)]
-    mla = plan_reads(local_tp=1, local_rank=0, remote_tp=4, local_part_len=64, remote_part_len=64, mla=True)
+    mla = plan_reads(local_tp=1, local_rank=0, remote_tp=4, local_part_len=64, remote_part_len=64, kv_heads=1,
+                     mla=True)  # fmt: skip
     assert [(s.remote_rank, s.read) for s in mla] == [(0, True), (1, False), (2, False), (3, False)]
     assert expected_consumers(remote_tp=1, local_tp=4) == 4 and expected_consumers(remote_tp=4, local_tp=1) == 1
+
+
+def test_replicated_heads_are_read_once_and_their_replicas_notified():
+    # 2 KV heads of 256 bytes; at TP 4 every rank holds one head, ranks (0, 1) head 0 and (2, 3) head 1
+    into_replicas = [
+        plan_reads(local_tp=4, local_rank=d, remote_tp=1, local_part_len=256, remote_part_len=512, kv_heads=2)
+        for d in range(4)
+    ]
+    assert [[(s.remote_rank, s.remote.chunk_offset, s.remote.chunk_len) for s in p] for p in into_replicas] == [
+        [(0, 0, 256)], [(0, 0, 256)], [(0, 256, 256)], [(0, 256, 256)]
+    ]
+    same_head = plan_reads(local_tp=4, local_rank=3, remote_tp=2, local_part_len=256, remote_part_len=256, kv_heads=2)
+    assert [(s.remote_rank, s.remote, s.local) for s in same_head] == [(1, ViewSpec(), ViewSpec())]
+    from_replicas = plan_reads(local_tp=1, local_rank=0, remote_tp=4, local_part_len=512, remote_part_len=256,
+                               kv_heads=2)  # fmt: skip
+    assert [(s.remote_rank, s.read, s.local.chunk_offset) for s in from_replicas] == [
+        (0, True, 0), (1, False, 0), (2, True, 256), (3, False, 0)
+    ]
+    half = plan_reads(local_tp=2, local_rank=1, remote_tp=4, local_part_len=256, remote_part_len=256, kv_heads=2)
+    assert [(s.remote_rank, s.read, s.local) for s in half] == [(2, True, ViewSpec()), (3, False, ViewSpec())]
 
 
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"local_tp": 3, "local_rank": 0, "remote_tp": 2, "local_part_len": 1, "remote_part_len": 1},
-        {"local_tp": 2, "local_rank": 0, "remote_tp": 1, "local_part_len": 512, "remote_part_len": 512},
-        {"local_tp": 2, "local_rank": 2, "remote_tp": 1, "local_part_len": 512, "remote_part_len": 1024},
-        {"local_tp": 1, "local_rank": 0, "remote_tp": 2, "local_part_len": 64, "remote_part_len": 32, "mla": True},
+        {"local_tp": 3, "local_rank": 0, "remote_tp": 2, "local_part_len": 1, "remote_part_len": 1, "kv_heads": 4},
+        {"local_tp": 3, "local_rank": 1, "remote_tp": 2, "local_part_len": 2, "remote_part_len": 3, "kv_heads": 6},
+        {"local_tp": 2, "local_rank": 0, "remote_tp": 1, "local_part_len": 512, "remote_part_len": 512, "kv_heads": 4},
+        {"local_tp": 2, "local_rank": 2, "remote_tp": 1, "local_part_len": 512, "remote_part_len": 1024, "kv_heads": 4},
+        {"local_tp": 4, "local_rank": 0, "remote_tp": 1, "local_part_len": 256, "remote_part_len": 1024, "kv_heads": 2},
+        {"local_tp": 3, "local_rank": 0, "remote_tp": 1, "local_part_len": 256, "remote_part_len": 512, "kv_heads": 2},
+        {"local_tp": 1, "local_rank": 0, "remote_tp": 2, "local_part_len": 64, "remote_part_len": 32, "kv_heads": 1,
+         "mla": True},
     ],
-)
+)  # fmt: skip
 def test_impossible_placements_are_refused(kwargs):
     with pytest.raises(LayoutError):
         plan_reads(**kwargs)

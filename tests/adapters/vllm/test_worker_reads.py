@@ -39,10 +39,19 @@ def _page(heads: int, block_size: int, mla: bool) -> int:
     return block_size * (MLA_ROW if mla else heads * ROW)
 
 
-def _expected(rank, tp_p, tp_d, mla, ratio, layer, local_index, backend="CPU_ATTN") -> np.ndarray:
+def _heads(kv_heads: int, tp: int) -> int:
+    return max(1, kv_heads // tp)  # beyond the model's KV heads, vLLM replicates one head per rank
+
+
+def _seed(p: int, tp_p: int, kv_heads: int) -> int:
+    """Prefill rank p's fill pattern, named by its first KV head: replicas of a head hold the same bytes."""
+    return 100 + p * kv_heads // tp_p
+
+
+def _expected(rank, tp_p, tp_d, mla, ratio, layer, local_index, backend="CPU_ATTN", kv_heads=HEADS) -> np.ndarray:
     """Bytes of decode rank `rank`'s local block `local_index` (of the request), token by token."""
     bs_p = LOCAL_BLOCK_SIZE // ratio
-    heads_p, heads_d = HEADS // tp_p, HEADS // tp_d
+    heads_p, heads_d = _heads(kv_heads, tp_p), _heads(kv_heads, tp_d)
     cpu = backend == "CPU_ATTN"
     if mla:
         out = np.zeros((LOCAL_BLOCK_SIZE, MLA_ROW), np.uint8)
@@ -61,8 +70,9 @@ def _expected(rank, tp_p, tp_d, mla, ratio, layer, local_index, backend="CPU_ATT
             out[t] = src[token]
             continue
         for h in range(heads_d):
-            p, hp = divmod(rank * heads_d + h, heads_p)
-            src = pattern_block(100 + p, layer, remote_block, _page(heads_p, bs_p, False))
+            head = rank * kv_heads // tp_d + h  # the model's head index
+            src = pattern_block(100 + head // heads_p * heads_p, layer, remote_block, _page(heads_p, bs_p, False))
+            hp = head % heads_p
             if cpu:
                 out[h, :, t] = src.reshape(heads_p, 2, bs_p, VEC)[hp, :, token]
             else:
@@ -70,8 +80,10 @@ def _expected(rank, tp_p, tp_d, mla, ratio, layer, local_index, backend="CPU_ATT
     return out.reshape(-1)
 
 
-async def _decode_rank(rank, tp_p, tp_d, mla, ratio, port, local_blocks, expires_at=None, backend="CPU_ATTN"):
-    heads_d = HEADS // tp_d
+async def _decode_rank(
+    rank, tp_p, tp_d, mla, ratio, port, local_blocks, expires_at=None, backend="CPU_ATTN", kv_heads=HEADS
+):
+    heads_d = _heads(kv_heads, tp_d)
     shape = (
         (NUM_BLOCKS, 1, LOCAL_BLOCK_SIZE, MLA_ROW // 2) if mla else (NUM_BLOCKS, heads_d, LOCAL_BLOCK_SIZE, ROW // 2)
     )
@@ -79,7 +91,7 @@ async def _decode_rank(rank, tp_p, tp_d, mla, ratio, port, local_blocks, expires
     cache = describe_cache(backend, "LBHNC", shape, caches[0].stride(), 2, num_kv_heads=heads_d, mla=mla)
     geometry = KVGeometry(
         tp_size=tp_d, tp_rank=rank, block_size=LOCAL_BLOCK_SIZE, part_len=cache.block_len, run_len=cache.run_len,
-        mla=mla, head_window=cache.head_window, ratio_refusal=cache.ratio_refusal,
+        mla=mla, kv_heads=kv_heads, head_window=cache.head_window, ratio_refusal=cache.ratio_refusal,
     )  # fmt: skip
     job = RecvJob(
         request_id="req-d", remote_request_id="req-p", remote_engine_id="prefill", host="127.0.0.1", port=port,
@@ -92,14 +104,14 @@ async def _decode_rank(rank, tp_p, tp_d, mla, ratio, port, local_blocks, expires
     return [c.view(torch.uint8).numpy().reshape(NUM_BLOCKS, -1) for c in caches], results
 
 
-def _spawn_prefill(factory, tp_p, mla, ratio):
+def _spawn_prefill(factory, tp_p, mla, ratio, kv_heads=HEADS):
     """(base port, prefill rank processes)."""
     port = free_port_base(4)
     bs_p = LOCAL_BLOCK_SIZE // ratio
     return port, [
         factory(
             engine_id=rank_engine_id("prefill", p), port=port + p, num_regions=LAYERS, num_blocks=NUM_BLOCKS,
-            block_len=_page(HEADS // tp_p, bs_p, mla), seed=100 if mla else 100 + p,
+            block_len=_page(_heads(kv_heads, tp_p), bs_p, mla), seed=100 if mla else _seed(p, tp_p, kv_heads),
             extra={"block_size": str(bs_p)},
         )
         for p in range(tp_p)
@@ -114,36 +126,44 @@ async def _assert_notified(prefill, readers: int) -> None:
 
 
 CASES = [
-    # tp_p, tp_d, mla, ratio (local block size / remote block size), attention backend
-    (1, 1, False, 1, "CPU_ATTN"),
-    (1, 2, False, 1, "CPU_ATTN"),
-    (2, 1, False, 1, "CPU_ATTN"),
-    (1, 2, True, 1, "TRITON_MLA"),
-    (2, 1, True, 1, "TRITON_MLA"),
-    (1, 1, True, 2, "TRITON_MLA"),
-    (1, 2, False, 1, "FLASH_ATTN"),
-    (1, 1, False, 2, "FLASH_ATTN"),
-    (1, 2, False, 2, "FLASH_ATTN"),
-    (2, 1, False, 2, "FLASH_ATTN"),
-    (1, 1, False, 4, "FLASH_ATTN"),
+    # tp_p, tp_d, mla, ratio (local block size / remote block size), attention backend, the model's KV heads
+    (1, 1, False, 1, "CPU_ATTN", HEADS),
+    (1, 2, False, 1, "CPU_ATTN", HEADS),
+    (2, 1, False, 1, "CPU_ATTN", HEADS),
+    (1, 2, True, 1, "TRITON_MLA", 1),
+    (2, 1, True, 1, "TRITON_MLA", 1),
+    (1, 1, True, 2, "TRITON_MLA", 1),
+    (1, 2, False, 1, "FLASH_ATTN", HEADS),
+    (1, 1, False, 2, "FLASH_ATTN", HEADS),
+    (1, 2, False, 2, "FLASH_ATTN", HEADS),
+    (2, 1, False, 2, "FLASH_ATTN", HEADS),
+    (1, 1, False, 4, "FLASH_ATTN", HEADS),
+    # TP beyond the KV heads: each rank holds one head, replicated on TP / heads ranks
+    (1, 4, False, 1, "FLASH_ATTN", 2),
+    (2, 4, False, 2, "FLASH_ATTN", 2),
+    (4, 1, False, 1, "CPU_ATTN", 2),
+    (4, 2, False, 2, "FLASH_ATTN", 2),
 ]
 
 
 @pytest.mark.parametrize(
-    ("tp_p", "tp_d", "mla", "ratio", "backend"), CASES, ids=[f"{n}-p{a}-d{b}-ratio{r}" for a, b, _, r, n in CASES]
+    ("tp_p", "tp_d", "mla", "ratio", "backend", "kv_heads"),
+    CASES,
+    ids=[f"{n}-p{a}-d{b}-ratio{r}-heads{k}" for a, b, _, r, n, k in CASES],
 )
-async def test_every_byte_lands_where_vllm_expects_it(nixl_peer_factory, tp_p, tp_d, mla, ratio, backend):
-    port, prefill = _spawn_prefill(nixl_peer_factory, tp_p, mla, ratio)
+async def test_every_byte_lands_where_vllm_expects_it(nixl_peer_factory, tp_p, tp_d, mla, ratio, backend, kv_heads):
+    port, prefill = _spawn_prefill(nixl_peer_factory, tp_p, mla, ratio, kv_heads)
     remote_left = len(REMOTE_BLOCKS) - LOCAL_HIT * ratio
     local_blocks = LOCAL_CANDIDATES[: -(-remote_left // ratio)]  # the tail block may be partly filled
     outcomes = await asyncio.gather(
-        *(_decode_rank(d, tp_p, tp_d, mla, ratio, port, local_blocks, backend=backend) for d in range(tp_d))
+        *(_decode_rank(d, tp_p, tp_d, mla, ratio, port, local_blocks, backend=backend, kv_heads=kv_heads)
+          for d in range(tp_d))
     )
     for rank, (caches, results) in enumerate(outcomes):
         assert results, "something must have been read"
         for layer, cache in enumerate(caches):
             for i, block in enumerate(local_blocks):
-                want = _expected(rank, tp_p, tp_d, mla, ratio, layer, i, backend)
+                want = _expected(rank, tp_p, tp_d, mla, ratio, layer, i, backend, kv_heads)
                 assert np.array_equal(cache[block], want), (rank, layer, i)
             untouched = [b for b in range(NUM_BLOCKS) if b not in local_blocks]
             assert not cache[untouched].any(), "blocks outside the request must stay untouched"
@@ -248,7 +268,8 @@ async def test_kernel_pages_smaller_than_the_block_are_read_page_by_page(nixl_pe
         cache = describe_cache("FLASH_ATTN", "LBHNC", shape, caches[0].stride(), 2, num_kv_heads=heads_d, mla=False)
         geometry = KVGeometry(
             tp_size=tp_d, tp_rank=rank, block_size=KERNEL_BLOCK, part_len=page_len, run_len=cache.run_len, mla=False,
-            head_window=cache.head_window, ratio_refusal=cache.ratio_refusal, pages_per_block=pages_per_block,
+            kv_heads=HEADS, head_window=cache.head_window, ratio_refusal=cache.ratio_refusal,
+            pages_per_block=pages_per_block,
         )  # fmt: skip
         job = RecvJob(
             request_id="req-d", remote_request_id="req-p", remote_engine_id="prefill", host="127.0.0.1", port=port,
