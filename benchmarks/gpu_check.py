@@ -930,6 +930,7 @@ class Checks:
     async def adapter_receive(self) -> dict[str, Any]:
         """`worker.receive` on two reader ranks (TP 2, blocks twice as large) from a TP 1 producer, all VRAM."""
         from nixl_async import EngineConfig, TransferEngine
+        from nixl_async_vllm.block_pairs import GroupBlocks
         from nixl_async_vllm.settings import rank_engine_id
         from nixl_async_vllm.tp_mapping import expected_consumers
         from nixl_async_vllm.worker import KVGeometry, RecvJob, receive
@@ -953,8 +954,8 @@ class Checks:
                 geometry = KVGeometry(tp_size=2, tp_rank=r, block_size=DECODE_BS, part_len=block_len,
                                       run_len=run_len, mla=False, kv_heads=HEADS)  # fmt: skip
                 job = RecvJob(request_id="req-d", remote_request_id="req-p", remote_engine_id="prefill", host=host,
-                              port=port, remote_tp=1, local_blocks=local_blocks, remote_blocks=remote_blocks,
-                              local_hit_blocks=None, expires_at=time.time() + 60)  # fmt: skip
+                              port=port, remote_tp=1, expires_at=time.time() + 60,
+                              groups=(GroupBlocks("full", local_blocks, remote_blocks, None),))  # fmt: skip
                 async with TransferEngine(EngineConfig(engine_id=f"decode/tp{r}", transfer_timeout_s=60.0)) as eng:
                     eng.register("kv", regions, block_len=block_len)
                     results = await receive(eng, geometry, job)

@@ -21,6 +21,7 @@ SCENARIOS: dict[str, tuple[str, bool]] = {
     "descriptors": ("descriptors", True),
     "inflight": ("inflight", True),
     "vllm": ("vllm", False),  # real vLLM servers: minutes; run it by name
+    "vllm_hybrid": ("vllm_hybrid", False),  # the same on hybrid models
 }
 
 

@@ -11,7 +11,8 @@ TTFT is the client's time to the first streamed token (for P/D: prefill call + t
 decode's first token); latency is the whole request. Each set-up is warmed up first (the
 first P/D request pays the handshake). Models are built locally: the tiny one (2 layers,
 ~100-token prompts: the transfer path's fixed overhead) and a larger one (8 layers, 8 KV heads,
-head_dim 128, ~2 k-token prompts, ~64 MiB of KV per request: transfer time matters).
+head_dim 128, ~2 k-token prompts, ~64 MiB of KV per request: transfer time matters). The
+``vllm_hybrid`` scenario runs the same on two hybrid models (`vllm_hybrid`).
 """
 
 from __future__ import annotations
@@ -123,12 +124,22 @@ def _measure(setup: str, spec: ModelSpec, model: str, prompts: dict[int, list[st
     return out
 
 
+# Hybrid models (vLLM's hybrid allocator on): sliding-window + full attention, and Qwen3-Next's
+# gated-delta-net state + full attention; ~250-token prompts, beyond the 64-token window.
+WINDOW = ModelSpec("hybrid-window", ("--sliding-window", "64", "--layers", "4"), 200, 512, 64 << 20)
+STATE = ModelSpec("hybrid-state", ("--arch", "qwen3_next", "--layers", "4"), 200, 512, 64 << 20)
+
+
 def run(quick: bool = False) -> Result:
+    return run_models([TINY] if quick else [TINY, LARGE], "vllm")
+
+
+def run_models(specs: list[ModelSpec], scenario: str) -> Result:
+    """Every set-up on each model of `specs`, one after the other."""
     try:
         import vllm  # noqa: F401
     except ImportError:
-        raise SystemExit("the vllm scenario needs real vLLM: bash scripts/setup-vllm.sh") from None
-    specs = [TINY] if quick else [TINY, LARGE]
+        raise SystemExit(f"the {scenario} scenario needs real vLLM: bash scripts/setup-vllm.sh") from None
     setups = ["nixl_async", "vllm", "single"]
     rows: list[list[Any]] = []
     metrics: dict[str, float] = {}
@@ -164,7 +175,7 @@ def run(quick: bool = False) -> Result:
             )
             ratios[f"{spec.name}_c{concurrency}_adapter_over_vllm_connector_ttft_p50_lower_is_better"] = ours / theirs
     return Result(
-        scenario="vllm",
+        scenario=scenario,
         columns=["setup", "TTFT p50 ms", "TTFT p99 ms", "latency p50 ms", "latency p99 ms"],
         rows=rows,
         metrics=metrics,

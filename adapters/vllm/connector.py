@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 __all__ = ["NixlAsyncConnector"]
 
 
-class NixlAsyncConnector(KVConnectorBase_V1):
+class NixlAsyncConnector(KVConnectorBase_V1, SupportsHMA):
     _cache_hit_source = CacheHitSource.P2P  # hits served by a peer, as vLLM's NixlConnector reports them
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
@@ -80,6 +81,12 @@ class NixlAsyncConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._sched().request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """With vLLM's hybrid allocator: a request's blocks in every KV cache group, held as one."""
+        return self._sched().request_finished(request, block_ids)
 
     def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
         return tuple(self._kv_cache_config.transfer_group_ids)

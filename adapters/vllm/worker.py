@@ -44,13 +44,14 @@ from nixl_async import (
 )
 
 from . import cpu_quirks
+from .block_pairs import GroupBlocks, in_kernel_pages, pair_blocks
 from .kv_layout import CacheLayout, describe_cache
 from .leases import LEASE_TOPIC, LearnedLeases, answer_renewal, heartbeat
 from .send_book import SendBook
 from .settings import AdapterSettings, rank_engine_id
 from .tp_mapping import RankRead, expected_consumers, plan_reads, remote_ranks, split_for_block_ratio
 
-__all__ = ["ConnectorWorker", "KVGeometry", "RecvJob", "receive", "select_remote_blocks"]
+__all__ = ["ConnectorWorker", "KVGeometry", "RecvJob", "receive", "transfer_groups"]
 
 log = logging.getLogger(f"vllm.{__name__}")  # under "vllm", so it shows in vLLM's log
 
@@ -71,6 +72,7 @@ class KVGeometry:
     head_window: bool = True  # a rank's heads are one byte range of a block (heterogeneous TP can read it)
     ratio_refusal: str | None = None  # why smaller remote blocks cannot be placed, if they cannot
     pages_per_block: int = 1  # kernel pages vLLM split each logical block into (block_size is a page's)
+    group_kinds: tuple[str, ...] = ("full",)  # vLLM's KV cache groups that transfer, in order (see block_pairs)
 
 
 @dataclass(frozen=True)
@@ -83,34 +85,18 @@ class RecvJob:
     host: str
     port: int
     remote_tp: int
-    local_blocks: list[int]
-    remote_blocks: list[int]
-    local_hit_blocks: int | None  # blocks the reader already had (prefix cache)
+    groups: tuple[GroupBlocks, ...]  # per KV cache group that transfers, in vLLM's order
     expires_at: float | None  # producer's wall clock
 
-
-def in_kernel_pages(job: RecvJob, local_pages: int, remote_pages: int) -> RecvJob:
-    """`job` with logical block ids turned into kernel page ids on each side (block b -> pages b*k .. b*k+k-1)."""
-
-    def pages(blocks: list[int], k: int) -> list[int]:
-        return [b * k + j for b in blocks for j in range(k)]
-
-    hit = None if job.local_hit_blocks is None else job.local_hit_blocks * local_pages
-    return dataclasses.replace(job, local_blocks=pages(job.local_blocks, local_pages),
-                               remote_blocks=pages(job.remote_blocks, remote_pages), local_hit_blocks=hit)  # fmt: skip
+    @property
+    def local_blocks(self) -> list[int]:
+        """Every local block the request receives into, all groups together."""
+        return [b for group in self.groups for b in group.local]
 
 
-def select_remote_blocks(job: RecvJob, ratio: int) -> list[int]:
-    """The producer blocks that fill `job.local_blocks` (a local prefix hit skips the head)."""
-    remote = job.remote_blocks
-    if job.local_hit_blocks is not None:
-        skip = job.local_hit_blocks * ratio
-    else:  # the local blocks cover the end of the prompt; the last remote group may be short
-        skip = max(0, (-(-len(remote) // ratio) - len(job.local_blocks)) * ratio)
-    return remote[skip:]
-
-
-def _kv_regions(kv_caches: dict[str, Any], num_blocks: int) -> tuple[list[Any], int, int]:
+def _kv_regions(
+    kv_caches: dict[str, Any], num_blocks: int, state_layers: frozenset[str] = frozenset()
+) -> tuple[list[Any], int, int]:
     """(per-layer tensors, bytes per kernel page, kernel pages per block) of vLLM's caches.
 
     When the attention kernel takes smaller blocks than the scheduler's, vLLM views each layer
@@ -118,24 +104,57 @@ def _kv_regions(kv_caches: dict[str, Any], num_blocks: int) -> tuple[list[Any], 
     block b is pages ``b * k ... b * k + k - 1`` (as NixlConnector maps them). We then register
     and read pages.
 
-    vLLM 0.32 hands one ``[blocks, heads, tokens, content]`` view per layer (see `kv_layout`), each
-    block dense. Layers sharing a cache alias the same memory: registered once.
+    vLLM 0.32 hands one ``[blocks, heads, tokens, content]`` view per attention layer (see
+    `kv_layout`), each block dense. Layers sharing a cache alias the same memory: registered
+    once. With the hybrid allocator, `state_layers` (Mamba, linear attention) view the same
+    pages with their state at the start of each page and padding after it: their pages are
+    registered (and read) whole.
     """
-    seen: set[int] = set()
-    regions: list[Any] = []
-    sizes = sorted({int(tensor.shape[0]) for tensor in kv_caches.values()})
+    attention = {name: t for name, t in kv_caches.items() if name not in state_layers}
+    sizes = sorted({int(tensor.shape[0]) for tensor in attention.values()})
     if len(sizes) != 1 or sizes[0] % num_blocks:
         raise LayoutError(f"KV caches of {sizes} blocks: expected {num_blocks} blocks, or kernel pages of them")
     num_pages = sizes[0]
-    for tensor in kv_caches.values():
-        if tensor.data_ptr() not in seen:
-            seen.add(tensor.data_ptr())
+    if state_layers and num_pages != num_blocks:
+        raise LayoutError("kernel pages smaller than the block beside state (Mamba) layers are not supported")
+    regions: list[Any] = []
+    page_len = 0
+    for name, tensor in [*attention.items(), *((name, kv_caches[name]) for name in sorted(state_layers))]:
+        page_len = page_len or tensor.stride(0) * tensor.element_size()
+        content = tensor[0].numel() * tensor.element_size()
+        padded = name in state_layers and content <= page_len
+        if tensor.stride(0) * tensor.element_size() != page_len or not (content == page_len or padded):
+            raise LayoutError(f"KV cache blocks must be dense and of equal size in every layer ({name} is not)")
+        if int(tensor.shape[0]) != num_pages:
+            raise LayoutError(f"layer {name} has {tensor.shape[0]} blocks, the others {num_pages}")
+        if all(tensor.data_ptr() != r.data_ptr() for r in regions):
             regions.append(tensor)
-    page_len = regions[0].stride(0) * regions[0].element_size()
-    for part in regions:
-        if part.stride(0) * part.element_size() != page_len or part[0].numel() * part.element_size() != page_len:
-            raise LayoutError("KV cache blocks must be dense and of equal size in every layer")
     return regions, page_len, num_pages // num_blocks
+
+
+def transfer_groups(kv_cache_config: Any) -> tuple[tuple[str, ...], frozenset[str]]:
+    """(kind of each KV cache group that transfers, in vLLM's order; names of its state layers).
+
+    Kinds are `block_pairs.KINDS`; a group of any other spec is refused by name, since we would
+    not know which of its blocks hold what.
+    """
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
+
+    kinds: list[str] = []
+    state: set[str] = set()
+    for group in kv_cache_config.transfer_groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, MambaSpec) and not spec.tp_replicated:
+            kinds.append("state")
+            state.update(group.layer_names)
+        elif isinstance(spec, SlidingWindowSpec):
+            kinds.append("window")
+        elif type(spec) in (FullAttentionSpec, MLAAttentionSpec):  # not their subclasses (sinks, RSWA...)
+            kinds.append("full")
+        else:
+            raise LayoutError(f"KV cache group of {type(spec).__name__} ({group.layer_names[:2]}...): not supported "
+                              "by the nixl_async adapter")  # fmt: skip
+    return tuple(kinds), frozenset(state)
 
 
 @dataclass(frozen=True)
@@ -147,10 +166,14 @@ class AttentionChoice:
     isa: str | None
 
     @classmethod
-    def of(cls, vllm_config: Any) -> AttentionChoice:
+    def of(cls, vllm_config: Any, layers: list[str] | None = None) -> AttentionChoice:
+        """The choice for attention `layers` (all by default; state layers have backends of their own)."""
         from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
 
-        backend = get_current_attn_backends(vllm_config)[0].get_name()
+        names = sorted({b.get_name() for b in get_current_attn_backends(vllm_config, layers)})
+        if len(names) != 1:
+            raise LayoutError(f"attention layers use backends {names}: the adapter reads one cache packing")
+        backend = names[0]
         layout = vllm_config.cache_config.get_resolved_kv_cache_layout().name
         isa = None
         if backend == "CPU_ATTN":  # its block packing depends on the ISA it picks
@@ -187,7 +210,10 @@ class ConnectorWorker:
         self.block_size = vllm_config.cache_config.block_size
         self.buffer_device = vllm_config.kv_transfer_config.kv_buffer_device
         self.vllm_config = vllm_config
-        self.attention = AttentionChoice.of(vllm_config)
+        self.group_kinds, self.state_layers = transfer_groups(kv_cache_config)
+        attention_layers = [name for group in kv_cache_config.transfer_groups for name in group.layer_names
+                            if name not in self.state_layers]  # fmt: skip
+        self.attention = AttentionChoice.of(vllm_config, attention_layers or None)
         self.sync = SyncEngine(
             self.settings.engine_config(rank_engine_id(engine_id, self.tp_rank), _compat(vllm_config, self.attention))
         )
@@ -212,13 +238,18 @@ class ConnectorWorker:
     # -- registration ----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         num_blocks = self.kv_cache_config.num_blocks
-        regions, block_len, pages = _kv_regions(kv_caches, num_blocks)
+        regions, block_len, pages = _kv_regions(kv_caches, num_blocks, self.state_layers)
         if self.block_size % pages:
             raise LayoutError(f"{pages} kernel pages do not divide a block of {self.block_size} tokens")
         page_size = self.block_size // pages
         first = regions[0]
-        cache = self.attention.describe(self.vllm_config, first)
+        attention = [t for name, t in kv_caches.items() if name not in self.state_layers]
+        if not attention:
+            raise LayoutError("a model with state layers only (no attention) is not supported by the adapter")
+        cache = self.attention.describe(self.vllm_config, attention[0])
         if first.device.type == "cuda" and self.buffer_device == "cpu":
+            if self.state_layers:
+                raise LayoutError("kv_buffer_device 'cpu' (host staging) with state (Mamba) layers is not supported")
             # Host staging: NIXL moves host copies; `wait_for_save` / receive copy to and from the device.
             self._device_caches = kv_caches
             self._host_caches = {
@@ -236,12 +267,14 @@ class ConnectorWorker:
         self.geometry = KVGeometry(
             self.tp_size, self.tp_rank, page_size, layout.part_len, cache.run_len, self.use_mla,
             self.vllm_config.model_config.get_total_num_kv_heads(), cache.head_window, cache.ratio_refusal, pages,
+            self.group_kinds,
         )  # fmt: skip
         self.sync.set_extra(block_size=str(page_size), pages_per_block=str(pages), tp_size=str(self.tp_size),
                             tp_rank=str(self.tp_rank))  # fmt: skip
         host, port = self.sync.serve(self.settings.bind_host(), self.settings.side_channel_port + self.tp_rank)
-        log.info("nixl_async worker %s rank %d: %d layers x %d blocks of %d bytes, serving %s:%d",
-                 self.engine_id, self.tp_rank, len(regions), num_blocks, block_len, host, port)  # fmt: skip
+        log.info("nixl_async worker %s rank %d: %d layers x %d blocks of %d bytes, KV cache groups %s, serving %s:%d",
+                 self.engine_id, self.tp_rank, len(regions), num_blocks, block_len, ",".join(self.group_kinds), host,
+                 port)  # fmt: skip
 
     def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:
         self._copy_blocks = copy_operation
@@ -292,7 +325,6 @@ class ConnectorWorker:
         remote = req.remote
         if remote is None:
             return
-        local = [int(b) for b in req.local_block_ids[0]] if req.local_block_ids else []
         job = RecvJob(
             request_id=request_id,
             remote_request_id=remote.request_id,
@@ -300,17 +332,28 @@ class ConnectorWorker:
             host=remote.host,
             port=int(remote.port),
             remote_tp=int(req.tp_size),
-            local_blocks=local,
-            remote_blocks=[int(b) for b in remote.block_ids[0]] if remote.block_ids else [],
-            local_hit_blocks=req.local_num_computed_blocks[0] if req.local_num_computed_blocks else None,
+            groups=self._group_blocks(req),
             expires_at=remote.blocks_expiry_time,
         )
         if req.awaiting_kvs:
-            self._awaiting[request_id] = local
+            self._awaiting[request_id] = job.local_blocks
         try:
             self.sync.submit(request_id, self._receive, job)
         except ValueError:  # the same request is still in flight (vLLM re-sent it): keep the first
             log.warning("request %s is already being received; ignoring the repeat", request_id)
+
+    def _group_blocks(self, req: Any) -> tuple[GroupBlocks, ...]:
+        """Each transfer group's blocks of `req` (empty lists for a full prefix hit)."""
+        local, remote = req.local_block_ids or (), req.remote.block_ids or ()
+        hits = req.local_num_computed_blocks  # per KV cache group, transferring or not
+        group_ids = self.kv_cache_config.transfer_group_ids
+        return tuple(
+            GroupBlocks(
+                kind, [int(b) for b in local[i]] if local else [], [int(b) for b in remote[i]] if remote else [],
+                int(hits[group_ids[i]]) if hits else None,
+            )
+            for i, kind in enumerate(self.group_kinds)
+        )  # fmt: skip
 
     async def _receive(self, engine: TransferEngine, job: RecvJob) -> None:
         if self.geometry is None:
@@ -328,7 +371,7 @@ class ConnectorWorker:
         if not self._host_caches or self._copy_blocks is None or metadata is None:
             return
         for req in metadata.reqs_to_save.values():
-            ids = [int(b) for b in req.local_block_ids[0]]
+            ids = [int(b) for group in req.local_block_ids for b in group]
             if ids:
                 self._copy_blocks(self._device_caches, self._host_caches, ids, ids, "d2h")
 
@@ -352,7 +395,10 @@ class ConnectorWorker:
             self._record(_failure_kind(error), 1)
             blocks = self._awaiting.pop(request_id, None)
             if blocks is not None:
-                self._invalid_blocks.update(blocks)
+                if len(self.kv_cache_config.kv_cache_groups) == 1:
+                    # Block ids are unique only within a group: with several, vLLM takes the
+                    # request alone (failed_recving) and stops its engine on block ids.
+                    self._invalid_blocks.update(blocks)
                 recving.add(request_id)
                 failed.add(request_id)
         return self._finished_sending(), recving, failed
@@ -442,8 +488,9 @@ async def receive(
     first = await _connect(engine, job, ranks[0])  # every producer rank has the same geometry
     remote_pages = int(first.extra.get("pages_per_block", "1"))
     paged = geometry.pages_per_block > 1 or remote_pages > 1
+    groups = job.groups
     if paged:  # read kernel pages: block sizes, ratios and head windows below are a page's
-        job = in_kernel_pages(job, geometry.pages_per_block, remote_pages)
+        groups = tuple(in_kernel_pages(g, geometry.pages_per_block, remote_pages) for g in groups)
     remote_layout = first.layout(LAYOUT)
     remote_block_size = int(first.extra.get("block_size", geometry.block_size))
     if remote_block_size <= 0 or geometry.block_size % remote_block_size:
@@ -452,6 +499,12 @@ async def receive(
     if ratio > 1 and geometry.ratio_refusal:
         raise LayoutError(f"remote blocks of {remote_block_size} tokens cannot fill ours of {geometry.block_size}: "
                           f"{geometry.ratio_refusal}")  # fmt: skip
+    if ratio > 1 and len(groups) > 1:
+        raise LayoutError(f"remote blocks of {remote_block_size} tokens cannot fill ours of {geometry.block_size} "
+                          "with several KV cache groups (hybrid models need equal block sizes)")  # fmt: skip
+    if "state" in geometry.group_kinds and job.remote_tp != geometry.tp_size:
+        raise LayoutError(f"TP {job.remote_tp} -> {geometry.tp_size}: state (Mamba / linear attention) groups need "
+                          "equal TP on both sides, as vLLM requires")  # fmt: skip
     plan = plan_reads(
         local_tp=geometry.tp_size, local_rank=geometry.tp_rank, remote_tp=job.remote_tp, mla=geometry.mla,
         kv_heads=geometry.kv_heads, local_part_len=geometry.part_len, remote_part_len=remote_layout.part_len * ratio,
@@ -459,11 +512,11 @@ async def receive(
     if not geometry.head_window and any(s.local != ViewSpec() or s.remote != ViewSpec() for s in plan if s.read):
         raise LayoutError(f"TP {job.remote_tp} -> {geometry.tp_size}: a rank's heads are not one byte range of a "
                           "block in this cache layout (heterogeneous TP needs LBHNC)")  # fmt: skip
-    remote_blocks = select_remote_blocks(job, ratio)
-    local_blocks = job.local_blocks
-    if paged:  # a partly filled last block: read only the pages both sides have for the prompt
-        pairs = min(len(local_blocks), -(-len(remote_blocks) // ratio))
-        local_blocks, remote_blocks = local_blocks[:pairs], remote_blocks[: pairs * ratio]
+    local_blocks, remote_blocks = [], []  # every group's pairs; one read per rank carries them all
+    for blocks in groups:
+        local, remote = pair_blocks(blocks, ratio, paged=paged)
+        local_blocks += local
+        remote_blocks += remote
     lease = None if job.expires_at is None else job.expires_at - lease_margin_s
     peers = await asyncio.gather(*(_connect(engine, job, step.remote_rank) for step in plan))
     results: list[TransferResult] = []

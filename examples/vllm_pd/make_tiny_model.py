@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -85,9 +86,18 @@ def build(
     intermediate: int | None = None,
     vocab: int = 512,
     max_positions: int = 4096,
+    sliding_window: int | None = None,
 ) -> LlamaConfig:
-    """Write config, bf16 safetensors weights and tokenizer to out_dir; returns the config."""
+    """Write config, bf16 safetensors weights and tokenizer to out_dir; returns the config.
+
+    `sliding_window`: even layers attend only to that many recent tokens (``layer_types``
+    alternating sliding / full, as Gemma and gpt-oss do), so vLLM runs two KV cache groups.
+    """
     tokenizer = train_tokenizer(vocab)
+    hybrid = {}
+    if sliding_window is not None:
+        kinds = ("sliding_attention", "full_attention")
+        hybrid = {"sliding_window": sliding_window, "layer_types": [kinds[i % 2] for i in range(layers)]}
     config = LlamaConfig(
         vocab_size=len(tokenizer),  # must match the tokenizer exactly, whatever size training reached
         hidden_size=hidden,
@@ -102,9 +112,37 @@ def build(
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
         dtype="bfloat16",  # transformers 5 name of the former torch_dtype; vLLM's dtype="auto" reads it
+        **hybrid,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    return config
+
+
+def build_qwen3_next(out_dir: Path, *, seed: int = 0, layers: int = 4, hidden: int = 128, vocab: int = 512) -> Any:
+    """A tiny Qwen3-Next: gated-delta-net (linear attention) layers alternating with full attention, MoE MLPs.
+
+    vLLM then keeps a Mamba-like state group beside the attention group. Its CPU kernels want bf16
+    and a head dim of 64; its loader wants MoE layers, so the MLPs are 4 tiny experts.
+    """
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    tokenizer = train_tokenizer(vocab)
+    config = Qwen3NextConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        layer_types=[("linear_attention", "full_attention")[i % 2] for i in range(layers)],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden // 2,
+        shared_expert_intermediate_size=hidden // 2, max_position_embeddings=4096,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False, dtype="bfloat16",
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = Qwen3NextForCausalLM(config).to(torch.bfloat16).eval()
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
@@ -123,7 +161,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--intermediate", type=int, default=None, help="MLP width (default 4 * hidden)")
     parser.add_argument("--vocab", type=int, default=512, help="upper bound for the BPE vocabulary")
     parser.add_argument("--max-positions", type=int, default=4096)
+    parser.add_argument("--sliding-window", type=int, default=None, help="alternate sliding-window layers")
+    parser.add_argument("--arch", choices=("llama", "qwen3_next"), default="llama",
+                        help="qwen3_next: linear-attention (state) layers alternating with full attention")
     args = parser.parse_args(argv)
+    if args.arch == "qwen3_next":
+        build_qwen3_next(args.out_dir, seed=args.seed, layers=args.layers, hidden=args.hidden, vocab=args.vocab)
+        print(f"wrote {args.out_dir}: qwen3_next, {args.layers} layers, hidden {args.hidden}, seed {args.seed}")
+        return
     config = build(
         args.out_dir,
         seed=args.seed,
@@ -135,6 +180,7 @@ def main(argv: list[str] | None = None) -> None:
         intermediate=args.intermediate,
         vocab=args.vocab,
         max_positions=args.max_positions,
+        sliding_window=args.sliding_window,
     )
     print(
         f"wrote {args.out_dir}: llama, {config.num_hidden_layers} layers, hidden {config.hidden_size}, "

@@ -25,13 +25,12 @@ import pytest
 if os.environ.get("NIXL_ASYNC_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm", reason="vLLM not installed (bash scripts/setup-vllm.sh)")
 
-import aiohttp
-
 from nixl_async_vllm.launch import ProxyProcess, VllmServer, kv_transfer_config, make_prompt
+
+from .pd_client import MAX_TOKENS, complete, counter, post, prefill_only
 
 pytestmark = pytest.mark.vllm
 
-MAX_TOKENS = 12
 SECRET = "pd-test-secret-0123456789"
 LEASE_S = 3
 DECODE_SEQS = 2  # decode runs 2 requests at a time, so a queue of long ones keeps it busy
@@ -81,45 +80,15 @@ def cluster(tmp_path_factory):
             server.kill()
 
 
-async def _complete(url: str, prompt: str, model: str, timeout: float = 120, **fields) -> dict:
-    status, reply = await _post(url, {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-                                      **fields}, timeout)  # fmt: skip
-    assert status == 200, reply
-    return reply
-
-
-async def _post(url: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
-    timeout_cfg = aiohttp.ClientTimeout(total=timeout)
-    async with (
-        aiohttp.ClientSession(timeout=timeout_cfg) as session,
-        session.post(f"{url}/v1/completions", json=body) as reply,
-    ):
-        return reply.status, await reply.json(content_type=None)
-
-
-async def _prefill_only(server: VllmServer, prompt: str, model: str) -> dict:
-    """What the proxy's first leg does: prefill computes and holds the KV; its transfer params."""
-    reply = await _complete(server.url, prompt, model, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
-    params = reply["kv_transfer_params"]
-    assert params["remote_block_ids"], params
-    return params
-
-
 async def _keep_busy(server: VllmServer, model: str, seconds: float) -> list[asyncio.Task]:
     """Queue long requests on `server` so that a request sent next waits about `seconds`."""
     body = {"model": model, "prompt": "busy", "max_tokens": 480, "temperature": 0, "ignore_eos": True}
     started = time.monotonic()
-    await asyncio.gather(*(_post(server.url, body) for _ in range(DECODE_SEQS)))  # one wave, timed
+    await asyncio.gather(*(post(server.url, body) for _ in range(DECODE_SEQS)))  # one wave, timed
     waves = math.ceil(seconds / (time.monotonic() - started)) + 1
-    tasks = [asyncio.create_task(_post(server.url, body, timeout=600)) for _ in range(waves * DECODE_SEQS)]
+    tasks = [asyncio.create_task(post(server.url, body, timeout=600)) for _ in range(waves * DECODE_SEQS)]
     await asyncio.sleep(0.5)  # queued before whatever comes next
     return tasks
-
-
-def _counter(server: VllmServer, name: str) -> float:
-    value = server.metric(name)
-    assert value is not None, f"{name} missing from {server.url}/metrics"
-    return value
 
 
 def _model(root: Path) -> str:
@@ -130,8 +99,8 @@ async def test_decode_tokens_equal_a_single_instance(cluster):
     root, servers, proxy, _extra = cluster
     lengths = []
     for prompt in PROMPTS:
-        want = await _complete(servers["single"].url, prompt, _model(root))
-        got = await _complete(proxy.url, prompt, _model(root))
+        want = await complete(servers["single"].url, prompt, _model(root))
+        got = await complete(proxy.url, prompt, _model(root))
         lengths.append(want["usage"]["prompt_tokens"])
         assert got["choices"][0]["text"] == want["choices"][0]["text"], prompt
     assert min(lengths) < 128 < 2 * 128 < max(lengths), f"prompt lengths {lengths} must cover <1 and >2 blocks"
@@ -141,8 +110,8 @@ async def test_partial_prefix_hit_on_decode_reads_only_the_rest(cluster):
     root, servers, proxy, _extra = cluster
     base = make_prompt("shared head", 200)  # >2 blocks; the second request shares its first blocks
     for prompt in (base, base + " and then the story goes on with the baker", base):
-        want = await _complete(servers["single"].url, prompt, _model(root))
-        got = await _complete(proxy.url, prompt, _model(root))
+        want = await complete(servers["single"].url, prompt, _model(root))
+        got = await complete(proxy.url, prompt, _model(root))
         assert got["choices"][0]["text"] == want["choices"][0]["text"]
 
 
@@ -155,71 +124,71 @@ async def test_prefill_frees_blocks_once_decode_has_read_them(cluster):
         time.sleep(0.5)
         usage = servers["prefill"].metric("vllm:kv_cache_usage_perc")
     assert usage == 0.0, f"prefill still holds {usage:.1%} of its KV cache"
-    assert _counter(servers["prefill"], "vllm:nixl_num_kv_expired_reqs_total") == 0
+    assert counter(servers["prefill"], "vllm:nixl_num_kv_expired_reqs_total") == 0
 
 
 async def test_both_servers_export_nixl_connector_metrics_under_vllm_names(cluster):
     _root, servers, _proxy, _extra = cluster
     decode, prefill = servers["decode"], servers["prefill"]
-    assert _counter(decode, "vllm:nixl_xfer_time_seconds_count") >= len(PROMPTS)  # one per read rank and request
-    assert 0 < _counter(decode, "vllm:nixl_xfer_time_seconds_sum") < 60
-    reads = _counter(decode, "vllm:nixl_xfer_time_seconds_count")
-    assert _counter(decode, "vllm:nixl_post_time_seconds_count") == reads
-    assert _counter(decode, "vllm:nixl_bytes_transferred_sum") > 0
-    assert _counter(decode, "vllm:nixl_num_descriptors_sum") > 0
+    assert counter(decode, "vllm:nixl_xfer_time_seconds_count") >= len(PROMPTS)  # one per read rank and request
+    assert 0 < counter(decode, "vllm:nixl_xfer_time_seconds_sum") < 60
+    reads = counter(decode, "vllm:nixl_xfer_time_seconds_count")
+    assert counter(decode, "vllm:nixl_post_time_seconds_count") == reads
+    assert counter(decode, "vllm:nixl_bytes_transferred_sum") > 0
+    assert counter(decode, "vllm:nixl_num_descriptors_sum") > 0
     for server in (decode, prefill):
         for name in ("vllm:nixl_num_failed_transfers_total", "vllm:nixl_num_failed_notifications_total"):
-            assert _counter(server, name) == 0, name
-    assert _counter(prefill, "vllm:nixl_xfer_time_seconds_count") == 0, "the producer moves nothing itself"
+            assert counter(server, name) == 0, name
+    assert counter(prefill, "vllm:nixl_xfer_time_seconds_count") == 0, "the producer moves nothing itself"
 
 
 async def test_a_request_waiting_longer_than_the_lease_keeps_its_kv(cluster):
     """Decode busy for over 3 leases: its heartbeats keep prefill's blocks, and the read succeeds."""
     root, servers, proxy, _extra = cluster
     prompt = make_prompt("a patient request", 150)
-    want = await _complete(servers["single"].url, prompt, _model(root))
+    want = await complete(servers["single"].url, prompt, _model(root))
     failures = (root / "decode.log").read_text(errors="replace").count("KV load failure")
     blockers = await _keep_busy(servers["decode"], _model(root), seconds=12)
     started = time.monotonic()
-    got = await _complete(proxy.url, prompt, _model(root), timeout=300)
+    got = await complete(proxy.url, prompt, _model(root), timeout=300)
     waited = time.monotonic() - started
     await asyncio.gather(*blockers)
     assert waited >= 10, f"decode reached the request after {waited:.1f}s: not kept busy long enough"
     assert got["choices"][0]["text"] == want["choices"][0]["text"]
     assert (root / "decode.log").read_text(errors="replace").count("KV load failure") == failures
-    assert _counter(servers["prefill"], "vllm:nixl_num_kv_expired_reqs_total") == 0
-    assert _counter(servers["decode"], "vllm:nixl_num_kv_expired_reqs_total") == 0
+    assert counter(servers["prefill"], "vllm:nixl_num_kv_expired_reqs_total") == 0
+    assert counter(servers["decode"], "vllm:nixl_num_kv_expired_reqs_total") == 0
 
 
 async def test_a_read_after_the_lease_is_refused_and_fails_the_request(cluster):
     """kv_load_failure_policy "fail": KV whose lease ran out is never read; the request errors, quickly."""
     root, servers, _proxy, _extra = cluster
     prompt = make_prompt("too late", 90)
-    params = await _prefill_only(servers["prefill"], prompt, _model(root))
+    params = await prefill_only(servers["prefill"], prompt, _model(root))
     await asyncio.sleep(LEASE_S + 1)  # nobody heartbeats it: prefill frees the blocks
     started = time.monotonic()
     body = {"model": _model(root), "prompt": prompt, "max_tokens": MAX_TOKENS, "kv_transfer_params": params}
-    status, reply = await _post(servers["decode"].url, body)
+    status, reply = await post(servers["decode"].url, body)
     assert status == 500, reply
     assert time.monotonic() - started < 10
-    assert _counter(servers["prefill"], "vllm:nixl_num_kv_expired_reqs_total") == 1
-    assert _counter(servers["decode"], "vllm:nixl_num_kv_expired_reqs_total") == 1, "decode refused to read"
-    assert _counter(servers["decode"], "vllm:nixl_num_failed_transfers_total") == 0, "nothing was read or failed"
-    await _complete(servers["decode"].url, make_prompt("after the refusal", 20), _model(root))
+    assert counter(servers["prefill"], "vllm:nixl_num_kv_expired_reqs_total") == 1
+    assert counter(servers["decode"], "vllm:nixl_num_kv_expired_reqs_total") == 1, "decode refused to read"
+    assert counter(servers["decode"], "vllm:nixl_num_failed_transfers_total") == 0, "nothing was read or failed"
+    await complete(servers["decode"].url, make_prompt("after the refusal", 20), _model(root))
 
 
 async def test_prefill_with_other_weights_changes_decode_output(cluster):
     """Decode really used prefill's KV: a prefill running other weights changes decode's tokens."""
     root, servers, proxy, _extra = cluster
     prompts = [make_prompt(f"weights check {i}", 40 + 20 * i) for i in range(6)]
-    want = [(await _complete(servers["single"].url, p, _model(root)))["choices"][0]["text"] for p in prompts]
+    want = [(await complete(servers["single"].url, p, _model(root)))["choices"][0]["text"] for p in prompts]
     prefill = servers["prefill"]
     prefill.kill()
     (root / "model").unlink()
     (root / "model").symlink_to(root / "model-b")
     prefill.start()
     prefill.wait_ready(300)
-    got = [(await _complete(proxy.url, p, _model(root)))["choices"][0]["text"] for p in prompts]
+    got = [(await complete(proxy.url, p, _model(root)))["choices"][0]["text"] for p in prompts]
     changed = sum(a != b for a, b in zip(want, got, strict=True))
     assert changed >= len(prompts) - 1, f"only {changed} of {len(prompts)} outputs changed: {got}"
 
@@ -228,11 +197,11 @@ async def test_a_killed_decode_lets_prefill_free_the_blocks_within_a_lease(clust
     """Decode's heartbeats held prefill's blocks past the lease; once decode is gone they go within one."""
     root, servers, _proxy, extra = cluster
     prefill, decode = servers["prefill"], servers["decode"]
-    expired = _counter(prefill, "vllm:nixl_num_kv_expired_reqs_total")
+    expired = counter(prefill, "vllm:nixl_num_kv_expired_reqs_total")
     blockers = await _keep_busy(decode, _model(root), seconds=15)
     prompt = make_prompt("abandoned", 120)
-    params = await _prefill_only(prefill, prompt, _model(root))
-    waiting = asyncio.create_task(_post(decode.url, {"model": _model(root), "prompt": prompt, "max_tokens": 4,
+    params = await prefill_only(prefill, prompt, _model(root))
+    waiting = asyncio.create_task(post(decode.url, {"model": _model(root), "prompt": prompt, "max_tokens": 4,
                                                      "kv_transfer_params": params}, timeout=600))  # fmt: skip
     await asyncio.sleep(LEASE_S + 2)
     assert prefill.metric("vllm:kv_cache_usage_perc"), "renewed by decode's heartbeats: still held"
@@ -243,7 +212,7 @@ async def test_a_killed_decode_lets_prefill_free_the_blocks_within_a_lease(clust
     freed_after = time.monotonic() - killed
     assert prefill.metric("vllm:kv_cache_usage_perc") == 0.0
     assert freed_after <= LEASE_S + 0.5, f"freed {freed_after:.1f}s after decode died"
-    assert _counter(prefill, "vllm:nixl_num_kv_expired_reqs_total") == expired + 1
+    assert counter(prefill, "vllm:nixl_num_kv_expired_reqs_total") == expired + 1
     for task in (*blockers, waiting):
         task.cancel()
     await asyncio.gather(*blockers, waiting, return_exceptions=True)
@@ -258,17 +227,17 @@ async def test_a_killed_decode_lets_prefill_free_the_blocks_within_a_lease(clust
 async def test_with_recompute_a_request_whose_prefill_died_is_computed_by_decode(cluster):
     root, servers, _proxy, _extra = cluster
     prompt = make_prompt("orphan", 80)
-    want = await _complete(servers["single"].url, prompt, _model(root))
-    params = await _prefill_only(servers["prefill"], prompt, _model(root))
+    want = await complete(servers["single"].url, prompt, _model(root))
+    params = await prefill_only(servers["prefill"], prompt, _model(root))
     servers["prefill"].kill()
     started = time.monotonic()
-    got = await _complete(servers["decode"].url, prompt, _model(root), kv_transfer_params=params)
+    got = await complete(servers["decode"].url, prompt, _model(root), kv_transfer_params=params)
     elapsed = time.monotonic() - started
     assert elapsed < 30, f"took {elapsed:.1f}s"
     assert got["choices"][0]["text"] == want["choices"][0]["text"], "recomputed locally: the same tokens"
     # decode's connector reported the load failed (prefill is gone) with its blocks invalid; vLLM recomputed them
     assert "failed: HandshakeTimeout" in (root / "decode.log").read_text(errors="replace")
-    assert _counter(servers["decode"], "vllm:nixl_num_failed_transfers_total") == 1, "the handshake failed"
+    assert counter(servers["decode"], "vllm:nixl_num_failed_transfers_total") == 1, "the handshake failed"
 
 
 def test_the_shared_secret_never_reaches_a_log(cluster):

@@ -120,14 +120,20 @@ def test_replicated_heads_are_read_once_and_their_replicas_notified():
         for d in range(4)
     ]
     assert [[(s.remote_rank, s.remote.chunk_offset, s.remote.chunk_len) for s in p] for p in into_replicas] == [
-        [(0, 0, 256)], [(0, 0, 256)], [(0, 256, 256)], [(0, 256, 256)]
+        [(0, 0, 256)],
+        [(0, 0, 256)],
+        [(0, 256, 256)],
+        [(0, 256, 256)],
     ]
     same_head = plan_reads(local_tp=4, local_rank=3, remote_tp=2, local_part_len=256, remote_part_len=256, kv_heads=2)
     assert [(s.remote_rank, s.remote, s.local) for s in same_head] == [(1, ViewSpec(), ViewSpec())]
     from_replicas = plan_reads(local_tp=1, local_rank=0, remote_tp=4, local_part_len=512, remote_part_len=256,
                                kv_heads=2)  # fmt: skip
     assert [(s.remote_rank, s.read, s.local.chunk_offset) for s in from_replicas] == [
-        (0, True, 0), (1, False, 0), (2, True, 256), (3, False, 0)
+        (0, True, 0),
+        (1, False, 0),
+        (2, True, 256),
+        (3, False, 0),
     ]
     half = plan_reads(local_tp=2, local_rank=1, remote_tp=4, local_part_len=256, remote_part_len=256, kv_heads=2)
     assert [(s.remote_rank, s.read, s.local) for s in half] == [(2, True, ViewSpec()), (3, False, ViewSpec())]

@@ -21,6 +21,7 @@ import torch
 
 from nixl_async import EngineConfig, LayoutError, LeaseExpired, TransferEngine
 from nixl_async.testing import WaitNotifications, free_port_base, pattern_block
+from nixl_async_vllm.block_pairs import GroupBlocks
 from nixl_async_vllm.kv_layout import describe_cache
 from nixl_async_vllm.settings import rank_engine_id
 from nixl_async_vllm.tp_mapping import expected_consumers
@@ -95,8 +96,7 @@ async def _decode_rank(
     )  # fmt: skip
     job = RecvJob(
         request_id="req-d", remote_request_id="req-p", remote_engine_id="prefill", host="127.0.0.1", port=port,
-        remote_tp=tp_p, local_blocks=local_blocks, remote_blocks=REMOTE_BLOCKS, local_hit_blocks=LOCAL_HIT,
-        expires_at=expires_at,
+        remote_tp=tp_p, groups=(GroupBlocks("full", local_blocks, REMOTE_BLOCKS, LOCAL_HIT),), expires_at=expires_at,
     )  # fmt: skip
     async with TransferEngine(EngineConfig(engine_id=f"decode/tp{rank}")) as engine:
         engine.register("kv", caches, num_blocks=NUM_BLOCKS)
@@ -156,8 +156,10 @@ async def test_every_byte_lands_where_vllm_expects_it(nixl_peer_factory, tp_p, t
     remote_left = len(REMOTE_BLOCKS) - LOCAL_HIT * ratio
     local_blocks = LOCAL_CANDIDATES[: -(-remote_left // ratio)]  # the tail block may be partly filled
     outcomes = await asyncio.gather(
-        *(_decode_rank(d, tp_p, tp_d, mla, ratio, port, local_blocks, backend=backend, kv_heads=kv_heads)
-          for d in range(tp_d))
+        *(
+            _decode_rank(d, tp_p, tp_d, mla, ratio, port, local_blocks, backend=backend, kv_heads=kv_heads)
+            for d in range(tp_d)
+        )
     )
     for rank, (caches, results) in enumerate(outcomes):
         assert results, "something must have been read"
@@ -273,8 +275,7 @@ async def test_kernel_pages_smaller_than_the_block_are_read_page_by_page(nixl_pe
         )  # fmt: skip
         job = RecvJob(
             request_id="req-d", remote_request_id="req-p", remote_engine_id="prefill", host="127.0.0.1", port=port,
-            remote_tp=tp_p, local_blocks=local_blocks, remote_blocks=remote_blocks,
-            local_hit_blocks=LOCAL_HIT, expires_at=None,
+            remote_tp=tp_p, groups=(GroupBlocks("full", local_blocks, remote_blocks, LOCAL_HIT),), expires_at=None,
         )  # fmt: skip
         async with TransferEngine(EngineConfig(engine_id=f"decode/tp{rank}")) as engine:
             engine.register("kv", regions, num_blocks=NUM_BLOCKS * pages_per_block)

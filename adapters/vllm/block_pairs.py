@@ -1,0 +1,89 @@
+"""Which local block receives which remote block, per KV cache group: pure translation, no I/O.
+
+With vLLM's hybrid allocator a request owns blocks in several groups, one per kind of layer,
+all drawn from one block pool and laid out alike (every cache region is shared by one layer of
+each group, so reading block b of every region reads group g's layers when b belongs to g).
+vLLM's scheduler clips each group's lists before they reach us, on both sides alike:
+
+- ``full`` attention: every block of the prompt; the reader holds only those its prefix cache
+  missed, so they pair with the producer's tail (or after ``local_hit`` blocks);
+- ``window`` (sliding window): only the blocks still inside the window, so both lists end at
+  the prompt's last block and pair from the end;
+- ``state`` (Mamba, linear attention): the slot holding the running state, paired by position
+  (a longer producer list carries positions the reader already has).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from nixl_async.exceptions import LayoutError
+
+__all__ = ["KINDS", "GroupBlocks", "in_kernel_pages", "pair_blocks", "select_remote_blocks"]
+
+KINDS = ("full", "window", "state")
+
+
+@dataclass(frozen=True)
+class GroupBlocks:
+    """One KV cache group's blocks for one request, on each side."""
+
+    kind: str  # one of KINDS
+    local: list[int]
+    remote: list[int]
+    local_hit: int | None = None  # blocks the reader already had (prefix cache), if vLLM said
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise LayoutError(f"unknown KV cache group kind {self.kind!r}; expected one of {KINDS}")
+
+
+def select_remote_blocks(group: GroupBlocks, ratio: int) -> list[int]:
+    """The producer blocks that fill a full-attention group's local blocks (a prefix hit skips the head)."""
+    remote = group.remote
+    if group.local_hit is not None:
+        skip = group.local_hit * ratio
+    else:  # the local blocks cover the end of the prompt; the last remote group may be short
+        skip = max(0, (-(-len(remote) // ratio) - len(group.local)) * ratio)
+    return remote[skip:]
+
+
+def in_kernel_pages(group: GroupBlocks, local_pages: int, remote_pages: int) -> GroupBlocks:
+    """`group` with logical block ids turned into kernel page ids on each side (block b -> pages b*k .. b*k+k-1)."""
+
+    def pages(blocks: list[int], k: int) -> list[int]:
+        return [b * k + j for b in blocks for j in range(k)]
+
+    hit = None if group.local_hit is None else group.local_hit * local_pages
+    return dataclasses.replace(group, local=pages(group.local, local_pages), remote=pages(group.remote, remote_pages),
+                               local_hit=hit)  # fmt: skip
+
+
+def pair_blocks(group: GroupBlocks, ratio: int, *, paged: bool = False) -> tuple[list[int], list[int]]:
+    """(local, remote) ids to read for one group; `ratio` remote blocks fill one local block.
+
+    Only full-attention groups take a ratio other than 1 (vLLM's hybrid groups share one page
+    size, and a window or a state slot of other-sized blocks does not line up). `paged`: the
+    ids are kernel pages, of which the last local block may hold more than the prompt fills.
+    """
+    if group.kind != "full" and ratio != 1:
+        raise LayoutError(f"a {group.kind} group cannot be read from blocks {ratio}x smaller than ours")
+    if group.kind == "full":
+        local, remote = group.local, select_remote_blocks(group, ratio)
+        if paged:  # a partly filled last block: only the pages both sides have for the prompt
+            pairs = min(len(local), -(-len(remote) // ratio))
+            local, remote = local[:pairs], remote[: pairs * ratio]
+        return list(local), list(remote)
+    if group.kind == "window":
+        if len(group.local) > len(group.remote):
+            raise LayoutError(
+                f"a sliding-window group wants {len(group.local)} blocks; the producer kept {len(group.remote)}"
+            )
+        n = len(group.local)
+        return list(group.local), group.remote[len(group.remote) - n :]
+    # state: a longer producer list carries positions we have; a longer local one, a position we compute
+    n = min(len(group.local), len(group.remote))
+    if len(group.local) - len(group.remote) > 1:
+        raise LayoutError(f"state slots cannot be paired: {len(group.local)} local, {len(group.remote)} remote")
+    return list(group.local[:n]), group.remote[len(group.remote) - n :]

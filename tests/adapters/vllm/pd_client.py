@@ -1,0 +1,47 @@
+"""HTTP calls the vLLM end-to-end tests make to servers and proxies (completions, prefill legs, metrics)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+
+from nixl_async_vllm.launch import VllmServer
+
+MAX_TOKENS = 12
+
+
+async def post(url: str, body: dict[str, Any], timeout: float = 120) -> tuple[int, dict[str, Any]]:
+    """POST a completion; (status, decoded reply)."""
+    timeout_cfg = aiohttp.ClientTimeout(total=timeout)
+    async with (
+        aiohttp.ClientSession(timeout=timeout_cfg) as session,
+        session.post(f"{url}/v1/completions", json=body) as reply,
+    ):
+        return reply.status, await reply.json(content_type=None)
+
+
+async def complete(url: str, prompt: str, model: str, timeout: float = 120, **fields: Any) -> dict[str, Any]:
+    """A greedy completion of MAX_TOKENS tokens (unless `fields` say otherwise) that must succeed."""
+    status, reply = await post(url, {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                                     **fields}, timeout)  # fmt: skip
+    assert status == 200, reply
+    return reply
+
+
+async def text(url: str, prompt: str, model: str) -> str:
+    return str((await complete(url, prompt, model))["choices"][0]["text"])
+
+
+async def prefill_only(server: VllmServer, prompt: str, model: str) -> dict[str, Any]:
+    """What the proxy's first leg does: prefill computes and holds the KV; its transfer params."""
+    reply = await complete(server.url, prompt, model, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    params: dict[str, Any] = reply["kv_transfer_params"]
+    assert params["remote_block_ids"], params
+    return params
+
+
+def counter(server: VllmServer, name: str) -> float:
+    value = server.metric(name)
+    assert value is not None, f"{name} missing from {server.url}/metrics"
+    return value

