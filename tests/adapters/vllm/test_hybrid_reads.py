@@ -27,14 +27,15 @@ PAGE = HEADS * TOKENS * 2 * HEAD_DIM * 2  # bf16 bytes of one attention page
 STATE = PAGE * 3 // 4  # a state slot fills part of its page
 
 
-def _decode_caches(with_state: bool) -> tuple[dict[str, torch.Tensor], frozenset[str]]:
+def _decode_caches(with_state: bool, heads: int = HEADS) -> tuple[dict[str, torch.Tensor], frozenset[str]]:
     """vLLM's per-layer views: layer 2i (window or state) and layer 2i+1 (full) share region i."""
     caches, state = {}, set()
+    page = PAGE * heads // HEADS
     for i in range(REGIONS):
-        raw = torch.zeros(BLOCKS * PAGE, dtype=torch.int8)
-        full = raw.view(torch.bfloat16).view(BLOCKS, HEADS, TOKENS, 2 * HEAD_DIM)
+        raw = torch.zeros(BLOCKS * page, dtype=torch.int8)
+        full = raw.view(torch.bfloat16).view(BLOCKS, heads, TOKENS, 2 * HEAD_DIM)
         if with_state:
-            caches[f"layers.{2 * i}.linear_attn"] = raw.view(BLOCKS, 1, 1, PAGE)[..., :STATE]
+            caches[f"layers.{2 * i}.linear_attn"] = raw.view(BLOCKS, 1, 1, page)[..., :STATE]
             state.add(f"layers.{2 * i}.linear_attn")
         else:
             caches[f"layers.{2 * i}.attn"] = full  # a sliding-window layer: the same view
@@ -42,21 +43,24 @@ def _decode_caches(with_state: bool) -> tuple[dict[str, torch.Tensor], frozenset
     return caches, frozenset(state)
 
 
-async def _read(port: int, kinds: tuple[str, ...], groups: tuple[GroupBlocks, ...], with_state: bool) -> list:
-    caches, state = _decode_caches(with_state)
+async def _read(
+    port: int, kinds: tuple[str, ...], groups: tuple[GroupBlocks, ...], with_state: bool, tp: int = 1, rank: int = 0
+) -> list:
+    """Decode rank `rank` of TP `tp` (holding HEADS / tp heads) reads `groups` from the TP 1 prefill."""
+    caches, state = _decode_caches(with_state, HEADS // tp)
     regions, page_len, pages = _kv_regions(caches, BLOCKS, state)
-    assert len(regions) == REGIONS and page_len == PAGE and pages == 1
+    assert len(regions) == REGIONS and page_len == PAGE // tp and pages == 1
     attention = next(t for name, t in caches.items() if name not in state)
-    cache = describe_cache("FLASH_ATTN", "LBHNC", tuple(attention.shape), attention.stride(), 2, num_kv_heads=HEADS,
-                           mla=False)  # fmt: skip
-    geometry = KVGeometry(tp_size=1, tp_rank=0, block_size=TOKENS, part_len=page_len, run_len=cache.run_len,
+    cache = describe_cache("FLASH_ATTN", "LBHNC", tuple(attention.shape), attention.stride(), 2,
+                           num_kv_heads=HEADS // tp, mla=False)  # fmt: skip
+    geometry = KVGeometry(tp_size=tp, tp_rank=rank, block_size=TOKENS, part_len=page_len, run_len=cache.run_len,
                           mla=False, kv_heads=HEADS, group_kinds=kinds)  # fmt: skip
     job = RecvJob(request_id="req-d", remote_request_id="req-p", remote_engine_id="prefill", host="127.0.0.1",
                   port=port, remote_tp=1, groups=groups, expires_at=None)  # fmt: skip
-    async with TransferEngine(EngineConfig(engine_id="decode/tp0")) as engine:
+    async with TransferEngine(EngineConfig(engine_id=f"decode/tp{rank}")) as engine:
         engine.register("kv", regions, num_blocks=BLOCKS)
         await receive(engine, geometry, job)
-    return [r.view(torch.uint8).numpy().reshape(BLOCKS, -1)[:, :PAGE] for r in regions]
+    return [r.view(torch.uint8).numpy().reshape(BLOCKS, -1)[:, :page_len] for r in regions]
 
 
 def _spawn(factory) -> int:
@@ -66,17 +70,19 @@ def _spawn(factory) -> int:
     return port
 
 
-def _check(regions, pairs: dict[int, int]) -> None:
-    """Local block -> the remote block whose whole page it must hold; every other block untouched."""
+def _check(regions, pairs: dict[int, int], tp: int = 1, rank: int = 0) -> None:
+    """Local block -> the remote block whose page (this rank's heads of it) it must hold; others untouched."""
     for r, region in enumerate(regions):
         for local, remote in pairs.items():
-            assert np.array_equal(region[local], pattern_block(7, r, remote, PAGE)), (r, local, remote)
+            heads = pattern_block(7, r, remote, PAGE).reshape(HEADS, -1)  # head-major: [head, tokens x K|V]
+            want = heads[rank * HEADS // tp : (rank + 1) * HEADS // tp].reshape(-1)
+            assert np.array_equal(region[local], want), (r, local, remote)
         untouched = [b for b in range(BLOCKS) if b not in pairs]
         assert not region[untouched].any(), "blocks outside the request must stay untouched"
 
 
-@pytest.mark.parametrize("hit", [None, 1], ids=["no-hit", "prefix-hit"])
-async def test_full_and_sliding_window_groups_read_in_one_request(nixl_peer_factory, hit):
+@pytest.mark.parametrize(("hit", "tp"), [(None, 1), (1, 1), (1, 2)], ids=["no-hit", "prefix-hit", "prefix-hit-tp1-2"])
+async def test_full_and_sliding_window_groups_read_in_one_request(nixl_peer_factory, hit, tp):
     port = _spawn(nixl_peer_factory)
     # prefill: 5 blocks of prompt in the full group; the window group kept only its last 2 (vLLM clips it)
     full_remote, window_remote = [10, 11, 12, 13, 14], [30, 31]
@@ -84,9 +90,10 @@ async def test_full_and_sliding_window_groups_read_in_one_request(nixl_peer_fact
     window_local = [20, 21]
     groups = (GroupBlocks("window", window_local, window_remote, 0 if hit is None else 1),
               GroupBlocks("full", full_local, full_remote, hit))  # fmt: skip
-    regions = await _read(port, ("window", "full"), groups, with_state=False)
     want = dict(zip(full_local, full_remote[-len(full_local) :], strict=True)) | {20: 30, 21: 31}
-    _check(regions, want)
+    for rank in range(tp):  # with TP 2 each decode rank takes its head of every page, in both groups
+        regions = await _read(port, ("window", "full"), groups, with_state=False, tp=tp, rank=rank)
+        _check(regions, want, tp, rank)
 
 
 async def test_a_sliding_window_shorter_on_decode_pairs_from_the_end(nixl_peer_factory):
