@@ -20,6 +20,7 @@ SCENARIOS: dict[str, tuple[str, bool]] = {
     "handshake": ("handshake", True),
     "descriptors": ("descriptors", True),
     "inflight": ("inflight", True),
+    "busy": ("busy", True),
     "vllm": ("vllm", False),  # real vLLM servers: minutes; run it by name
     "vllm_hybrid": ("vllm_hybrid", False),  # the same on hybrid models
 }

@@ -28,7 +28,7 @@ from ._agent import NIXL_ERRORS, OwnedAgent
 from ._notify_transport import NOTIFY_ERRORS, NotificationTransport
 from ._peers import Peer, PeerTable
 from ._poller import AdaptivePacer
-from ._slicing import CopyRate
+from ._slicing import CopyRate, WireRate
 from ._state import Action, Complete, Fenced, Finish, Quiet, Release, TransferState
 from .config import EngineConfig
 from .exceptions import LeaseExpired, NotificationFailed, TransferError, TransferFailed, TransferTimeout
@@ -43,6 +43,8 @@ log = logging.getLogger("nixl_async.engine")
 _NEVER = float("inf")
 # A post slower than this ends the poller's sweep early so other coroutines get the loop.
 _SWEEP_BUDGET_S = 0.001
+# Hot checks on a transfer start at least this long before it is expected to end.
+_HOT_MARGIN_S = 0.0005
 # Handles are keyed by transfer id * _SLICE_KEY + slice index.
 _SLICE_KEY = 1 << 32
 _EMPTY_IDS: IdArray = np.empty(0, dtype=np.int64)
@@ -77,6 +79,8 @@ class TransferDriver:
         self._handles: dict[int, Any] = {}  # see _SLICE_KEY
         self._ids = itertools.count(1)
         self._copy_rate = CopyRate(config)  # sizes the next slices
+        self._wire_rate = WireRate()  # when transfers in flight may end
+        self.hot_from = -_NEVER  # perf_counter time from which the poller should check hot
         self._next_deadline = _NEVER  # no transfer's deadline comes before this
         # One bound method each, shared by every transfer (a bound method per transfer is one
         # more object for the garbage collector).
@@ -210,6 +214,8 @@ class TransferDriver:
         activity = False
         swept = time.perf_counter()
         finished = False
+        hot_from = _NEVER
+        rate = self._wire_rate
         for n, transfer in enumerate(self.live(), 1):
             if finished and transfer.core.wants_post:
                 # Let the awaiters of finished transfers run (and submit their next) before a post,
@@ -224,10 +230,16 @@ class TransferDriver:
                 finished = finished or transfer.done()
             if transfer.state is TransferState.RELEASING:  # past its grace it is reported fenced
                 self._apply(transfer, transfer.core.tick(loop.time()))
+            if transfer.id in self.active:  # fenced ones never keep the poller hot
+                if not transfer.first_post_at or transfer.core.can_post_now:
+                    hot_from = -_NEVER
+                elif hot_from > -_NEVER:
+                    hot_from = min(hot_from, rate.spin_from(transfer.first_post_at, transfer.nbytes, _HOT_MARGIN_S))
             # A post can be a multi-ms copy, and 10k state checks add up: bound the stall.
             if (activity or not n % 256) and time.perf_counter() - swept > _SWEEP_BUDGET_S:
                 await asyncio.sleep(0)
                 swept = time.perf_counter()
+        self.hot_from = hot_from
         now = loop.time()
         if now >= self._next_deadline:
             self._expire(now)
@@ -356,6 +368,8 @@ class TransferDriver:
     def _complete(self, transfer: Transfer) -> None:
         assert self.loop is not None
         transfer.done_seen_at = time.perf_counter()
+        if transfer.first_post_at:
+            self._wire_rate.observe(transfer.nbytes, transfer.done_seen_at - transfer.first_post_at)
         now = self.loop.time()
         elapsed = now - transfer.submitted_at
         self._retire(transfer)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .config import EngineConfig
 
-__all__ = ["CopyRate"]
+__all__ = ["CopyRate", "WireRate"]
 
 _INITIAL_COPY_RATE = 4e9  # a conservative first guess (CMA here does 4-12 GB/s)
 
@@ -31,3 +31,39 @@ class CopyRate:
         """Bytes per post so that an inline copy takes about `post_target_s`."""
         cfg = self._config
         return int(min(cfg.max_post_bytes, max(cfg.min_post_bytes, self.bytes_per_s * cfg.post_target_s)))
+
+
+class WireRate:
+    """Bytes per second a whole transfer moves between its first post and its completion.
+
+    Learned from completions long enough to measure (on transports that copy inline as well as
+    those that do not); it tells the poller when a transfer in flight may end, so it can sleep
+    until then instead of spinning. An overestimate only makes the poller spin early.
+    """
+
+    __slots__ = ("bytes_per_s",)
+
+    MIN_SECONDS = 0.001  # shorter transfers say more about latency than about a rate
+
+    def __init__(self, initial: float = 10e9) -> None:
+        self.bytes_per_s = initial
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        """A transfer of `nbytes` took `seconds` from its first post until we saw it end.
+
+        A slower transfer lowers the estimate at once (an overestimate keeps the poller spinning
+        for nothing); a faster one raises it halfway (an underestimate costs up to one check
+        interval of latency, and a transfer seen late measures slower, which corrects it).
+        """
+        if seconds >= self.MIN_SECONDS and nbytes > 0:
+            rate = nbytes / seconds
+            self.bytes_per_s = rate if rate < self.bytes_per_s else (self.bytes_per_s + rate) / 2
+
+    def spin_from(self, first_post_at: float, nbytes: int, margin_s: float) -> float:
+        """When to start checking hot on a transfer posted at `first_post_at` (same clock).
+
+        Hot checks start `margin_s` plus a fifth of the expected time before the expected end,
+        so that a transfer somewhat faster than expected is still seen at once (transfers
+        sharing the wire take longer than expected: the poller then only spins early).
+        """
+        return first_post_at + 0.8 * nbytes / self.bytes_per_s - margin_s

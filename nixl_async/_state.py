@@ -162,6 +162,15 @@ class TransferCore:
         """Some slice is still to be posted (now or once a running one ends)."""
         return self.state is TransferState.POSTING and self._next < self.num_slices
 
+    @property
+    def can_post_now(self) -> bool:
+        """A slice could be posted right now (one is left and the in-flight window has room)."""
+        if self.state is not TransferState.POSTING or self._next >= self.num_slices:
+            return False
+        if self._running.bit_count() >= self.max_running:
+            return False
+        return not (self.chain_last and self._next == self.num_slices - 1 and (self._running or self._done < self._next))
+
     def to_post(self, budget: int) -> list[int]:
         """Slices to post now (at most `budget`); post them in order and report each with `posted`."""
         if self.state is not TransferState.POSTING:

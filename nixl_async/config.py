@@ -15,19 +15,22 @@ __all__ = ["EngineConfig", "PollConfig"]
 class PollConfig:
     """How the poller paces itself (see `_poller.py` for why these defaults).
 
-    While transfers are in flight it checks them on every loop iteration (a spin that yields
-    to other coroutines); after the last activity it keeps spinning for `linger_s`, then backs
-    off from `backoff_start_s` doubling up to `idle_interval_s`. While someone awaits a
+    While transfers are in flight it checks them every `busy_interval_s` until one may be about
+    to end (from the rate recent transfers moved at) or has slices to post, then on every loop
+    iteration (a spin that yields to other coroutines); ``busy_interval_s=0`` spins for as long
+    as anything is in flight. After the last activity it keeps spinning for `linger_s`, then
+    backs off from `backoff_start_s` doubling up to `idle_interval_s`. While someone awaits a
     notification the interval never exceeds `waiting_interval_s`.
     """
 
+    busy_interval_s: float = 0.001
     linger_s: float = 0.002
     backoff_start_s: float = 0.001
     idle_interval_s: float = 0.05
     waiting_interval_s: float = 0.002
 
     def __post_init__(self) -> None:
-        for name in ("linger_s", "backoff_start_s", "idle_interval_s", "waiting_interval_s"):
+        for name in ("busy_interval_s", "linger_s", "backoff_start_s", "idle_interval_s", "waiting_interval_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"PollConfig.{name} must be >= 0")
         if self.backoff_start_s > self.idle_interval_s:

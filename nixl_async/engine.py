@@ -710,7 +710,8 @@ class TransferEngine:
         if activity:
             self._pacer.activity(now)
         # Fenced transfers do not keep the poller hot: NIXL may hold them for a long time.
-        delay = self._pacer.delay(now, busy=bool(driver.active), waiting=self._notifications.has_waiters)
+        delay = self._pacer.delay(now, busy=bool(driver.active), waiting=self._notifications.has_waiters,
+                                  hot_in=driver.hot_from - time.perf_counter())  # fmt: skip
         if delay == 0.0:
             await asyncio.sleep(0)
         else:

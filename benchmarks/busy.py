@@ -1,0 +1,148 @@
+"""CPU per byte in flight: reads over UCX/TCP between two processes, where bytes really are in flight.
+
+Over CMA a READ is a copy inside `transfer()`; over TCP it is in flight for milliseconds, and
+whatever the reader's poller does meanwhile is paid by the server it runs in. Four readers, side
+by side, alternating, on the same peer process (64 KiB blocks):
+
+- ``engine``: `TransferEngine` as shipped (checks every ~1 ms until a transfer may end);
+- ``engine_spin``: the same with ``PollConfig(busy_interval_s=0)``, the previous poller that
+  checked on every loop iteration while anything was in flight;
+- ``raw_1ms``: NIXL driven directly, one post, state checked every 1 ms (the goal's baseline);
+- ``raw_hot``: the same checking without pause (sees completion first; the latency reference).
+
+CPU is this process's (all threads, UCX's included), per GB moved. How long after NIXL's DONE
+the engine sees a completion cannot be isolated here: on 2 cores the hot loop slows the transfer
+it watches (it takes the CPU the kernel and the peer need), so it is no latency reference; the
+table gives each reader's p50 time per read instead. The measurement runs in a child process
+with ``UCX_TLS=tcp`` so no other scenario's agents are affected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from .common import Result, percentiles
+
+BLOCK = 64 << 10
+SIZES = [4 << 20, 32 << 20, 192 << 20]
+SETUPS = ["engine", "engine_spin", "raw_1ms", "raw_hot"]
+TCP = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
+
+
+def _raw_reads(address: tuple[str, int], region: np.ndarray, blocks: int, sleep_s: float, n: int) -> list[tuple]:
+    from nixl_async.layout import BlockLayout
+
+    from .common import RawReader
+
+    layout = BlockLayout.from_regions("kv", [region.ctypes.data], num_blocks=region.nbytes // BLOCK, block_len=BLOCK)
+    raw = RawReader("busy-raw", layout, address, progress_thread=False)
+    ids = np.arange(blocks)
+    out = []
+    try:
+        for _ in range(n):
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            handle, state = raw.post(ids, ids)
+            while state == "PROC":
+                if sleep_s:
+                    time.sleep(sleep_s)
+                state = raw.agent.state(handle)
+            raw.agent.release_xfer(handle)
+            out.append((time.perf_counter() - t0, time.process_time() - cpu0))
+            assert state == "DONE", state
+    finally:
+        raw.close()
+    return out
+
+
+async def _engine_reads(address: tuple[str, int], region: np.ndarray, blocks: int, spin: bool, n: int) -> list[tuple]:
+    from nixl_async import EngineConfig, PollConfig, TransferEngine
+
+    poll = PollConfig(busy_interval_s=0.0) if spin else PollConfig()
+    out = []
+    async with TransferEngine(EngineConfig(engine_id=f"busy-engine-{spin}", poll=poll)) as engine:
+        engine.register("kv", [region], block_len=BLOCK)
+        peer = await engine.connect(*address)
+        ids = np.arange(blocks)
+        for _ in range(n):
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            await engine.read(peer, ids, ids)
+            out.append((time.perf_counter() - t0, time.process_time() - cpu0))
+    return out
+
+
+def _child(quick: bool) -> dict[str, Any]:
+    from nixl_async.testing.peer_process import PeerProcess, PeerSpec
+
+    rounds, per_round = (2, 3) if quick else (4, 5)
+    region = np.ones(max(SIZES), dtype=np.uint8)
+    samples: dict[str, dict[int, list[tuple]]] = {s: {size: [] for size in SIZES} for s in SETUPS}
+    spec = PeerSpec(engine_id="busy-peer", num_regions=1, num_blocks=max(SIZES) // BLOCK, block_len=BLOCK)
+    with PeerProcess(spec, env=TCP) as peer:
+        for round_ in range(rounds):
+            order = SETUPS if round_ % 2 == 0 else SETUPS[::-1]  # alternate who goes first
+            for setup in order:
+                for size in SIZES:
+                    blocks = size // BLOCK
+                    if setup.startswith("engine"):
+                        got = asyncio.run(_engine_reads(peer.address, region, blocks, setup == "engine_spin",
+                                                        per_round + 1))  # fmt: skip
+                    else:
+                        got = _raw_reads(peer.address, region, blocks, 0.001 if setup == "raw_1ms" else 0.0,
+                                         per_round + 1)  # fmt: skip
+                    samples[setup][size] += got[1:]  # the first read of each batch warms up
+    return {s: {str(size): v for size, v in by_size.items()} for s, by_size in samples.items()}
+
+
+def run(quick: bool = False) -> Result:
+    env = {**os.environ, **TCP}
+    cmd = [sys.executable, "-m", "nixl_async_benchmarks.busy", "--child", "quick" if quick else "full"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, timeout=1800)
+    if done.returncode:
+        raise RuntimeError(f"busy child failed:\n{done.stderr[-4000:]}")
+    samples = json.loads(done.stdout.strip().splitlines()[-1])
+    rows, metrics, ratios = [], {}, {}
+    for size in SIZES:
+        stats = {}
+        for setup in SETUPS:
+            got = samples[setup][str(size)]
+            wall = [w for w, _ in got]
+            cpu_per_gb = float(np.median([c / (size / 1e9) for _, c in got]))
+            gbps = float(np.median([size / w / 1e9 for w in wall]))
+            (p50,) = percentiles([w * 1e3 for w in wall], 50)
+            stats[setup] = (cpu_per_gb, gbps, p50)
+            rows.append([f"{size >> 20} MiB {setup}", cpu_per_gb, gbps, p50])
+            key = f"{size >> 20}mib_{setup}"
+            metrics.update({f"{key}_cpu_seconds_per_gb": cpu_per_gb, f"{key}_gb_per_s": gbps, f"{key}_ms_p50": p50})
+        ratios[f"engine_over_raw_cpu_seconds_per_gb_{size >> 20}mib_lower_is_better"] = (
+            stats["engine"][0] / stats["raw_1ms"][0]
+        )
+        gbps_ratio = stats["engine"][1] / stats["raw_1ms"][1]
+        ratios[f"engine_over_raw_throughput_{size >> 20}mib_higher_is_better"] = gbps_ratio
+    largest = max(SIZES) >> 20
+    ratios["engine_over_raw_cpu_seconds_per_gb_lower_is_better"] = ratios[
+        f"engine_over_raw_cpu_seconds_per_gb_{largest}mib_lower_is_better"
+    ]
+    return Result(
+        scenario="busy",
+        columns=["read, reader", "CPU s per GB", "GB/s", "ms p50"],
+        rows=rows,
+        metrics=metrics,
+        ratios=ratios,
+        notes=[
+            "UCX over TCP between two processes on loopback; CPU is the reader process's (all threads)",
+            "raw_1ms = NIXL driven directly, one post, state checked every 1 ms; raw_hot = checked without pause",
+        ],
+    )
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--child"]:
+        print(json.dumps(_child(sys.argv[2] == "quick")))
