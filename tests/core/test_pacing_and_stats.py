@@ -3,6 +3,7 @@
 import pytest
 
 from nixl_async._poller import AdaptivePacer
+from nixl_async._slicing import WireRate
 from nixl_async.config import EngineConfig, PollConfig
 from nixl_async.stats import LatencyHistogram
 
@@ -17,6 +18,28 @@ def test_spins_while_busy_and_during_linger_then_backs_off_to_idle():
     assert delays == [0.001, 0.002, 0.004, 0.008, 0.008]
     pacer.activity(12.0)
     assert pacer.delay(12.01, busy=False, waiting=False) == 0.001
+
+
+def test_in_flight_it_checks_every_busy_interval_until_a_transfer_may_end():
+    pacer = AdaptivePacer(PollConfig(busy_interval_s=0.001, linger_s=0.002))
+    pacer.activity(10.0)
+    assert pacer.delay(10.0005, busy=True, waiting=False, hot_in=0.030) == 0.001  # nothing due: no spin, even lingering
+    assert pacer.delay(10.5, busy=True, waiting=False, hot_in=0.0008) == 0.0  # due within one interval: hot
+    assert pacer.delay(10.5, busy=True, waiting=False, hot_in=-1.0) == 0.0  # a slice to post, or overdue
+    spinning = AdaptivePacer(PollConfig(busy_interval_s=0.0))  # the old policy, on request
+    assert spinning.delay(10.5, busy=True, waiting=False, hot_in=0.030) == 0.0
+
+
+def test_wire_rate_drops_at_once_and_rises_halfway():
+    rate = WireRate(initial=10e9)
+    rate.observe(1 << 20, 0.0002)  # too short to say anything about a rate
+    assert rate.bytes_per_s == 10e9
+    rate.observe(200_000_000, 0.2)  # 1 GB/s: slower than thought, believed at once
+    assert rate.bytes_per_s == pytest.approx(1e9)
+    rate.observe(300_000_000, 0.1)  # 3 GB/s: faster, believed halfway
+    assert rate.bytes_per_s == pytest.approx(2e9)
+    # 200 MB at 2 GB/s is expected to take 100 ms: hot checks start at 80 ms less the margin
+    assert rate.spin_from(5.0, 200_000_000, 0.0005) == pytest.approx(5.0 + 0.08 - 0.0005)
 
 
 def test_waiting_and_brisk_windows_cap_the_interval():
@@ -34,6 +57,8 @@ def test_waiting_and_brisk_windows_cap_the_interval():
 def test_config_validation():
     with pytest.raises(ValueError):
         PollConfig(linger_s=-1)
+    with pytest.raises(ValueError):
+        PollConfig(busy_interval_s=-0.001)
     with pytest.raises(ValueError):
         PollConfig(backoff_start_s=1, idle_interval_s=0.1)
     with pytest.raises(ValueError):

@@ -264,6 +264,18 @@ async def test_wire_time_spans_a_read_in_flight_over_tcp(nixl_engine, nixl_peer_
     assert result.post_seconds < result.wire_seconds <= result.seconds + 1e-3, result
 
 
+async def test_a_read_in_flight_over_tcp_is_checked_every_interval_not_spun_on(nixl_engine, nixl_peer_factory):
+    """Until the read may end (from the rate the previous one moved at), the poller sleeps between checks."""
+    _proc, peer = await _tcp_peer(nixl_engine, nixl_peer_factory, 64, 1 << 20)
+    await nixl_engine.read(peer, range(64), range(64))  # 64 MiB in flight: teaches the wire rate
+    counters = nixl_engine.stats.counters
+    sleeps = counters["poller_sleeps"]
+    result = await nixl_engine.read(peer, range(64), range(64))
+    slept = counters["poller_sleeps"] - sleeps
+    # The previous poller spun for the whole read (no sleep); ~1 ms checks take ~80 % of its time.
+    assert slept >= 0.3 * result.wire_seconds / 0.0011, (slept, result)
+
+
 async def test_dead_peer_fails_the_transfer(nixl_engine, nixl_peer_factory):
     peer_proc = nixl_peer_factory(num_regions=1, num_blocks=64, block_len=1 << 20, tcp=True)
     nixl_engine.register("kv", _regions(1, 64, 1 << 20), block_len=1 << 20)
