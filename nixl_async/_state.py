@@ -169,7 +169,8 @@ class TransferCore:
             return False
         if self._running.bit_count() >= self.max_running:
             return False
-        return not (self.chain_last and self._next == self.num_slices - 1 and (self._running or self._done < self._next))
+        last_waits = self.chain_last and self._next == self.num_slices - 1  # posted once all others are done
+        return not (last_waits and (self._running or self._done < self._next))
 
     def to_post(self, budget: int) -> list[int]:
         """Slices to post now (at most `budget`); post them in order and report each with `posted`."""
