@@ -114,12 +114,17 @@ def build(
         dtype="bfloat16",  # transformers 5 name of the former torch_dtype; vLLM's dtype="auto" reads it
         **hybrid,
     )
+    _save(LlamaForCausalLM, config, tokenizer, out_dir, seed)
+    return config
+
+
+def _save(model_class: Any, config: Any, tokenizer: PreTrainedTokenizerFast, out_dir: Path, seed: int) -> None:
+    """Random bf16 weights (fixed by `seed`), safetensors and tokenizer into `out_dir`."""
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    model = model_class(config).to(torch.bfloat16).eval()
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
-    return config
 
 
 def build_qwen3_next(out_dir: Path, *, seed: int = 0, layers: int = 4, hidden: int = 128, vocab: int = 512) -> Any:
@@ -141,11 +146,7 @@ def build_qwen3_next(out_dir: Path, *, seed: int = 0, layers: int = 4, hidden: i
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False, dtype="bfloat16",
     )  # fmt: skip
-    torch.manual_seed(seed)
-    model = Qwen3NextForCausalLM(config).to(torch.bfloat16).eval()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
+    _save(Qwen3NextForCausalLM, config, tokenizer, out_dir, seed)
     return config
 
 

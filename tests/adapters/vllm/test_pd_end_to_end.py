@@ -25,7 +25,7 @@ import pytest
 if os.environ.get("NIXL_ASYNC_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm", reason="vLLM not installed (bash scripts/setup-vllm.sh)")
 
-from nixl_async_vllm.launch import ProxyProcess, VllmServer, kv_transfer_config, make_prompt
+from nixl_async_vllm.launch import ProxyProcess, VllmServer, kv_transfer_config, make_prompt, running
 
 from .pd_client import MAX_TOKENS, complete, counter, post, prefill_only
 
@@ -67,17 +67,12 @@ def cluster(tmp_path_factory):
         "single": VllmServer(model, 18300, 15800, None, cpu=0, log_path=root / "single.log"),
     }  # fmt: skip
     proxy = ProxyProcess(18400, servers["prefill"].url, servers["decode"].url)
-    try:
-        for server in servers.values():
-            server.start()
-        for server in servers.values():
-            server.wait_ready(300)
+    with running(*servers.values()):
         proxy.start()
-        yield root, servers, proxy, extra
-    finally:
-        proxy.stop()
-        for server in servers.values():
-            server.kill()
+        try:
+            yield root, servers, proxy, extra
+        finally:
+            proxy.stop()
 
 
 async def _keep_busy(server: VllmServer, model: str, seconds: float) -> list[asyncio.Task]:

@@ -64,17 +64,12 @@ def hybrid(request, tmp_path_factory):
         "single": VllmServer(model, 18700, 16300, None, cpu=0, log_path=root / "single.log"),
     }  # fmt: skip
     proxy = ProxyProcess(18800, servers["prefill"].url, servers["decode"].url)
-    try:
-        for server in servers.values():
-            server.start()
-        for server in servers.values():
-            server.wait_ready(300)
+    with running(*servers.values()):
         proxy.start()
-        yield kind, root, servers, proxy, {}
-    finally:
-        proxy.stop()
-        for server in servers.values():
-            server.kill()
+        try:
+            yield kind, root, servers, proxy, {}
+        finally:
+            proxy.stop()
 
 
 def _shared_prefix(a: str, b: str) -> int:
