@@ -165,23 +165,22 @@ class TransferCore:
     @property
     def can_post_now(self) -> bool:
         """A slice could be posted right now (one is left and the in-flight window has room)."""
-        if self.state is not TransferState.POSTING or self._next >= self.num_slices:
+        return self.state is TransferState.POSTING and self._may_post(self._running.bit_count())
+
+    def _may_post(self, running: int) -> bool:
+        """Whether slice `_next` may be posted with `running` slices in flight."""
+        if self._next >= self.num_slices or running >= self.max_running:
             return False
-        if self._running.bit_count() >= self.max_running:
-            return False
-        last_waits = self.chain_last and self._next == self.num_slices - 1  # posted once all others are done
-        return not (last_waits and (self._running or self._done < self._next))
+        # a chained last slice goes out only once every other one is done
+        return not (self.chain_last and self._next == self.num_slices - 1 and (running or self._done < self._next))
 
     def to_post(self, budget: int) -> list[int]:
         """Slices to post now (at most `budget`); post them in order and report each with `posted`."""
         if self.state is not TransferState.POSTING:
             return []
         out: list[int] = []
-        last = self.num_slices - 1
         running = self._running.bit_count()
-        while len(out) < budget and self._next < self.num_slices and running + len(out) < self.max_running:
-            if self.chain_last and self._next == last and (self._running or out or self._done < last):
-                break
+        while len(out) < budget and self._may_post(running + len(out)):
             out.append(self._next)
             self._next += 1
         return out

@@ -118,6 +118,7 @@ def _kv_regions(
     if state_layers and num_pages != num_blocks:
         raise LayoutError("kernel pages smaller than the block beside state (Mamba) layers are not supported")
     regions: list[Any] = []
+    seen: set[int] = set()
     page_len = 0
     for name, tensor in [*attention.items(), *((name, kv_caches[name]) for name in sorted(state_layers))]:
         page_len = page_len or tensor.stride(0) * tensor.element_size()
@@ -127,7 +128,8 @@ def _kv_regions(
             raise LayoutError(f"KV cache blocks must be dense and of equal size in every layer ({name} is not)")
         if int(tensor.shape[0]) != num_pages:
             raise LayoutError(f"layer {name} has {tensor.shape[0]} blocks, the others {num_pages}")
-        if all(tensor.data_ptr() != r.data_ptr() for r in regions):
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
             regions.append(tensor)
     return regions, page_len, num_pages // num_blocks
 
