@@ -28,7 +28,7 @@ from ._agent import NIXL_ERRORS, OwnedAgent
 from ._notify_transport import NOTIFY_ERRORS, NotificationTransport
 from ._peers import Peer, PeerTable
 from ._poller import AdaptivePacer
-from ._slicing import CopyRate, WireRate
+from ._slicing import CopyRate, LinkRates, slice_bytes
 from ._state import Action, Complete, Fenced, Finish, Quiet, Release, TransferState
 from .config import EngineConfig
 from .exceptions import LeaseExpired, NotificationFailed, TransferError, TransferFailed, TransferTimeout
@@ -78,8 +78,7 @@ class TransferDriver:
         self.fenced: dict[int, Transfer] = {}  # told the caller, NIXL still holds handles
         self._handles: dict[int, Any] = {}  # see _SLICE_KEY
         self._ids = itertools.count(1)
-        self._copy_rate = CopyRate(config)  # sizes the next slices
-        self._wire_rate = WireRate()  # when transfers in flight may end
+        self._copy_rate = CopyRate(config)  # sizes slices of inline copies (each peer has its wire rate)
         self.hot_from = -_NEVER  # perf_counter time from which the poller should check hot
         self._next_deadline = _NEVER  # no transfer's deadline comes before this
         # One bound method each, shared by every transfer (a bound method per transfer is one
@@ -125,7 +124,7 @@ class TransferDriver:
             local_ids=lidx,
             remote_ids=ridx,
             per_slice=descriptors_per_slice(
-                piece_len, self._copy_rate.slice_bytes(), self._config.max_post_descriptors
+                piece_len, slice_bytes(self._config, self._copy_rate, peer.link), self._config.max_post_descriptors
             ),
             notify=notify,
             nbytes=len(lidx) * piece_len,
@@ -133,6 +132,7 @@ class TransferDriver:
             submitted_at=now,
             future=TransferFuture(loop=loop, transfer_id=transfer_id, on_cancel=self._awaiter_cancelled_cb),
             cancel_cb=self._end_cb,
+            link=peer.link,
             slices_in_flight=self._config.slices_in_flight,
             release_grace_s=self._config.release_grace_s,
         )
@@ -143,6 +143,8 @@ class TransferDriver:
         if deadline is not None and deadline < self._next_deadline:
             self._next_deadline = deadline
         self._stats.counters["transfers_submitted"] += 1
+        if peer.link.busy_hint_due(now):
+            self._send_busy_hint(peer)
         if min(transfer.per_slice, transfer.descriptors) * transfer.piece_len <= self._config.min_post_bytes:
             self.pump(agent, transfer, max_posts=1)  # the fast path: small transfers finish here
         # (a bigger first slice is posted by the poller, after other coroutines had a turn)
@@ -171,6 +173,7 @@ class TransferDriver:
             submitted_at=now,
             future=TransferFuture(loop=self.loop),
             cancel_cb=self._end_cb,
+            link=peer.link,
         )
         try:
             if notify is not None:
@@ -213,9 +216,9 @@ class TransferDriver:
         """Advance every live transfer once; end those past their deadline. Returns whether anything moved."""
         activity = False
         swept = time.perf_counter()
+        started = loop.time()
         finished = False
         hot_from = _NEVER
-        rate = self._wire_rate
         for n, transfer in enumerate(self.live(), 1):
             if finished and transfer.core.wants_post:
                 # Let the awaiters of finished transfers run (and submit their next) before a post,
@@ -231,10 +234,13 @@ class TransferDriver:
             if transfer.state is TransferState.RELEASING:  # past its grace it is reported fenced
                 self._apply(transfer, transfer.core.tick(loop.time()))
             if transfer.id in self.active:  # fenced ones never keep the poller hot
+                if transfer.link.busy_hint_due(started):  # a long transfer: renew it
+                    self._send_busy_hint(self._table.of_agent(transfer.remote_agent))
                 if not transfer.first_post_at or transfer.core.can_post_now:
                     hot_from = -_NEVER
                 elif hot_from > -_NEVER:
-                    hot_from = min(hot_from, rate.spin_from(transfer.first_post_at, transfer.nbytes, _HOT_MARGIN_S))
+                    spin_from = transfer.link.wire.spin_from(transfer.first_post_at, transfer.nbytes, _HOT_MARGIN_S)
+                    hot_from = min(hot_from, spin_from)
             # A post can be a multi-ms copy, and 10k state checks add up: bound the stall.
             if (activity or not n % 256) and time.perf_counter() - swept > _SWEEP_BUDGET_S:
                 await asyncio.sleep(0)
@@ -244,6 +250,11 @@ class TransferDriver:
         if now >= self._next_deadline:
             self._expire(now)
         return activity
+
+    def _send_busy_hint(self, peer: Peer | None) -> None:
+        """Keep `peer` progressing its worker while transfers with it may be in flight (see `LinkRates`)."""
+        if peer is not None:
+            self._notify.hint_busy(peer, LinkRates.BUSY_HINT_S)
 
     def _expire(self, now: float) -> None:
         """End transfers past their deadline; remember the next deadline so sweeps skip this."""
@@ -307,6 +318,8 @@ class TransferDriver:
             moved = True
             if state == "DONE":  # copied inside the call: tells us the copy rate
                 self._copy_rate.observe(len(lidx) * transfer.piece_len, took)
+            if not notif:  # (a notification can keep a post in flight that copied inline)
+                transfer.link.posted(state)
             self._apply(transfer, core.posted(index, state))
         return moved
 
@@ -369,7 +382,7 @@ class TransferDriver:
         assert self.loop is not None
         transfer.done_seen_at = time.perf_counter()
         if transfer.first_post_at:
-            self._wire_rate.observe(transfer.nbytes, transfer.done_seen_at - transfer.first_post_at)
+            transfer.link.wire.observe(transfer.nbytes, transfer.done_seen_at - transfer.first_post_at)
         now = self.loop.time()
         elapsed = now - transfer.submitted_at
         self._retire(transfer)

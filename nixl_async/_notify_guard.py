@@ -81,7 +81,9 @@ class NotifyGuard:
         if state is None:
             return UNKNOWN_SESSION
         if self._secret is not None:
-            expected = messages.notify_mac(self._secret, note.session, note.seq, note.engine_id, note.message)
+            expected = messages.notify_mac(
+                self._secret, note.session, note.seq, note.engine_id, note.message, note.busy_ms
+            )
             if not hmac.compare_digest(note.mac, expected):
                 return BAD_MAC
         if note.engine_id != state.engine_id:

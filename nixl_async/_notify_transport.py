@@ -86,6 +86,18 @@ class NotificationTransport:
             assert self._side is not None
             self._side.send(peer.address, peer.notify_session, message)
 
+    def hint_busy(self, peer: Peer, seconds: float) -> None:
+        """Ask `peer` to progress its worker briskly for `seconds`: transfers with it are in flight.
+
+        Best effort (a full queue or a closed socket only costs throughput), hence no error.
+        """
+        assert self._side is not None
+        try:
+            self._side.send(peer.address, peer.notify_session, b"", busy_ms=max(1, round(seconds * 1000)))
+        except zmq.ZMQError:
+            return
+        self._stats.counters["busy_hints_sent"] += 1
+
     def sent(self, now: float) -> None:
         """A notification went out: count it and keep the poller brisk while it leaves."""
         self._stats.counters["notifications_sent"] += 1

@@ -41,6 +41,7 @@ import hashlib
 from collections.abc import Iterator
 from collections.abc import Set as AbstractSet
 
+from ._slicing import LinkRates
 from .exceptions import LayoutError
 from .layout import BlockLayout
 from .messages import MetadataReply
@@ -80,6 +81,7 @@ class Peer:
         "extra",
         "last_used",
         "layouts",
+        "link",
         "metadata_digest",
         "notify_session",
         "stale",
@@ -98,6 +100,7 @@ class Peer:
         self.connected = True
         self.stale = False  # a transfer with it failed: the next connect() handshakes again
         self.clock_offset_s = 0.0  # its wall clock minus ours, estimated at the handshake
+        self.link = LinkRates()  # how posts to it behave: sizes slices, paces the poller
         self.last_used = now  # loop time of the last connect or submit
 
     def __repr__(self) -> str:

@@ -41,8 +41,8 @@ class SideChannelNotifier:
         self._seq = itertools.count(1)
         self._sockets: dict[Address, zmq.Socket[bytes]] = {}
 
-    def send(self, address: Address, session: bytes, message: bytes) -> None:
-        """Queue `message` for the peer at `address` in its notify `session`.
+    def send(self, address: Address, session: bytes, message: bytes, busy_ms: int = 0) -> None:
+        """Queue `message` (or, with `busy_ms`, a busy hint) for the peer at `address` in its notify `session`.
 
         Raises `zmq.Again` when that peer's queue is full (the number it used is simply skipped).
         """
@@ -50,8 +50,10 @@ class SideChannelNotifier:
         if sock is None:
             sock = self._open(address)
         seq = next(self._seq)
-        mac = messages.notify_mac(self._secret, session, seq, self._engine_id, message) if self._secret else b""
-        note = messages.NotifyMessage(engine_id=self._engine_id, message=message, mac=mac, session=session, seq=seq)
+        secret = self._secret
+        mac = messages.notify_mac(secret, session, seq, self._engine_id, message, busy_ms) if secret else b""
+        note = messages.NotifyMessage(engine_id=self._engine_id, message=message, mac=mac, session=session, seq=seq,
+                                      busy_ms=busy_ms)  # fmt: skip
         sock.send(messages.encode(note), flags=zmq.NOBLOCK)
 
     def _open(self, address: Address) -> zmq.Socket[bytes]:

@@ -1,16 +1,20 @@
-"""How big a slice to post: sized from the copy rate measured on recent posts (no I/O).
+"""How big a slice to post, and when a transfer in flight may end: rates learned from posts (no I/O).
 
 Over UCX's CMA transport a post is a synchronous copy inside `transfer()`, so the slice size
 bounds how long one post stalls the event loop; the engine aims at `post_target_s` per post.
 Only posts that complete inline tell us a copy rate: the estimate drops at once on a slow
 post (an overestimate means a long stall) and recovers gradually.
+
+Over transports that do not copy inside the post (TCP, RDMA, GPU memory) a post costs little
+whatever its size, and small slices only leave the wire short of work: there a slice carries
+`slice_flight_s` of wire time at the rate recent transfers to that peer moved at (`LinkRates`).
 """
 
 from __future__ import annotations
 
 from .config import EngineConfig
 
-__all__ = ["CopyRate", "WireRate"]
+__all__ = ["CopyRate", "LinkRates", "WireRate", "slice_bytes"]
 
 _INITIAL_COPY_RATE = 4e9  # a conservative first guess (CMA here does 4-12 GB/s)
 
@@ -41,12 +45,13 @@ class WireRate:
     until then instead of spinning. An overestimate only makes the poller spin early.
     """
 
-    __slots__ = ("bytes_per_s",)
+    __slots__ = ("bytes_per_s", "measured")
 
     MIN_SECONDS = 0.001  # shorter transfers say more about latency than about a rate
 
     def __init__(self, initial: float = 10e9) -> None:
         self.bytes_per_s = initial
+        self.measured = False  # still the initial guess
 
     def observe(self, nbytes: int, seconds: float) -> None:
         """A transfer of `nbytes` took `seconds` from its first post until we saw it end.
@@ -57,7 +62,10 @@ class WireRate:
         """
         if seconds >= self.MIN_SECONDS and nbytes > 0:
             rate = nbytes / seconds
-            self.bytes_per_s = rate if rate < self.bytes_per_s else (self.bytes_per_s + rate) / 2
+            if not self.measured:
+                self.bytes_per_s, self.measured = rate, True
+            else:
+                self.bytes_per_s = rate if rate < self.bytes_per_s else (self.bytes_per_s + rate) / 2
 
     def spin_from(self, first_post_at: float, nbytes: int, margin_s: float) -> float:
         """When to start checking hot on a transfer posted at `first_post_at` (same clock).
@@ -67,3 +75,50 @@ class WireRate:
         sharing the wire take longer than expected: the poller then only spins early).
         """
         return first_post_at + 0.8 * nbytes / self.bytes_per_s - margin_s
+
+
+class LinkRates:
+    """What transfers to one peer have shown: whether its posts copy inline, and its wire rate.
+
+    Transfers that do not copy inline move only while the peer progresses its UCX worker (over
+    TCP a READ is served by the peer's worker), and an idle peer progresses it every 50 ms; so
+    while such transfers are in flight the peer gets a busy hint every `BUSY_HINT_RENEW_S`.
+    """
+
+    __slots__ = ("busy_hint_until", "inline", "wire")
+
+    BUSY_HINT_S = 1.0  # how long one hint asks the peer to stay brisk
+    BUSY_HINT_RENEW_S = 0.5  # sent again once this little of it is left
+
+    def __init__(self) -> None:
+        self.inline: bool | None = None  # unknown until a post to it returns
+        self.wire = WireRate()
+        self.busy_hint_until = float("-inf")  # loop time
+
+    def posted(self, state: str) -> None:
+        """A post (without a notification riding on it) returned `state`."""
+        if state in ("DONE", "PROC"):
+            self.inline = state == "DONE"
+
+    def busy_hint_due(self, now: float) -> bool:
+        """Whether to hint the peer now (`now` on the loop's clock), with a transfer in flight or about to be.
+
+        Never for a peer whose posts copy inline (nothing is left in flight for its worker to serve).
+        """
+        if self.inline or now < self.busy_hint_until - self.BUSY_HINT_RENEW_S:
+            return False
+        self.busy_hint_until = now + self.BUSY_HINT_S
+        return True
+
+
+def slice_bytes(config: EngineConfig, copy: CopyRate, link: LinkRates) -> int:
+    """Bytes per slice for the next transfer to a peer.
+
+    Inline copies (or a link whose rate is not measured yet) are sized to stall the loop about
+    `post_target_s`; others to keep `slice_flight_s` of wire time per slice, so a cancelled
+    transfer still ends soon (its slices in flight must land first) while the wire stays busy.
+    """
+    if link.inline is not False or not link.wire.measured or config.slice_flight_s is None:
+        return copy.slice_bytes()
+    wanted = link.wire.bytes_per_s * config.slice_flight_s
+    return int(min(config.max_post_bytes, max(config.min_post_bytes, wanted)))

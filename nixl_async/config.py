@@ -67,6 +67,10 @@ class EngineConfig:
     max_post_bytes: int = 64 << 20
     max_post_descriptors: int = 8192
     slices_in_flight: int = 2
+    # Over transports that do not copy inside the post (TCP, RDMA, GPU memory), a slice instead
+    # carries about this much wire time at the rate recent transfers to that peer moved at
+    # (None: size every slice as an inline copy, as before).
+    slice_flight_s: float | None = 0.025
     # After a transfer ends with an error, its slices still in flight are left to finish (NIXL
     # cannot be trusted to stop a READ in flight) and the caller hears of it once every handle is
     # released. Past this grace the caller gets `TransferFenced` instead, and the engine keeps
@@ -123,6 +127,8 @@ class EngineConfig:
             raise ValueError("EngineConfig.release_grace_s must be >= 0")
         if self.post_target_s <= 0:
             raise ValueError("EngineConfig.post_target_s must be > 0")
+        if self.slice_flight_s is not None and self.slice_flight_s <= 0:
+            raise ValueError("EngineConfig.slice_flight_s must be > 0 or None")
         if self.notify_via not in ("nixl", "side_channel"):
             raise ValueError(f"EngineConfig.notify_via must be 'nixl' or 'side_channel', got {self.notify_via!r}")
         if self.min_post_bytes > self.max_post_bytes:

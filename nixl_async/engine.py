@@ -291,6 +291,7 @@ class TransferEngine:
             max_frame_bytes=self.config.max_frame_bytes,
             on_request=self._on_handshake_request,
             on_notify=self._notify.deliver,
+            on_busy_hint=self._on_busy_hint,
             on_call=self._answer_call,
             secret=self.config.auth_secret,
         )
@@ -302,6 +303,13 @@ class TransferEngine:
         self.stats.counters["handshakes_served"] += 1
         assert self._loop is not None
         self._pacer.stay_brisk(self._loop.time() + WIREUP_BRISK_S)
+        self._wakeup()
+
+    def _on_busy_hint(self, seconds: float) -> None:
+        """A peer has transfers with us in flight: over TCP they move only while our worker is progressed."""
+        self.stats.counters["busy_hints_received"] += 1
+        assert self._loop is not None
+        self._pacer.stay_brisk(self._loop.time() + seconds)
         self._wakeup()
 
     def _reply_for(self, request: messages.MetadataRequest) -> messages.MetadataReply:

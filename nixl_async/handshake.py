@@ -62,6 +62,7 @@ _MAX_RESTARTS = 5
 _MAX_NONCES = 4096
 _MAX_NOTIFY_SESSIONS = 4096
 _REFUSAL_LOG_INTERVAL_S = 1.0
+_MAX_BUSY_HINT_MS = 5000  # the longest a busy hint keeps us brisk
 
 
 class Refusal(Exception):
@@ -92,6 +93,7 @@ class HandshakeServer:
         max_frame_bytes: int,
         on_request: Callable[[], None] | None = None,
         on_notify: Callable[[str, bytes], None] | None = None,
+        on_busy_hint: Callable[[float], None] | None = None,
         on_call: CallHandler | None = None,
         secret: bytes | None = None,
         max_notify_sessions: int = _MAX_NOTIFY_SESSIONS,
@@ -108,6 +110,7 @@ class HandshakeServer:
         self._max_frame_bytes = max_frame_bytes
         self._on_request = on_request
         self._on_notify = on_notify
+        self._on_busy_hint = on_busy_hint
         self._on_call = on_call
         self.notifications = 0
         self._socket: zmq.asyncio.Socket | None = None
@@ -258,6 +261,10 @@ class HandshakeServer:
             self.auth_failures += 1
             self.notifications_refused[reason] += 1
             self._log_refusal(reason, note.engine_id)
+            return
+        if note.busy_ms > 0:
+            if self._on_busy_hint is not None:  # a sender cannot keep us brisk longer than this at once
+                self._on_busy_hint(min(note.busy_ms, _MAX_BUSY_HINT_MS) / 1000)
             return
         self.notifications += 1
         self._on_notify(note.engine_id, note.message)

@@ -96,6 +96,11 @@ class NotifyMessage(msgspec.Struct, tag="notify", frozen=True, kw_only=True):
     receiver's loop through its socket instead. `session` is the receiver's `notify_session`
     from our handshake and `seq` grows with every notification we send (the receiver accepts
     each number once, in order). With a shared secret, `mac` is `notify_mac` over all of them.
+
+    With `busy_ms` > 0 it is no notification but a hint, never delivered: the sender has
+    transfers with us in flight, so progress our UCX worker briskly that long (over TCP a peer's
+    READ or WRITE moves only while the target's worker is progressed; idle, ours is progressed
+    every 50 ms).
     """
 
     version: int = PROTOCOL_VERSION
@@ -104,6 +109,7 @@ class NotifyMessage(msgspec.Struct, tag="notify", frozen=True, kw_only=True):
     mac: bytes = b""
     session: bytes = b""
     seq: int = 0
+    busy_ms: int = 0
 
 
 class CallRequest(msgspec.Struct, tag="call", frozen=True, kw_only=True):
@@ -153,13 +159,15 @@ def request_mac(secret: bytes, request: Authenticated) -> bytes:
     return hmac.new(secret, _encoder.encode(unsigned), hashlib.sha256).digest()
 
 
-def notify_mac(secret: bytes, session: bytes, seq: int, engine_id: str, message: bytes) -> bytes:
+def notify_mac(secret: bytes, session: bytes, seq: int, engine_id: str, message: bytes, busy_ms: int = 0) -> bytes:
     """HMAC-SHA256 of a side-channel notification's session, sequence number, sender and content.
 
     The session and sequence number are covered so a captured notification cannot be re-sent
-    under another number, nor moved to another session or sender.
+    under another number, nor moved to another session or sender; a busy hint's duration is
+    covered in place of the content, so neither can pass for the other.
     """
-    signed = _encoder.encode(["notify", session, seq, engine_id, message])
+    signed = _encoder.encode(["busy", session, seq, engine_id, busy_ms] if busy_ms else
+                             ["notify", session, seq, engine_id, message])  # fmt: skip
     return hmac.new(secret, signed, hashlib.sha256).digest()
 
 

@@ -18,13 +18,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Generator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from ._state import TransferCore, TransferState
 from .exceptions import TransferCancelled, TransferError, TransferTimeout
 from .layout import IdArray
+
+if TYPE_CHECKING:
+    from ._slicing import LinkRates
 
 __all__ = ["Transfer", "TransferFuture", "TransferResult", "TransferState", "descriptors_per_slice"]
 
@@ -102,6 +105,7 @@ class Transfer:
         "id",
         "last_pending_at",
         "lease_deadline",
+        "link",
         "local_dlist",
         "local_ids",
         "nbytes",
@@ -136,6 +140,7 @@ class Transfer:
         submitted_at: float,
         future: asyncio.Future[TransferResult],
         cancel_cb: Callable[[Transfer, TransferError], None],
+        link: LinkRates,
         slices_in_flight: int = 2,
         release_grace_s: float = 1.0,
     ) -> None:
@@ -143,6 +148,7 @@ class Transfer:
         self.op = op
         self.peer = peer
         self.remote_agent = remote_agent
+        self.link = link  # the peer's: learns from this transfer's posts and completion
         self.local_dlist = local_dlist
         self.remote_dlist = remote_dlist
         # Descriptor ids, posted `per_slice` at a time (views are cut when a slice is posted:

@@ -87,3 +87,12 @@ def test_notify_mac_covers_session_number_sender_and_message():
         messages.notify_mac(b"j" * 32, b"s" * 16, 1, "e", b"m"),
     ]
     assert len({base, *others}) == 6
+
+
+def test_a_busy_hint_is_signed_over_its_duration_and_never_passes_for_a_notification():
+    secret, session = b"k" * 32, b"s" * 16
+    hint = messages.notify_mac(secret, session, 1, "e", b"", busy_ms=1000)
+    assert hint != messages.notify_mac(secret, session, 1, "e", b"", busy_ms=2000)
+    assert hint != messages.notify_mac(secret, session, 1, "e", b"")  # the same, as a notification
+    note = messages.NotifyMessage(engine_id="e", message=b"", mac=hint, session=session, seq=1, busy_ms=1000)
+    assert messages.decode_request(messages.encode(note)) == note

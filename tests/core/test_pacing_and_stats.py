@@ -3,7 +3,7 @@
 import pytest
 
 from nixl_async._poller import AdaptivePacer
-from nixl_async._slicing import WireRate
+from nixl_async._slicing import CopyRate, LinkRates, WireRate, slice_bytes
 from nixl_async.config import EngineConfig, PollConfig
 from nixl_async.stats import LatencyHistogram
 
@@ -42,6 +42,44 @@ def test_wire_rate_drops_at_once_and_rises_halfway():
     assert rate.spin_from(5.0, 200_000_000, 0.0005) == pytest.approx(5.0 + 0.08 - 0.0005)
 
 
+def test_the_first_measured_wire_rate_replaces_the_guess_even_when_faster():
+    rate = WireRate(initial=1e9)
+    assert not rate.measured
+    rate.observe(300_000_000, 0.1)
+    assert rate.measured and rate.bytes_per_s == pytest.approx(3e9)
+
+
+def test_slices_are_sized_for_the_loop_on_inline_copies_and_for_the_wire_otherwise():
+    cfg = EngineConfig(post_target_s=0.002, slice_flight_s=0.025, min_post_bytes=1 << 20, max_post_bytes=64 << 20)
+    copy, link = CopyRate(cfg, initial=4e9), LinkRates()
+    assert slice_bytes(cfg, copy, link) == 8_000_000  # 2 ms of copying at 4 GB/s
+    link.posted("PROC")  # the post returned before its data moved...
+    assert slice_bytes(cfg, copy, link) == 8_000_000  # ...but no wire rate is measured yet
+    link.wire.observe(100_000_000, 0.1)  # 1 GB/s
+    assert slice_bytes(cfg, copy, link) == 25_000_000  # 25 ms of wire
+    link.wire.observe(10_000_000, 1.0)  # 10 MB/s: never below the floor
+    assert slice_bytes(cfg, copy, link) == 1 << 20
+    link.wire.observe(1_000_000_000, 0.05)  # 20 GB/s: never above the ceiling
+    link.wire.observe(1_000_000_000, 0.05)
+    assert slice_bytes(cfg, copy, link) == 64 << 20
+    link.posted("ERR (remote gone)")  # says nothing about the transport
+    assert slice_bytes(cfg, copy, link) == 64 << 20
+    assert slice_bytes(cfg.replace(slice_flight_s=None), copy, link) == 8_000_000  # sizing by the wire is off
+    link.posted("DONE")  # copied inside the post: the loop's stall bounds the slice again
+    assert slice_bytes(cfg, copy, link) == 8_000_000
+
+
+def test_a_peer_is_hinted_busy_unless_its_posts_copy_inline_and_renewed_before_the_hint_runs_out():
+    link = LinkRates()
+    assert link.busy_hint_due(10.0)  # nothing known yet: the first transfer may be in flight
+    assert not link.busy_hint_due(10.4)  # the hint lasts BUSY_HINT_S (1 s)...
+    assert link.busy_hint_due(10.5)  # ...and is renewed with half of it left
+    link.posted("DONE")
+    assert not link.busy_hint_due(20.0)  # inline copies leave nothing in flight for the peer to serve
+    link.posted("PROC")
+    assert link.busy_hint_due(20.0)
+
+
 def test_waiting_and_brisk_windows_cap_the_interval():
     cfg = PollConfig(linger_s=0, backoff_start_s=0.001, idle_interval_s=0.05, waiting_interval_s=0.002)
     pacer = AdaptivePacer(cfg)
@@ -65,6 +103,8 @@ def test_config_validation():
         EngineConfig(max_post_bytes=0)
     with pytest.raises(ValueError):
         EngineConfig(engine_id="")
+    with pytest.raises(ValueError, match="slice_flight_s"):
+        EngineConfig(slice_flight_s=0)
     assert EngineConfig(engine_id="a").replace(engine_id="b").engine_id == "b"
 
 

@@ -19,7 +19,15 @@ from nixl_async import (
     ViewSpec,
     WrongThreadError,
 )
-from nixl_async.testing import Verify, WaitNotifications, fill_pattern, pattern_block, transfers_settled, verify_blocks
+from nixl_async.testing import (
+    Stats,
+    Verify,
+    WaitNotifications,
+    fill_pattern,
+    pattern_block,
+    transfers_settled,
+    verify_blocks,
+)
 
 BLOCK = 4096
 
@@ -274,6 +282,39 @@ async def test_a_read_in_flight_over_tcp_is_checked_every_interval_not_spun_on(n
     slept = counters["poller_sleeps"] - sleeps
     # The previous poller spun for the whole read (no sleep); ~1 ms checks take ~80 % of its time.
     assert slept >= 0.3 * result.wire_seconds / 0.0011, (slept, result)
+
+
+@pytest.mark.nixl_engine_config(slice_flight_s=0.2, post_target_s=0.0005)
+async def test_slices_to_a_peer_over_tcp_grow_to_the_wire_rate(nixl_engine, nixl_peer_factory):
+    """Posts over TCP return before the data moves: slices are sized from the wire, not the loop's stall."""
+    _proc, tcp = await _tcp_peer(nixl_engine, nixl_peer_factory, 64, 1 << 20)
+    first = await nixl_engine.read(tcp, range(64), range(64))  # sized as inline copies: 0.5 ms of copying
+    second = await nixl_engine.read(tcp, range(64), range(64))
+    # 0.2 s at the rate the first read moved (> 160 MB/s on loopback) is >= 32 MiB a slice
+    assert first.slices >= 8 and second.slices <= 2, (first, second)
+    cma_proc = nixl_peer_factory(num_regions=1, num_blocks=64, block_len=1 << 20)
+    cma = await nixl_engine.connect(*cma_proc.address)
+    for _ in range(2):  # over CMA each post is a copy inside the call: slices stay sized for the loop
+        assert (await nixl_engine.read(cma, range(64), range(64))).slices >= 8  # (8 MiB is 0.5 ms at 16 GB/s)
+    assert cma.link.inline and tcp.link.inline is False
+    hints = nixl_engine.stats.counters["busy_hints_sent"]
+    await nixl_engine.read(cma, range(64), range(64))
+    assert nixl_engine.stats.counters["busy_hints_sent"] == hints, "a CMA peer has nothing in flight to serve"
+
+
+async def test_a_peer_serving_reads_over_tcp_is_kept_progressing(nixl_engine, nixl_peer_factory):
+    """Over TCP a READ moves only while the *peer's* worker is progressed; idle, it is progressed every 50 ms."""
+    proc, peer = await _tcp_peer(nixl_engine, nixl_peer_factory, 64, 1 << 20)
+    await nixl_engine.read(peer, [0], [0])
+    await asyncio.sleep(2.5)  # past the brisk window after the handshake: the peer's poller backs off to 50 ms
+    before = (await proc.request(Stats()))["counters"]
+    result = await nixl_engine.read(peer, range(64), range(64))
+    after = (await proc.request(Stats()))["counters"]
+    assert after["busy_hints_received"] > before.get("busy_hints_received", 0)
+    # brisk, the peer checks every ~2 ms while the read is in flight (without the hint: every 50 ms,
+    # and the read took ~1.6 s instead of ~50 ms)
+    checks = after["poller_sleeps"] - before["poller_sleeps"]
+    assert checks >= 0.3 * result.wire_seconds / 0.0025, (checks, result)
 
 
 async def test_dead_peer_fails_the_transfer(nixl_engine, nixl_peer_factory):
