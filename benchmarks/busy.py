@@ -21,20 +21,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
 import sys
 import time
 from typing import Any
 
 import numpy as np
 
-from .common import Result, percentiles
+from .common import TCP, Result, percentiles, run_tcp_child
 
 BLOCK = 64 << 10
 SIZES = [4 << 20, 32 << 20, 192 << 20]
 SETUPS = ["engine", "engine_spin", "raw_1ms", "raw_hot"]
-TCP = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
 
 
 def _raw_reads(address: tuple[str, int], region: np.ndarray, blocks: int, sleep_s: float, n: int) -> list[tuple]:
@@ -102,12 +99,7 @@ def _child(quick: bool) -> dict[str, Any]:
 
 
 def run(quick: bool = False) -> Result:
-    env = {**os.environ, **TCP}
-    cmd = [sys.executable, "-m", "nixl_async_benchmarks.busy", "--child", "quick" if quick else "full"]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, timeout=1800)
-    if done.returncode:
-        raise RuntimeError(f"busy child failed:\n{done.stderr[-4000:]}")
-    samples = json.loads(done.stdout.strip().splitlines()[-1])
+    samples = run_tcp_child("busy", quick)
     rows, metrics, ratios = [], {}, {}
     for size in SIZES:
         stats = {}

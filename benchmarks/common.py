@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,6 +30,22 @@ class Result:
     metrics: dict[str, float] = field(default_factory=dict)
     ratios: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+
+
+TCP = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
+
+
+def run_tcp_child(module: str, quick: bool) -> Any:
+    """Run ``python -m nixl_async_benchmarks.<module> --child quick|full`` with UCX over TCP only.
+
+    The child prints its samples as one JSON line last; UCX reads its transports when the first
+    agent starts, so a child keeps the other scenarios' agents on the default transports.
+    """
+    cmd = [sys.executable, "-m", f"nixl_async_benchmarks.{module}", "--child", "quick" if quick else "full"]
+    done = subprocess.run(cmd, env={**os.environ, **TCP}, capture_output=True, text=True, check=False, timeout=1800)
+    if done.returncode:
+        raise RuntimeError(f"{module} child failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def percentiles(samples: list[float] | np.ndarray, *qs: float) -> list[float]:

@@ -15,6 +15,7 @@ from .common import Result
 # name -> (module, part of --quick by default)
 SCENARIOS: dict[str, tuple[str, bool]] = {
     "throughput": ("throughput", True),
+    "throughput_tcp": ("throughput_tcp", True),
     "latency": ("latency", True),
     "stall": ("stall", True),
     "handshake": ("handshake", True),

@@ -1,0 +1,136 @@
+"""READ throughput over UCX/TCP between two processes, engine against raw NIXL loops, side by side.
+
+Over TCP a post returns before its data moves, so the engine's slicing and the way it watches
+transfers in flight decide its throughput (over CMA each post is the copy itself). For each
+block size and block order (a random permutation, or contiguous ids), 128 MiB is read from a
+fresh peer process by four readers taking turns, whoever went first last goes last next:
+
+- ``engine``: `await engine.read(...)` on one engine kept across the runs (it learns the wire);
+- ``engine_inline_sizing``: the same with ``slice_flight_s=None``: every slice sized as if
+  posts copied inline, as the engine did before it learned each peer's wire;
+- ``raw_1ms``: NIXL driven directly, one post of the same descriptors, state checked every 1 ms;
+- ``raw_hot``: the same checking without pause.
+
+The ratio divides by the faster raw loop (on 2 cores the hot one often loses: it takes the CPU
+the kernel's TCP stack and the peer need). Runs in a child process with ``UCX_TLS=tcp``.
+Each order gets its own peer: after many 4 KiB reads a peer's UCX/TCP endpoint slows every
+reader that follows (seen with raw loops too), which would bias whichever order runs second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+
+import numpy as np
+
+from .common import TCP, RawReader, Result, run_tcp_child
+
+TOTAL = 128 << 20
+SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20]
+ORDERS = ["random", "contiguous"]
+SETUPS = ["engine", "engine_inline_sizing", "raw_1ms", "raw_hot"]
+
+
+def _raw_read(raw: RawReader, lidx: np.ndarray, ridx: np.ndarray, sleep_s: float) -> float:
+    """Seconds for one raw READ of the descriptors."""
+    t0 = time.perf_counter()
+    handle, state = raw.post(lidx, ridx)
+    while state == "PROC":
+        if sleep_s:
+            time.sleep(sleep_s)
+        state = raw.agent.state(handle)
+    raw.agent.release_xfer(handle)
+    assert state == "DONE", state
+    return time.perf_counter() - t0
+
+
+async def _one_order(address: tuple[str, int], region: np.ndarray, block_len: int, order: np.ndarray,
+                     rounds: int, per_round: int) -> dict[str, list[float]]:  # fmt: skip
+    """GB/s of each reader, reading every block from the peer's block `order[i]`."""
+    from nixl_async import EngineConfig, TransferEngine
+    from nixl_async.layout import BlockLayout, pair_descriptor_ids
+
+    blocks = TOTAL // block_len
+    ids = np.arange(blocks)
+    layout = BlockLayout.from_regions("kv", [region.ctypes.data], num_blocks=blocks, block_len=block_len)
+    raw = RawReader(f"raw-tcp-{block_len}", layout, address, progress_thread=False)
+    lidx, ridx = pair_descriptor_ids(raw.local_view, ids, raw.remote_layout.view(), order)
+    samples: dict[str, list[float]] = {s: [] for s in SETUPS}
+    configs = {"engine": EngineConfig(), "engine_inline_sizing": EngineConfig(slice_flight_s=None)}
+    try:
+        async with (
+            TransferEngine(configs["engine"]) as engine,
+            TransferEngine(configs["engine_inline_sizing"]) as inline_sized,
+        ):
+            peers = {}
+            for name, eng in (("engine", engine), ("engine_inline_sizing", inline_sized)):
+                eng.register("kv", [region], block_len=block_len)
+                peers[name] = (eng, await eng.connect(*address))
+                await eng.read(peers[name][1], ids, order)  # the first read teaches it the wire
+            _raw_read(raw, lidx, ridx, 0.0)
+            for round_ in range(rounds):
+                for setup in SETUPS if round_ % 2 == 0 else SETUPS[::-1]:
+                    for _ in range(per_round):
+                        if setup in peers:
+                            eng, peer = peers[setup]
+                            t0 = time.perf_counter()
+                            await eng.read(peer, ids, order)
+                            took = time.perf_counter() - t0
+                        else:
+                            took = _raw_read(raw, lidx, ridx, 0.001 if setup == "raw_1ms" else 0.0)
+                        samples[setup].append(TOTAL / took / 1e9)
+    finally:
+        raw.close()
+    return samples
+
+
+def _child(quick: bool) -> dict[str, dict]:
+    from nixl_async.testing.peer_process import PeerProcess, PeerSpec
+
+    rounds, per_round = (2, 2) if quick else (4, 3)
+    region = np.ones(TOTAL, dtype=np.uint8)
+    out: dict[str, dict] = {}
+    for block_len in SIZES:
+        blocks = TOTAL // block_len
+        orders = {"random": np.random.default_rng(block_len).permutation(blocks), "contiguous": np.arange(blocks)}
+        out[str(block_len)] = {}
+        for name, order in orders.items():
+            spec = PeerSpec(engine_id=f"tcp-tput-peer-{block_len}-{name}", num_regions=1, num_blocks=blocks,
+                            block_len=block_len)  # fmt: skip
+            with PeerProcess(spec, env=TCP) as peer:
+                got = asyncio.run(_one_order(peer.address, region, block_len, order, rounds, per_round))
+            out[str(block_len)][name] = got
+    return out
+
+
+def run(quick: bool = False) -> Result:
+    samples = run_tcp_child("throughput_tcp", quick)
+    rows, metrics, ratios = [], {}, {}
+    for block_len in SIZES:
+        for order in ORDERS:
+            gbps = {s: float(np.median(samples[str(block_len)][order][s])) for s in SETUPS}
+            raw = max(gbps["raw_1ms"], gbps["raw_hot"])
+            key = f"{block_len >> 10}k_{order}"
+            rows.append([f"{block_len >> 10} KiB {order}", gbps["engine"], gbps["engine_inline_sizing"],
+                         gbps["raw_1ms"], gbps["raw_hot"], gbps["engine"] / raw])  # fmt: skip
+            metrics.update({f"{setup}_gbps_{key}": v for setup, v in gbps.items()})
+            ratios[f"engine_over_raw_throughput_{key}_higher_is_better"] = gbps["engine"] / raw
+    return Result(
+        "throughput_tcp",
+        ["blocks", "engine GB/s", "inline-sized GB/s", "raw 1 ms GB/s", "raw hot GB/s", "engine/faster raw"],
+        rows,
+        metrics=metrics,
+        ratios=ratios,
+        notes=[
+            "UCX over TCP between two processes on loopback, 128 MiB per read, medians of alternating runs",
+            "goal: engine >= 0.95x the faster raw loop at every block size",
+        ],
+    )
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--child"]:
+        print(json.dumps(_child(sys.argv[2] == "quick")))
