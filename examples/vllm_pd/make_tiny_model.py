@@ -163,8 +163,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vocab", type=int, default=512, help="upper bound for the BPE vocabulary")
     parser.add_argument("--max-positions", type=int, default=4096)
     parser.add_argument("--sliding-window", type=int, default=None, help="alternate sliding-window layers")
-    parser.add_argument("--arch", choices=("llama", "qwen3_next"), default="llama",
-                        help="qwen3_next: linear-attention (state) layers alternating with full attention")
+    parser.add_argument(
+        "--arch",
+        choices=("llama", "qwen3_next"),
+        default="llama",
+        help="qwen3_next: linear-attention (state) layers alternating with full attention",
+    )
     args = parser.parse_args(argv)
     if args.arch == "qwen3_next":
         build_qwen3_next(args.out_dir, seed=args.seed, layers=args.layers, hidden=args.hidden, vocab=args.vocab)
