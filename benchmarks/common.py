@@ -97,6 +97,16 @@ class RawReader:
         handle = self.agent.make_xfer("READ", self.local, local_idx, self.remote, remote_idx)
         return handle, self.agent.post(handle)
 
+    def read(self, local_idx: np.ndarray, remote_idx: np.ndarray, check_every_s: float = 0.0) -> None:
+        """One READ as one post, its state checked every `check_every_s` (0: without pause) until DONE."""
+        handle, state = self.post(local_idx, remote_idx)
+        while state == "PROC":
+            if check_every_s:
+                time.sleep(check_every_s)
+            state = self.agent.state(handle)
+        self.agent.release_xfer(handle)
+        assert state == "DONE", state
+
     def close(self) -> None:
         self.agent.release_dlist(self.local)
         self.agent.release_dlist(self.remote)

@@ -69,11 +69,7 @@ async def _side_by_side(peer: PeerProcess, region: np.ndarray, block_len: int, o
     remote_base = raw.remote_layout.region_addrs[0]
 
     def raw_once() -> None:
-        handle, state = raw.post(lidx, ridx)
-        while state == "PROC":
-            state = raw.agent.state(handle)
-        assert state == "DONE", state
-        raw.agent.release_xfer(handle)
+        raw.read(lidx, ridx)
 
     ids = np.arange(blocks)
     rates: dict[str, list[float]] = {"engine": [], "raw": [], "cma": []}

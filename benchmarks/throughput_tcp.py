@@ -34,19 +34,6 @@ ORDERS = ["random", "contiguous"]
 SETUPS = ["engine", "engine_inline_sizing", "raw_1ms", "raw_hot"]
 
 
-def _raw_read(raw: RawReader, lidx: np.ndarray, ridx: np.ndarray, sleep_s: float) -> float:
-    """Seconds for one raw READ of the descriptors."""
-    t0 = time.perf_counter()
-    handle, state = raw.post(lidx, ridx)
-    while state == "PROC":
-        if sleep_s:
-            time.sleep(sleep_s)
-        state = raw.agent.state(handle)
-    raw.agent.release_xfer(handle)
-    assert state == "DONE", state
-    return time.perf_counter() - t0
-
-
 async def _one_order(address: tuple[str, int], region: np.ndarray, block_len: int, order: np.ndarray,
                      rounds: int, per_round: int) -> dict[str, list[float]]:  # fmt: skip
     """GB/s of each reader, reading every block from the peer's block `order[i]`."""
@@ -59,29 +46,27 @@ async def _one_order(address: tuple[str, int], region: np.ndarray, block_len: in
     raw = RawReader(f"raw-tcp-{block_len}", layout, address, progress_thread=False)
     lidx, ridx = pair_descriptor_ids(raw.local_view, ids, raw.remote_layout.view(), order)
     samples: dict[str, list[float]] = {s: [] for s in SETUPS}
-    configs = {"engine": EngineConfig(), "engine_inline_sizing": EngineConfig(slice_flight_s=None)}
     try:
         async with (
-            TransferEngine(configs["engine"]) as engine,
-            TransferEngine(configs["engine_inline_sizing"]) as inline_sized,
+            TransferEngine(EngineConfig()) as engine,
+            TransferEngine(EngineConfig(slice_flight_s=None)) as inline_sized,
         ):
             peers = {}
             for name, eng in (("engine", engine), ("engine_inline_sizing", inline_sized)):
                 eng.register("kv", [region], block_len=block_len)
                 peers[name] = (eng, await eng.connect(*address))
                 await eng.read(peers[name][1], ids, order)  # the first read teaches it the wire
-            _raw_read(raw, lidx, ridx, 0.0)
+            raw.read(lidx, ridx)
             for round_ in range(rounds):
                 for setup in SETUPS if round_ % 2 == 0 else SETUPS[::-1]:
                     for _ in range(per_round):
+                        t0 = time.perf_counter()
                         if setup in peers:
                             eng, peer = peers[setup]
-                            t0 = time.perf_counter()
                             await eng.read(peer, ids, order)
-                            took = time.perf_counter() - t0
                         else:
-                            took = _raw_read(raw, lidx, ridx, 0.001 if setup == "raw_1ms" else 0.0)
-                        samples[setup].append(TOTAL / took / 1e9)
+                            raw.read(lidx, ridx, 0.001 if setup == "raw_1ms" else 0.0)
+                        samples[setup].append(TOTAL / (time.perf_counter() - t0) / 1e9)
     finally:
         raw.close()
     return samples

@@ -45,6 +45,7 @@ _NEVER = float("inf")
 _SWEEP_BUDGET_S = 0.001
 # Hot checks on a transfer start at least this long before it is expected to end.
 _HOT_MARGIN_S = 0.0005
+_HINT_CHECK_S = 0.1  # how often the sweep looks for busy hints to renew (each has 0.5 s left then)
 # Handles are keyed by transfer id * _SLICE_KEY + slice index.
 _SLICE_KEY = 1 << 32
 _EMPTY_IDS: IdArray = np.empty(0, dtype=np.int64)
@@ -80,6 +81,7 @@ class TransferDriver:
         self._ids = itertools.count(1)
         self._copy_rate = CopyRate(config)  # sizes slices of inline copies (each peer has its wire rate)
         self.hot_from = -_NEVER  # perf_counter time from which the poller should check hot
+        self._hints_checked_at = -_NEVER  # loop time the sweep last looked for busy hints to renew
         self._next_deadline = _NEVER  # no transfer's deadline comes before this
         # One bound method each, shared by every transfer (a bound method per transfer is one
         # more object for the garbage collector).
@@ -217,6 +219,9 @@ class TransferDriver:
         activity = False
         swept = time.perf_counter()
         started = loop.time()
+        renew_hints = started >= self._hints_checked_at + _HINT_CHECK_S  # not on every sweep: 10 k transfers
+        if renew_hints:
+            self._hints_checked_at = started
         finished = False
         hot_from = _NEVER
         for n, transfer in enumerate(self.live(), 1):
@@ -234,7 +239,7 @@ class TransferDriver:
             if transfer.state is TransferState.RELEASING:  # past its grace it is reported fenced
                 self._apply(transfer, transfer.core.tick(loop.time()))
             if transfer.id in self.active:  # fenced ones never keep the poller hot
-                if transfer.link.busy_hint_due(started):  # a long transfer: renew it
+                if renew_hints and transfer.link.busy_hint_due(started):  # a long transfer: renew it
                     self._send_busy_hint(self._table.of_agent(transfer.remote_agent))
                 if not transfer.first_post_at or transfer.core.can_post_now:
                     hot_from = -_NEVER

@@ -301,13 +301,14 @@ class TransferEngine:
 
     def _on_handshake_request(self) -> None:
         self.stats.counters["handshakes_served"] += 1
-        assert self._loop is not None
-        self._pacer.stay_brisk(self._loop.time() + WIREUP_BRISK_S)
-        self._wakeup()
+        self._stay_brisk(WIREUP_BRISK_S)
 
     def _on_busy_hint(self, seconds: float) -> None:
         """A peer has transfers with us in flight: over TCP they move only while our worker is progressed."""
         self.stats.counters["busy_hints_received"] += 1
+        self._stay_brisk(seconds)
+
+    def _stay_brisk(self, seconds: float) -> None:
         assert self._loop is not None
         self._pacer.stay_brisk(self._loop.time() + seconds)
         self._wakeup()
