@@ -64,15 +64,20 @@ class OwnedAgent:
         backends: tuple[str, ...],
         backend_params: Mapping[str, str],
         *,
+        per_backend: Mapping[str, Mapping[str, str]] | None = None,
         progress_thread: bool = False,
     ) -> None:
-        """`progress_thread=True` exists only so benchmarks can measure NIXL's default mode."""
+        """`per_backend` replaces `backend_params` for the backends it names.
+
+        `progress_thread=True` exists only so benchmarks can measure NIXL's default mode.
+        """
         self._owner = threading.get_ident()
         self.name = name
         config = nixl_agent_config(enable_prog_thread=progress_thread, enable_listen_thread=False, backends=[])
         self._agent = nixl_agent(name, config)
         for backend in backends:
-            self._agent.create_backend(backend, dict(backend_params))
+            params = (per_backend or {}).get(backend, backend_params)
+            self._agent.create_backend(backend, dict(params))
         self.live: Counter[str] = Counter()
 
     def _check(self) -> None:

@@ -8,7 +8,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["EngineConfig", "PollConfig"]
+__all__ = ["EngineConfig", "PollConfig", "ucx_link_settings"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,23 @@ class PollConfig:
                 raise ValueError(f"PollConfig.{name} must be >= 0")
         if self.backoff_start_s > self.idle_interval_s:
             raise ValueError("PollConfig.backoff_start_s must not exceed idle_interval_s")
+
+
+def ucx_link_settings(timeout_s: float) -> dict[str, str]:
+    """UCX settings that drop a TCP connection after about `timeout_s` of silence from the peer.
+
+    Keepalive probes catch a link that died while nothing was unacknowledged (an idle
+    connection, or a READ waiting for the peer's data); TCP_USER_TIMEOUT one that died under
+    data we sent. The kernel counts keepalive in whole seconds.
+    """
+    total = max(2, int(timeout_s))
+    idle = total // 2
+    return {
+        "TCP_KEEPIDLE": f"{idle}s",
+        "TCP_KEEPINTVL": "1s",
+        "TCP_KEEPCNT": str(total - idle),
+        "TCP_USER_TIMEOUT": f"{int(timeout_s * 1000)}ms",
+    }
 
 
 def _default_engine_id() -> str:
@@ -79,6 +96,12 @@ class EngineConfig:
     # A transfer submitted without a timeout gets this deadline, so a stalled or paused peer
     # cannot hang its caller forever. None disables it.
     transfer_timeout_s: float | None = 120.0
+    # UCX over TCP notices a cut link only after minutes (the kernel keeps retrying), and until
+    # then a READ in flight keeps its memory fenced. A peer silent this long loses its UCX
+    # connection (TCP keepalive and TCP_USER_TIMEOUT in the UCX backend's own settings, not
+    # the process environment), so its transfers fail and their memory goes quiet. Whole
+    # seconds, >= 2; None leaves UCX's defaults.
+    link_timeout_s: float | None = 5.0
     # A peer unused this long (no connect, no transfer) with nothing in flight is forgotten: its
     # remote agent, descriptor lists and notification socket go (vLLM's engine TTL is 3600 s).
     # None keeps peers until `disconnect()`.
@@ -123,6 +146,8 @@ class EngineConfig:
             raise ValueError("EngineConfig.peer_ttl_s must be > 0 or None")
         if self.handshake_timeout_s <= 0:
             raise ValueError("EngineConfig.handshake_timeout_s must be > 0")
+        if self.link_timeout_s is not None and self.link_timeout_s < 2:
+            raise ValueError("EngineConfig.link_timeout_s must be >= 2 (seconds) or None")
         if self.release_grace_s < 0:
             raise ValueError("EngineConfig.release_grace_s must be >= 0")
         if self.post_target_s <= 0:
@@ -140,6 +165,18 @@ class EngineConfig:
         # Freeze the mappings so the config stays hashable-in-spirit and immutable.
         object.__setattr__(self, "compat", dict(self.compat))
         object.__setattr__(self, "backend_params", dict(self.backend_params))
+
+    def backend_settings(self, backend: str) -> dict[str, str]:
+        """The parameters NIXL's `backend` is created with: `backend_params`, and for UCX the
+        link timeout as UCX settings (an ``engine_config`` the caller gave wins key by key)."""
+        params = dict(self.backend_params)
+        if backend != "UCX" or self.link_timeout_s is None:
+            return params
+        given = [item for item in params.get("engine_config", "").split(",") if "=" in item]
+        named = {item.split("=", 1)[0].strip().upper() for item in given}
+        ours = [f"{key}={value}" for key, value in ucx_link_settings(self.link_timeout_s).items() if key not in named]
+        params["engine_config"] = ",".join(given + ours)
+        return params
 
     def replace(self, **changes: object) -> EngineConfig:
         """A copy with some fields changed."""

@@ -7,6 +7,13 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
 bash scripts/setup-vllm.sh || exit 1
 export NIXL_ASYNC_REQUIRE_VLLM=1  # the vLLM tests must run here, never skip
+if [ "$(id -u)" -eq 0 ]; then
+  # As root (CI) the tests across network namespaces must run, never skip; they need iproute2 (ip, tc, ss).
+  export NIXL_ASYNC_REQUIRE_NETNS=1
+  if ! command -v ip >/dev/null || ! command -v tc >/dev/null || ! command -v ss >/dev/null; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2) >/dev/null || exit 1
+  fi
+fi
 .venv/bin/ruff check . || exit 1
 .venv/bin/mypy nixl_async adapters/vllm || exit 1
 .venv/bin/python -m pytest "$@"

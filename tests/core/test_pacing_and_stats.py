@@ -4,7 +4,7 @@ import pytest
 
 from nixl_async._poller import AdaptivePacer
 from nixl_async._slicing import CopyRate, LinkRates, WireRate, slice_bytes
-from nixl_async.config import EngineConfig, PollConfig
+from nixl_async.config import EngineConfig, PollConfig, ucx_link_settings
 from nixl_async.stats import LatencyHistogram
 
 
@@ -106,6 +106,25 @@ def test_config_validation():
     with pytest.raises(ValueError, match="slice_flight_s"):
         EngineConfig(slice_flight_s=0)
     assert EngineConfig(engine_id="a").replace(engine_id="b").engine_id == "b"
+    with pytest.raises(ValueError, match="link_timeout_s"):
+        EngineConfig(link_timeout_s=1)
+
+
+def test_the_link_timeout_becomes_ucx_settings_of_the_ucx_backend_only():
+    assert ucx_link_settings(5) == {"TCP_KEEPIDLE": "2s", "TCP_KEEPINTVL": "1s", "TCP_KEEPCNT": "3",
+                                    "TCP_USER_TIMEOUT": "5000ms"}  # fmt: skip
+    config = EngineConfig(link_timeout_s=2, backend_params={"num_threads": "2"})
+    assert config.backend_settings("UCX") == {
+        "num_threads": "2",
+        "engine_config": "TCP_KEEPIDLE=1s,TCP_KEEPINTVL=1s,TCP_KEEPCNT=1,TCP_USER_TIMEOUT=2000ms",
+    }
+    assert config.backend_settings("GDS") == {"num_threads": "2"}
+    assert EngineConfig(link_timeout_s=None).backend_settings("UCX") == {}
+    # The caller's own UCX settings win, key by key.
+    mine = EngineConfig(backend_params={"engine_config": "tcp_user_timeout=9s,RNDV_THRESH=8k"})
+    assert mine.backend_settings("UCX")["engine_config"] == (
+        "tcp_user_timeout=9s,RNDV_THRESH=8k,TCP_KEEPIDLE=2s,TCP_KEEPINTVL=1s,TCP_KEEPCNT=3"
+    )
 
 
 def test_histogram_percentiles_within_a_bucket():
