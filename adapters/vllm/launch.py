@@ -73,17 +73,22 @@ class VllmServer:
     kv_cache_bytes: int = 64 << 20
     extra_env: dict[str, str] = field(default_factory=dict)
     log_path: Path | None = None
+    # Another host: the server's address (HTTP, side channel, UCX device) and a command prefix
+    # that runs it there, e.g. ``["ip", "netns", "exec", "p"]`` (nixl_async.testing.netns).
+    host: str = "127.0.0.1"
+    net_device: str = "lo"
+    command_prefix: list[str] = field(default_factory=list)
     process: subprocess.Popen[bytes] | None = None
     _started_at: float = 0.0
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def command(self) -> list[str]:
         cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-            "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16",
+            *self.command_prefix, sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+            "--host", self.host, "--port", str(self.port), "--dtype", "bfloat16",
             "--max-model-len", str(self.max_model_len), "--max-num-seqs", str(self.max_num_seqs),
             "--max-num-batched-tokens", str(max(512, self.max_model_len)), "--enforce-eager", "--seed", "0",
             "--kv-cache-memory-bytes", str(self.kv_cache_bytes),
@@ -95,10 +100,10 @@ class VllmServer:
     def environment(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE" or v}
         env.update(
-            VLLM_HOST_IP="127.0.0.1",
-            VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
+            VLLM_HOST_IP=self.host,
+            VLLM_NIXL_SIDE_CHANNEL_HOST=self.host,
             VLLM_NIXL_SIDE_CHANNEL_PORT=str(self.side_channel_port),
-            UCX_NET_DEVICES="lo",
+            UCX_NET_DEVICES=self.net_device,
             VLLM_CPU_OMP_THREADS_BIND=str(self.cpu),
             PYTHONUNBUFFERED="1",
         )

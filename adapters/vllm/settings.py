@@ -11,6 +11,9 @@ NixlConnector; our own knobs live in ``kv_connector_extra_config``:
   ``--kv-transfer-config`` at startup, so prefer the other two.
 - ``transfer_timeout`` (s, default 120) and ``handshake_timeout`` (s, default 5): a dead or
   silent peer fails a request within these instead of hanging it.
+- ``link_timeout`` (s, default 5; ``null`` keeps UCX's defaults): a peer silent this long over
+  UCX/TCP loses its connection, so a read across a cut link fails (and its blocks go quiet)
+  instead of staying in flight for minutes (`EngineConfig.link_timeout_s`).
 - ``switch_interval_s`` (default 0.0005): the worker process's `sys.setswitchinterval` (lowered,
   never raised). The engine's loop thread shares the interpreter with vLLM's worker thread; at
   Python's default 5 ms, each hand-over to the loop can wait that long (measured here: decode
@@ -40,7 +43,7 @@ ADAPTER_PROTOCOL = "nixl_async-vllm-pull-1"
 # Keys we read, ours and NixlConnector's (see the module docstring).
 _KNOWN = {
     "kv_lease_duration", "auth_secret", "auth_secret_env", "auth_secret_file", "transfer_timeout",
-    "handshake_timeout", "switch_interval_s", "backends", "num_threads", "engine_ttl",
+    "handshake_timeout", "link_timeout", "switch_interval_s", "backends", "num_threads", "engine_ttl",
     "enforce_handshake_compat", "kv_recompute_threshold",
 }  # fmt: skip
 # NixlConnector keys the adapter does not implement: refused when set (to anything but the default).
@@ -122,6 +125,15 @@ def _number(extra: dict[str, Any], key: str, default: float) -> float:
     return number
 
 
+def _link_timeout(extra: dict[str, Any]) -> float | None:
+    if extra.get("link_timeout", 5.0) is None:
+        return None
+    timeout = _number(extra, "link_timeout", 5.0)
+    if timeout < 2:
+        raise ValueError(f"kv_connector_extra_config['link_timeout'] must be >= 2 (seconds) or null, got {timeout}")
+    return timeout
+
+
 def _secret(extra: dict[str, Any]) -> bytes | None:
     """The shared secret from the value, an environment variable or a file (never logged)."""
     given = [key for key in ("auth_secret", "auth_secret_env", "auth_secret_file") if extra.get(key)]
@@ -156,6 +168,7 @@ class AdapterSettings:
     backend_params: tuple[tuple[str, str], ...] = ()
     peer_ttl_s: float | None = 3600.0  # NixlConnector's engine_ttl; None: never evict
     enforce_compat: bool = True
+    link_timeout_s: float | None = 5.0
 
     def __repr__(self) -> str:  # the secret never appears in logs
         secret = "set" if self.auth_secret else "none"
@@ -192,6 +205,7 @@ class AdapterSettings:
             backend_params=tuple(_backend_params(extra, backends).items()),
             peer_ttl_s=float(ttl) if ttl > 0 else None,  # as NixlConnector: <= 0 turns eviction off
             enforce_compat=_flag(extra, "enforce_handshake_compat", True),
+            link_timeout_s=_link_timeout(extra),
         )
 
     def bind_host(self) -> str:
@@ -209,6 +223,7 @@ class AdapterSettings:
             backend_params=dict(self.backend_params),
             peer_ttl_s=self.peer_ttl_s,
             enforce_compat=self.enforce_compat,
+            link_timeout_s=self.link_timeout_s,
             # Readers notify producers through the side channel: a NIXL notification would hold
             # the reader's next read until the producer's loop polls (see EngineConfig.notify_via).
             notify_via="side_channel",

@@ -1,7 +1,10 @@
-"""HTTP calls the vLLM end-to-end tests make to servers and proxies (completions, prefill legs, metrics)."""
+"""Models and HTTP calls the vLLM end-to-end tests make to servers and proxies (completions, prefill legs, metrics)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -9,6 +12,16 @@ import aiohttp
 from nixl_async_vllm.launch import VllmServer
 
 MAX_TOKENS = 12
+REPO = Path(__file__).resolve().parents[3]
+
+
+def make_models(root: Path) -> None:
+    """Two tiny models with the same tokenizer and different weights; `model` points at A."""
+    for name, seed in (("model-a", "0"), ("model-b", "1")):
+        script = REPO / "examples" / "vllm_pd" / "make_tiny_model.py"
+        subprocess.run([sys.executable, str(script), str(root / name), "--seed", seed], check=True,
+                       capture_output=True)  # fmt: skip
+    (root / "model").symlink_to(root / "model-a")
 
 
 async def post(url: str, body: dict[str, Any], timeout: float = 120) -> tuple[int, dict[str, Any]]:

@@ -15,8 +15,6 @@ from __future__ import annotations
 import asyncio
 import math
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -27,7 +25,7 @@ if os.environ.get("NIXL_ASYNC_REQUIRE_VLLM") != "1":
 
 from nixl_async_vllm.launch import ProxyProcess, VllmServer, kv_transfer_config, make_prompt, running
 
-from .pd_client import MAX_TOKENS, complete, counter, post, prefill_only
+from .pd_client import MAX_TOKENS, complete, counter, make_models, post, prefill_only
 
 pytestmark = pytest.mark.vllm
 
@@ -38,22 +36,10 @@ DECODE_SEQS = 2  # decode runs 2 requests at a time, so a queue of long ones kee
 PROMPTS = [make_prompt(f"request {i}", n) for i, n in enumerate([4, 30, 60, 75, 110, 150, 200, 260])]
 
 
-REPO = Path(__file__).resolve().parents[3]
-
-
-def _make_models(root: Path) -> None:
-    """Two tiny models with the same tokenizer and different weights; `model` points at A."""
-    for name, seed in (("model-a", "0"), ("model-b", "1")):
-        script = REPO / "examples" / "vllm_pd" / "make_tiny_model.py"
-        subprocess.run([sys.executable, str(script), str(root / name), "--seed", seed], check=True,
-                       capture_output=True)  # fmt: skip
-    (root / "model").symlink_to(root / "model-a")
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     root = tmp_path_factory.mktemp("pd")
-    _make_models(root)
+    make_models(root)
     model = str(root / "model")
     # Authentication on: every handshake and notification of the run proves the shared secret,
     # given through the environment so that vLLM's startup log (which prints this config) never shows it.

@@ -31,12 +31,13 @@ def _config(extra, tp=2, dp_index=0, pp=1, dcp=1, pcp=1, permute=False):
 def test_extra_config_reaches_the_engine(monkeypatch):
     monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
     monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", "6000")
-    extra = {"auth_secret": SECRET, "kv_lease_duration": 12, "transfer_timeout": "7.5", "handshake_timeout": 2}
+    extra = {"auth_secret": SECRET, "kv_lease_duration": 12, "transfer_timeout": "7.5", "handshake_timeout": 2,
+             "link_timeout": 3}  # fmt: skip
     settings = AdapterSettings.from_vllm(_config(extra, tp=2, dp_index=1))
     assert settings.lease_s == 12 and settings.side_channel_port == 6002  # DP rank 1 of TP 2: ports 6002, 6003
     config = settings.engine_config(rank_engine_id("eng", 1), {"model": "m"})
     assert config.auth_secret == SECRET.encode() and config.transfer_timeout_s == 7.5
-    assert config.handshake_timeout_s == 2 and config.notify_via == "side_channel"
+    assert config.handshake_timeout_s == 2 and config.notify_via == "side_channel" and config.link_timeout_s == 3
     assert config.engine_id == "eng/tp1" and config.compat["model"] == "m"
     assert SECRET not in repr(settings) and SECRET not in repr(config), "the secret never shows in logs"
 
@@ -44,11 +45,20 @@ def test_extra_config_reaches_the_engine(monkeypatch):
 def test_defaults_match_vllm_nixl_connector():
     settings = AdapterSettings.from_vllm(_config({}))
     assert settings.lease_s == 30 and settings.auth_secret is None and settings.transfer_timeout_s == 120
+    assert settings.engine_config("e", {}).link_timeout_s == 5
+    assert AdapterSettings.from_vllm(_config({"link_timeout": None})).engine_config("e", {}).link_timeout_s is None
 
 
 @pytest.mark.parametrize(
     "extra",
-    [{"kv_lease_duration": 0}, {"transfer_timeout": "soon"}, {"auth_secret": "short"}, {"switch_interval_s": -1}],
+    [
+        {"kv_lease_duration": 0},
+        {"transfer_timeout": "soon"},
+        {"auth_secret": "short"},
+        {"switch_interval_s": -1},
+        {"link_timeout": 1},
+        {"link_timeout": "never"},
+    ],
 )
 def test_bad_settings_are_refused_with_a_clear_error(extra):
     with pytest.raises(ValueError, match=r"kv_connector_extra_config|auth_secret"):
