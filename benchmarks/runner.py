@@ -24,6 +24,7 @@ SCENARIOS: dict[str, tuple[str, bool]] = {
     "busy": ("busy", True),
     "vllm": ("vllm", False),  # real vLLM servers: minutes; run it by name
     "vllm_hybrid": ("vllm_hybrid", False),  # the same on hybrid models
+    "vllm_hosts": ("vllm_hosts", False),  # P and D on two hosts (network namespaces, root): minutes
 }
 
 
