@@ -3,7 +3,8 @@
 Prefill and decode each run in their own network namespace (`nixl_async.testing.netns`: two
 hosts on a bridge), UCX over TCP only, what leaves each host limited to 1 Gbit/s (`tc tbf`;
 this kernel has no sch_netem, so no delay is added); the proxy and the client run in the root namespace.
-Runs alternate between the connectors (adapter, NixlConnector, NixlConnector, adapter, ...),
+Runs alternate between the set-ups (adapter, NixlConnector, adapter with Python's 5 ms switch
+interval, then the reverse order),
 each with fresh servers, a warm-up request, then unique prompts at concurrency 1 and 4.
 Reported per connector: the median over its runs, with the spread (min-max) in the notes.
 
@@ -27,6 +28,13 @@ from .common import Result, percentiles
 from .vllm import REPO, TINY, ModelSpec, _load, _progress
 
 RATE_MBIT = 1000
+# set-up -> (connector, kv_connector_extra_config); the third keeps Python's 5 ms switch interval
+# in the adapter's processes, to see whether lowering it to 0.5 ms (the adapter's default) pays.
+SETUPS: dict[str, tuple[str, dict[str, Any]]] = {
+    "nixl_async": ("nixl_async", {}),
+    "vllm": ("vllm", {}),
+    "nixl_async_switch_5ms": ("nixl_async", {"switch_interval_s": 0.005}),
+}
 
 
 def _run_once(setup: str, spec: ModelSpec, model: str, net: Any, prompts: dict[int, list[str]], logs: Path,
@@ -34,11 +42,12 @@ def _run_once(setup: str, spec: ModelSpec, model: str, net: Any, prompts: dict[i
     from nixl_async_vllm.launch import ProxyProcess, VllmServer, kv_transfer_config, running
 
     p_host, d_host = net.hosts
+    connector, extra = SETUPS[setup]
     common = {"max_model_len": spec.max_model_len, "kv_cache_bytes": spec.kv_cache_bytes}
     servers = [
-        VllmServer(model, 18910, 15950, kv_transfer_config(setup, role), cpu=cpu, log_path=logs / f"{tag}-{name}.log",
-                   extra_env={"UCX_TLS": "tcp"}, host=host.address, net_device=host.device, command_prefix=host.prefix,
-                   **common)
+        VllmServer(model, 18910, 15950, kv_transfer_config(connector, role, extra), cpu=cpu,
+                   log_path=logs / f"{tag}-{name}.log", extra_env={"UCX_TLS": "tcp"}, host=host.address,
+                   net_device=host.device, command_prefix=host.prefix, **common)
         for name, role, host, cpu in (("prefill", "kv_producer", p_host, 0), ("decode", "kv_consumer", d_host, 1))
     ]  # fmt: skip
     proxy = ProxyProcess(18940, servers[0].url, servers[1].url)
@@ -68,14 +77,15 @@ def run(quick: bool = False) -> Result:
         raise SystemExit("the vllm_hosts scenario needs real vLLM: bash scripts/setup-vllm.sh") from None
     from nixl_async.testing.netns import NetnsUnavailable, network
 
-    order = ["nixl_async", "vllm", "vllm", "nixl_async"] + ([] if quick else ["nixl_async", "vllm"])
+    order = ["nixl_async", "vllm", "nixl_async_switch_5ms"]
+    order += order[::-1] + ([] if quick else order)
     n = 32 if quick else 100
     spec = TINY
     work = Path(tempfile.mkdtemp(prefix="nixl-async-bench-hosts-"))
     model = work / spec.name
     subprocess.run([sys.executable, str(REPO / "examples" / "vllm_pd" / "make_tiny_model.py"), str(model),
                     *spec.args], check=True, capture_output=True)  # fmt: skip
-    runs: dict[str, list[dict[str, float]]] = {"nixl_async": [], "vllm": []}
+    runs: dict[str, list[dict[str, float]]] = {setup: [] for setup in SETUPS}
     try:
         with network(2, subnet="10.214.0") as net:
             for host in net.hosts:
@@ -100,14 +110,18 @@ def run(quick: bool = False) -> Result:
         rows.append([setup, *(metrics[f"{setup}_{k}"] for k in ("c1_ttft_p50_ms", "c1_latency_p50_ms",
                                                                  "c4_ttft_p50_ms", "c4_req_per_s"))])  # fmt: skip
 
-    def ratio(key: str) -> float:
-        return metrics[f"nixl_async_{key}"] / metrics[f"vllm_{key}"]
+    def ratio(key: str, ours: str = "nixl_async") -> float:
+        return metrics[f"{ours}_{key}"] / metrics[f"vllm_{key}"]
 
     ratios = {
         "adapter_over_stock_latency_p50_c1_lower_is_better": ratio("c1_latency_p50_ms"),
         "adapter_over_stock_ttft_p50_c1_lower_is_better": ratio("c1_ttft_p50_ms"),
         "adapter_over_stock_ttft_p50_c4_lower_is_better": ratio("c4_ttft_p50_ms"),
         "adapter_over_stock_req_per_s_c4_higher_is_better": ratio("c4_req_per_s"),
+        "adapter_5ms_switch_over_stock_latency_p50_c1_lower_is_better": ratio(
+            "c1_latency_p50_ms", "nixl_async_switch_5ms"
+        ),
+        "adapter_5ms_switch_over_stock_req_per_s_c4_higher_is_better": ratio("c4_req_per_s", "nixl_async_switch_5ms"),
     }
     return Result(
         scenario="vllm_hosts",
