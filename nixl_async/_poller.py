@@ -58,7 +58,8 @@ class AdaptivePacer:
         """`hot_in`: seconds until a transfer in flight may end or wants a post (<= 0: now)."""
         cfg = self._config
         if busy:
-            return cfg.busy_interval_s if hot_in >= cfg.busy_interval_s > 0 else 0.0
+            hot = hot_in < cfg.busy_interval_s and cfg.spin
+            return cfg.busy_interval_s if cfg.busy_interval_s > 0 and not hot else 0.0
         if now - self._last_activity < cfg.linger_s:
             return 0.0
         delay = self._backoff

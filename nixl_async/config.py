@@ -21,6 +21,12 @@ class PollConfig:
     as anything is in flight. After the last activity it keeps spinning for `linger_s`, then
     backs off from `backoff_start_s` doubling up to `idle_interval_s`. While someone awaits a
     notification the interval never exceeds `waiting_interval_s`.
+
+    `spin=False` never spins: transfers about to end are checked every `busy_interval_s` too, for
+    a host whose other threads share the interpreter and the cores (vLLM's worker: spinning there
+    slowed its decode steps). `follow_busy_hints=False` ignores peers' busy hints, for a host
+    that calls `poll_soon` itself whenever peers may be reading (the vLLM adapter's producer,
+    once per step).
     """
 
     busy_interval_s: float = 0.001
@@ -28,6 +34,8 @@ class PollConfig:
     backoff_start_s: float = 0.001
     idle_interval_s: float = 0.05
     waiting_interval_s: float = 0.002
+    spin: bool = True
+    follow_busy_hints: bool = True
 
     def __post_init__(self) -> None:
         for name in ("busy_interval_s", "linger_s", "backoff_start_s", "idle_interval_s", "waiting_interval_s"):

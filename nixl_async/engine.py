@@ -307,7 +307,8 @@ class TransferEngine:
     def _on_busy_hint(self, seconds: float) -> None:
         """A peer has transfers with us in flight: over TCP they move only while our worker is progressed."""
         self.stats.counters["busy_hints_received"] += 1
-        self._stay_brisk(seconds)
+        if self.config.poll.follow_busy_hints:
+            self._stay_brisk(seconds)
 
     def _stay_brisk(self, seconds: float) -> None:
         assert self._loop is not None

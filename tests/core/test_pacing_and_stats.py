@@ -20,6 +20,13 @@ def test_spins_while_busy_and_during_linger_then_backs_off_to_idle():
     assert pacer.delay(12.01, busy=False, waiting=False) == 0.001
 
 
+def test_without_spin_a_transfer_about_to_end_is_checked_every_busy_interval():
+    pacer = AdaptivePacer(PollConfig(busy_interval_s=0.001, spin=False))
+    assert pacer.delay(1.0, busy=True, waiting=False, hot_in=0.0) == 0.001
+    assert pacer.delay(1.0, busy=True, waiting=False, hot_in=0.5) == 0.001
+    assert AdaptivePacer(PollConfig(busy_interval_s=0.001)).delay(1.0, busy=True, waiting=False, hot_in=0.0) == 0.0
+
+
 def test_in_flight_it_checks_every_busy_interval_until_a_transfer_may_end():
     pacer = AdaptivePacer(PollConfig(busy_interval_s=0.001, linger_s=0.002))
     pacer.activity(10.0)

@@ -8,10 +8,13 @@ import pytest
 import torch
 
 from nixl_async import (
+    EngineConfig,
     LayoutError,
     LayoutKind,
     PeerUnknownError,
+    PollConfig,
     TransferCancelled,
+    TransferEngine,
     TransferFailed,
     TransferFenced,
     TransferState,
@@ -390,3 +393,14 @@ async def test_paused_peer_cannot_hang_a_caller(nixl_engine, nixl_peer_factory):
         peer_proc.resume()
     assert await transfer.wait_quiet(timeout=10)
     assert await transfers_settled(nixl_engine) == 0
+
+
+async def test_an_engine_told_to_ignore_busy_hints_counts_them_but_stays_idle():
+    """A host that pokes the engine itself (the vLLM producer, each step) turns busy hints off."""
+    for follow in (True, False):
+        config = EngineConfig(poll=PollConfig(follow_busy_hints=follow))
+        async with TransferEngine(config) as engine:
+            loop = asyncio.get_running_loop()
+            engine._on_busy_hint(1.0)
+            assert engine.stats.counters["busy_hints_received"] == 1
+            assert (engine._pacer._brisk_until > loop.time() + 0.5) is follow
