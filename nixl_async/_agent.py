@@ -62,12 +62,11 @@ class OwnedAgent:
         self,
         name: str,
         backends: tuple[str, ...],
-        backend_params: Mapping[str, str],
+        backend_params: Mapping[str, Mapping[str, str]],
         *,
-        per_backend: Mapping[str, Mapping[str, str]] | None = None,
         progress_thread: bool = False,
     ) -> None:
-        """`per_backend` replaces `backend_params` for the backends it names.
+        """`backend_params`: each backend's parameters (none for a backend it does not name).
 
         `progress_thread=True` exists only so benchmarks can measure NIXL's default mode.
         """
@@ -76,8 +75,7 @@ class OwnedAgent:
         config = nixl_agent_config(enable_prog_thread=progress_thread, enable_listen_thread=False, backends=[])
         self._agent = nixl_agent(name, config)
         for backend in backends:
-            params = (per_backend or {}).get(backend, backend_params)
-            self._agent.create_backend(backend, dict(params))
+            self._agent.create_backend(backend, dict(backend_params.get(backend, {})))
         self.live: Counter[str] = Counter()
 
     def _check(self) -> None:

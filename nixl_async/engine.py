@@ -138,7 +138,7 @@ class TransferEngine:
         self._loop = asyncio.get_running_loop()
         agent_name = f"{self.engine_id}/{time.time_ns():x}"
         settings = {backend: self.config.backend_settings(backend) for backend in self.config.backends}
-        self._agent = OwnedAgent(agent_name, self.config.backends, self.config.backend_params, per_backend=settings)
+        self._agent = OwnedAgent(agent_name, self.config.backends, settings)
         self._zmq = zmq.asyncio.Context()
         self._notify.open(self._agent, self._zmq)
         self._driver.agent = self._peers.agent = self._agent
