@@ -7,9 +7,10 @@ agent), `sync` (a thin facade for threads) and `adapters/vllm` (translation for 
 from __future__ import annotations
 
 from ._peers import Peer
-from .config import EngineConfig, PollConfig
+from .config import EngineConfig, EtcdConfig, PollConfig
 from .engine import TransferEngine
 from .exceptions import (
+    DiscoveryUnavailable,
     EngineClosedError,
     EngineIdMismatch,
     HandshakeError,
@@ -21,6 +22,7 @@ from .exceptions import (
     NixlAsyncError,
     NotificationFailed,
     NotificationTimeout,
+    PeerNotPublished,
     PeerUnknownError,
     ProtocolError,
     TransferCancelled,
@@ -41,9 +43,11 @@ __version__ = "0.1.0"
 __all__ = [
     "BlockLayout",
     "BlockView",
+    "DiscoveryUnavailable",
     "EngineClosedError",
     "EngineConfig",
     "EngineIdMismatch",
+    "EtcdConfig",
     "FinishedRequests",
     "HandshakeError",
     "HandshakeRejected",
@@ -60,6 +64,7 @@ __all__ = [
     "NotificationTimeout",
     "Peer",
     "PeerInfo",
+    "PeerNotPublished",
     "PeerUnknownError",
     "PollConfig",
     "ProtocolError",

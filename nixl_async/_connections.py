@@ -51,13 +51,17 @@ class Connections:
         self._orphan_dlists: list[Any] = []  # remote lists a peer's new layouts replaced, still in use
         self._next_eviction = float("-inf")
 
-    async def adopt(self, reply: messages.MetadataReply, address: Address, offset: float, now: float) -> Peer:
-        """Carry out what `reconcile` decides for a handshake reply; the peer to use from now on."""
+    async def adopt(self, reply: messages.MetadataReply, address: Address | None, offset: float, now: float) -> Peer:
+        """Carry out what `reconcile` decides for a handshake reply; the peer to use from now on.
+
+        `address` is where the reply came from; None for a record found in etcd of an engine
+        that serves no side channel (such a peer is found by engine id only).
+        """
         agent = self._agent()
         old = self.table.get(reply.engine_id)
         busy = old is not None and old.agent_name in self._driver.busy_agents()
         decision = reconcile(old, reply, busy=busy)
-        previous = self.table.at(address)
+        previous = self.table.at(address) if address is not None else None
         if previous is not None and previous.engine_id != reply.engine_id:
             self.forget(previous)  # another engine now answers at this address: that one is gone
         if old is not None and decision in (Reconcile.KEEP, Reconcile.REFRESH_LAYOUTS):
@@ -65,7 +69,7 @@ class Connections:
                 in_use = {id(t.remote_dlist) for t in self._driver.live()}
                 self._orphan_dlists += self._memory.drop_remote(agent, old.agent_name, keep=in_use)
             old.refresh(reply, clock_offset_s=offset, now=now)
-            self.table.add(old, address)
+            self.table.add(old, address or old.address)
             return old
         if old is not None:  # RELOAD or REPLACE: its transfers end; its remote agent goes once quiet
             self.forget(old)
@@ -75,11 +79,15 @@ class Connections:
             # (bounded by the grace) before loading it anew.
             await self._retired(retiring, self._config.release_grace_s + 0.5)
         assert self._driver.loop is not None
-        peer = Peer(reply, address, now=self._driver.loop.time())
+        peer = Peer(reply, address or ("", 0), now=self._driver.loop.time())
         peer.agent_name = agent.add_remote(reply.agent_metadata)
         peer.clock_offset_s = offset
         self.table.add(peer)
         return peer
+
+    def differs(self, peer: Peer, reply: messages.MetadataReply) -> bool:
+        """Whether `reply` would change anything we hold for `peer` (a refresh would not be a KEEP)."""
+        return reconcile(peer, reply, busy=True) is not Reconcile.KEEP or peer.extra != reply.extra
 
     async def _retired(self, peer: Peer, timeout: float) -> None:
         loop = asyncio.get_running_loop()

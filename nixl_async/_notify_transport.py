@@ -89,9 +89,12 @@ class NotificationTransport:
     def hint_busy(self, peer: Peer, seconds: float) -> None:
         """Ask `peer` to progress its worker briskly for `seconds`: transfers with it are in flight.
 
-        Best effort (a full queue or a closed socket only costs throughput), hence no error.
+        Best effort (a full queue or a closed socket only costs throughput), hence no error. A
+        peer adopted from etcd without a handshake has issued us no session: it gets none.
         """
         assert self._side is not None
+        if not peer.notify_session:
+            return
         try:
             self._side.send(peer.address, peer.notify_session, b"", busy_ms=max(1, round(seconds * 1000)))
         except zmq.ZMQError:

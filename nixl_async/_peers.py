@@ -171,7 +171,9 @@ class PeerTable:
         """
         self._by_id[peer.engine_id] = peer
         self._by_agent[peer.agent_name] = peer
-        self._by_address[peer.address if address is None else address] = peer
+        key = peer.address if address is None else address
+        if key[0]:  # ("", 0): found through etcd, serving no side channel: reachable by engine id only
+            self._by_address[key] = peer
 
     def remove(self, peer: Peer) -> None:
         """Drop the index entries that still point at this very `peer` object (none of a newer one's)."""

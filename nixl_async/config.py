@@ -8,7 +8,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["EngineConfig", "PollConfig", "ucx_link_settings"]
+__all__ = ["EngineConfig", "EtcdConfig", "PollConfig", "ucx_link_settings"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,38 @@ def ucx_link_settings(timeout_s: float) -> dict[str, str]:
         "TCP_KEEPCNT": str(total - idle),
         "TCP_USER_TIMEOUT": f"{int(timeout_s * 1000)}ms",
     }
+
+
+@dataclass(frozen=True)
+class EtcdConfig:
+    """Where engines publish and find each other (see `nixl_async.discovery`).
+
+    `endpoint` is one etcd client address, ``host:port`` (a list is refused: put a load balancer
+    or a local etcd proxy in front of a cluster). `namespace` prefixes every key, so fleets can
+    share an etcd. A published engine's key lives on a lease of `lease_ttl_s` whole seconds,
+    renewed every third of it: an engine that dies disappears from etcd that long after.
+    """
+
+    endpoint: str
+    namespace: str = "nixl_async"
+    lease_ttl_s: int = 10
+
+    def __post_init__(self) -> None:
+        host, sep, port = self.endpoint.rpartition(":")
+        if "," in self.endpoint or "://" in self.endpoint or not sep or not host or not port.isdigit():
+            raise ValueError(f"EtcdConfig.endpoint must be one 'host:port', got {self.endpoint!r}")
+        if not self.namespace or self.namespace.endswith("/"):
+            raise ValueError(f"EtcdConfig.namespace must be non-empty without a trailing '/', got {self.namespace!r}")
+        if isinstance(self.lease_ttl_s, bool) or not isinstance(self.lease_ttl_s, int) or self.lease_ttl_s < 2:
+            raise ValueError(f"EtcdConfig.lease_ttl_s must be whole seconds >= 2, got {self.lease_ttl_s!r}")
+
+    @property
+    def host(self) -> str:
+        return self.endpoint.rpartition(":")[0].strip("[]")
+
+    @property
+    def port(self) -> int:
+        return int(self.endpoint.rpartition(":")[2])
 
 
 def _default_engine_id() -> str:
@@ -116,6 +148,9 @@ class EngineConfig:
     peer_ttl_s: float | None = 3600.0
     # Handshake side channel.
     handshake_timeout_s: float = 5.0
+    # Fleet discovery: with it, `publish()` puts what a handshake tells in etcd and
+    # `connect(engine_id=...)` finds peers there (bounded by the handshake timeout too).
+    etcd: EtcdConfig | None = None
     # Optional shared secret: when set, handshakes in both directions must prove it (HMAC over
     # a single-use server nonce). Never printed: it is left out of repr().
     auth_secret: bytes | None = field(default=None, repr=False)

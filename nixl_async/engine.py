@@ -50,12 +50,15 @@ from ._peers import Peer, PeerTable, pick_layout
 from ._poller import AdaptivePacer, ErrorThrottle
 from ._state import TransferState
 from .config import EngineConfig
+from .discovery import EtcdDirectory
 from .exceptions import (
     EngineClosedError,
     EngineIdMismatch,
+    HandshakeRejected,
     IncompatiblePeerError,
     LayoutError,
     LeaseExpired,
+    PeerNotPublished,
     PeerUnknownError,
     TransferCancelled,
     TransferFailed,
@@ -94,7 +97,9 @@ class TransferEngine:
         self._reply_cache: messages.MetadataReply | None = None
         self.extra: dict[str, str] = {}
         self._call_handlers: dict[str, Callable[[str, bytes], bytes]] = {}
-        self._connecting: dict[tuple[str, int], asyncio.Task[Peer]] = {}
+        self._connecting: dict[tuple[str, object], asyncio.Task[Peer]] = {}  # (host, port) or ("etcd", id)
+        self._directory: EtcdDirectory | None = None
+        self._follower: asyncio.Task[None] | None = None  # applies etcd changes to peers we hold
         self._closed = False
         self._final_live: dict[str, int] = {}
         self._wake: asyncio.Future[None] | None = None
@@ -144,6 +149,8 @@ class TransferEngine:
         self._driver.agent = self._peers.agent = self._agent
         self._driver.loop = self._loop
         self._poller = self._loop.create_task(self._poll_forever(), name=f"nixl-poller:{self.engine_id}")
+        if self.config.etcd is not None:
+            self._directory = EtcdDirectory(self.config.etcd, timeout=self.config.handshake_timeout_s)
         return self
 
     async def __aenter__(self) -> Self:
@@ -165,6 +172,11 @@ class TransferEngine:
         self._admission.close()  # waiters wake and fail with EngineClosedError
         agent = self._agent
         assert self._loop is not None
+        if self._directory is not None:  # first, so nobody finds us any more
+            if self._follower is not None:
+                self._follower.cancel()
+                await asyncio.gather(self._follower, return_exceptions=True)
+            await self._directory.close()
         if self._server is not None:
             await self._server.close()
         connecting = list(self._connecting.values())
@@ -259,7 +271,7 @@ class TransferEngine:
     def register_layout(self, layout: BlockLayout, *, keepalive: list[Any] | None = None) -> BlockLayout:
         """Register raw memory described by `layout` (the caller keeps that memory alive)."""
         self._memory.register(self._require_agent(), layout, keepalive or [])
-        self._reply_cache = None
+        self._changed()
         self.stats.counters["registered_bytes"] += layout.total_bytes
         return layout
 
@@ -272,7 +284,7 @@ class TransferEngine:
             fenced = sum(t.state is TransferState.FENCED for t in busy)
             raise LayoutError(f"layout {name!r} has {len(busy)} transfers in flight ({fenced} fenced): kept registered")
         self._memory.deregister(agent, name)
-        self._reply_cache = None
+        self._changed()
 
     def layout(self, name: str | None = None) -> BlockLayout:
         """Our registered layout called `name` (or our only one)."""
@@ -298,6 +310,7 @@ class TransferEngine:
         )
         address = await server.start(host, port)
         self._server = server
+        self._changed()  # a published record now names our side channel
         return address
 
     def _on_handshake_request(self) -> None:
@@ -364,6 +377,8 @@ class TransferEngine:
         self._require_agent()
         assert self._zmq is not None
         host, port = peer.address
+        if not host:
+            raise HandshakeRejected(f"peer {peer.engine_id!r} (found in etcd) serves no side channel to call")
         try:
             reply = await call_peer(
                 self._zmq,
@@ -386,18 +401,22 @@ class TransferEngine:
     def set_extra(self, **extra: str) -> None:
         """Free-form strings sent to peers in the handshake (adapters put TP rank etc. here)."""
         self.extra.update({k: str(v) for k, v in extra.items()})
-        self._reply_cache = None
+        self._changed()
 
     async def connect(
         self,
-        host: str,
-        port: int,
+        host: str | None = None,
+        port: int | None = None,
         *,
+        engine_id: str | None = None,
         expected_engine_id: str | None = None,
         timeout: float | None = None,
         refresh: bool = False,
     ) -> Peer:
-        """Handshake with the engine at host:port and return it as a `Peer`.
+        """Handshake with the engine at host:port (or find `engine_id` in etcd) and return it as a `Peer`.
+
+        With `engine_id` instead of an address, the peer's published record comes from etcd
+        (`EngineConfig.etcd`, see `publish`): see `_connect_published`.
 
         A peer already connected at that address is returned without a new handshake unless
         `refresh` is set, a transfer with it failed since, or it is not the `expected_engine_id`
@@ -407,11 +426,17 @@ class TransferEngine:
         run concurrently.
 
         Raises `HandshakeTimeout`, `HandshakeRejected`, `ProtocolError`, `IncompatiblePeerError`
-        or `EngineIdMismatch`.
+        or `EngineIdMismatch` (and through etcd `DiscoveryUnavailable` or `PeerNotPublished`).
         """
         self._require_agent()
-        key = (host, port)
-        peer = self._peers.table.at(key)
+        if engine_id is not None:
+            if host is not None or port is not None or expected_engine_id not in (None, engine_id):
+                raise TypeError("connect() takes host and port, or an engine_id to find in etcd, not both")
+            return await self._connect_published(engine_id, timeout, refresh)
+        if host is None or port is None:
+            raise TypeError("connect() needs host and port, or engine_id")
+        key: tuple[str, object] = (host, port)
+        peer = self._peers.table.at((host, port))
         moved = peer is not None and expected_engine_id is not None and peer.engine_id != expected_engine_id
         if peer is None or refresh or moved or not peer.connected or peer.stale:
             task = self._connecting.get(key)
@@ -433,7 +458,7 @@ class TransferEngine:
             )
         return peer
 
-    def _connect_done(self, key: tuple[str, int], _task: asyncio.Task[Peer]) -> None:
+    def _connect_done(self, key: tuple[str, object], _task: asyncio.Task[Peer]) -> None:
         self._connecting.pop(key, None)
 
     async def _handshake(self, host: str, port: int, timeout: float) -> Peer:
@@ -452,13 +477,7 @@ class TransferEngine:
             )
             answered_at = time.time()
             offset = reply.wall_clock - (asked_at + answered_at) / 2 if reply.wall_clock else 0.0
-            if reply.compat_hash != self._compat_hash:
-                mismatch = (f"{host}:{port} (engine {reply.engine_id!r}) has compatibility hash {reply.compat_hash}, "
-                            f"ours is {self._compat_hash}")  # fmt: skip
-                if self.config.enforce_compat:
-                    raise IncompatiblePeerError(f"{mismatch}: its memory cannot be used with ours",
-                                                address=f"{host}:{port}")  # fmt: skip
-                log.warning("%s: connecting anyway (EngineConfig.enforce_compat is off)", mismatch)
+            self._check_compat(reply, f"{host}:{port}")
             peer = await self._peers.adopt(reply, (host, port), offset, self._loop.time())
         except BaseException:
             self.stats.counters["handshake_failures"] += 1
@@ -466,6 +485,142 @@ class TransferEngine:
         self.stats.counters["handshakes"] += 1
         self.stats.histograms["handshake_us"].record(self._loop.time() - started)
         return peer
+
+    def _check_compat(self, reply: messages.MetadataReply, where: str) -> None:
+        if reply.compat_hash == self._compat_hash:
+            return
+        mismatch = (f"{where} (engine {reply.engine_id!r}) has compatibility hash {reply.compat_hash}, "
+                    f"ours is {self._compat_hash}")  # fmt: skip
+        if self.config.enforce_compat:
+            raise IncompatiblePeerError(f"{mismatch}: its memory cannot be used with ours", address=where)
+        log.warning("%s: connecting anyway (EngineConfig.enforce_compat is off)", mismatch)
+
+    # -- discovery through etcd -------------------------------------------------------------
+    async def publish(self) -> None:
+        """Publish this engine in etcd (`EngineConfig.etcd`) so peers can ``connect(engine_id=...)``.
+
+        What is published is what our handshake answers (agent metadata, layouts, compat hash,
+        extra) and our side-channel address if we serve one. It is put again whenever that
+        changes (a registration, `set_extra`, `serve`), and it lives on a lease renewed from our
+        loop: if we die it disappears within `EtcdConfig.lease_ttl_s`; `close()` removes it at once.
+        Raises `DiscoveryUnavailable` if etcd does not take it within the handshake timeout.
+        """
+        await self._require_directory().publish(self._published())
+
+    def _published(self) -> messages.PublishedEngine:
+        metadata = msgspec.structs.replace(self._reply_for(messages.MetadataRequest()), wall_clock=0.0)
+        host, port = self.address or ("", 0)
+        return messages.PublishedEngine(metadata=metadata, host=host, port=port)
+
+    def _changed(self) -> None:
+        """What a handshake answers changed: rebuild the reply, and put it in etcd again if published."""
+        self._reply_cache = None
+        if self._directory is not None and self._agent is not None and not self._closing:
+            self._directory.republish(self._published())
+
+    def _require_directory(self) -> EtcdDirectory:
+        self._require_agent()
+        if self._directory is None:
+            raise RuntimeError("no discovery service configured: set EngineConfig.etcd")
+        return self._directory
+
+    async def _connect_published(self, engine_id: str, timeout: float | None, refresh: bool) -> Peer:
+        """Connect to the engine `engine_id` published in etcd.
+
+        With ``notify_via="nixl"`` the peer's record is used as its handshake reply: the peer is
+        never asked (its loop does no work for us), the same compat and engine-id checks apply,
+        and its clock is taken to agree with ours (no round trip to estimate an offset). With
+        ``notify_via="side_channel"`` our notifications need a session only the peer can issue,
+        so etcd gives its address and the side-channel handshake runs as usual.
+        """
+        directory = self._require_directory()
+        peer = self._peers.table.get(engine_id)
+        if peer is None or refresh or not peer.connected or peer.stale:
+            key: tuple[str, object] = ("etcd", engine_id)
+            task = self._connecting.get(key)
+            if task is None:
+                assert self._loop is not None
+                task = self._loop.create_task(
+                    self._discover(directory, engine_id, timeout or self.config.handshake_timeout_s),
+                    name=f"discover:{engine_id}",
+                )
+                self._connecting[key] = task
+                task.add_done_callback(functools.partial(self._connect_done, key))
+            peer = await asyncio.shield(task)
+        assert self._loop is not None
+        self._peers.table.touch(peer, self._loop.time())
+        return peer
+
+    async def _discover(self, directory: EtcdDirectory, engine_id: str, timeout: float) -> Peer:
+        assert self._loop is not None
+        if self._follower is None:
+            self._follower = self._loop.create_task(self._follow(directory), name=f"etcd-follower:{self.engine_id}")
+        started = self._loop.time()
+        try:
+            record = await directory.lookup(engine_id)
+            if record is None:
+                raise PeerNotPublished(f"no engine {engine_id!r} is published in etcd at {directory.endpoint}",
+                                       address=directory.endpoint)  # fmt: skip
+            if record.metadata.engine_id != engine_id:
+                raise EngineIdMismatch(f"etcd's record for {engine_id!r} is engine {record.metadata.engine_id!r}'s",
+                                       address=directory.endpoint)  # fmt: skip
+            if self.config.notify_via == "side_channel" and not record.host:
+                raise HandshakeRejected(f"engine {engine_id!r} serves no side channel, which "
+                                        "notify_via='side_channel' needs", address=directory.endpoint)  # fmt: skip
+        except BaseException:
+            self.stats.counters["handshake_failures"] += 1
+            raise
+        if self.config.notify_via == "side_channel":
+            remaining = max(0.001, timeout - (self._loop.time() - started))
+            peer = await self._handshake(record.host, record.port, remaining)  # counts itself
+            if peer.engine_id != engine_id:
+                raise EngineIdMismatch(f"{record.host}:{record.port} is engine {peer.engine_id!r}, "
+                                       f"etcd says {engine_id!r}", address=f"{record.host}:{record.port}")  # fmt: skip
+            return peer
+        try:
+            peer = await self._adopt_published(record)
+        except BaseException:
+            self.stats.counters["handshake_failures"] += 1
+            raise
+        self.stats.counters["handshakes"] += 1
+        self.stats.counters["handshakes_via_etcd"] += 1
+        self.stats.histograms["handshake_us"].record(self._loop.time() - started)
+        return peer
+
+    async def _adopt_published(self, record: messages.PublishedEngine) -> Peer:
+        assert self._loop is not None
+        reply = record.metadata
+        self._check_compat(reply, f"etcd record of {reply.engine_id!r}")
+        address = (record.host, record.port) if record.host else None
+        return await self._peers.adopt(reply, address, 0.0, self._loop.time())
+
+    async def _follow(self, directory: EtcdDirectory) -> None:
+        """Apply what etcd says about peers we hold: a changed record refreshes them, a gone one marks them stale.
+
+        A peer we adopted from etcd is refreshed at once (new layouts usable, re-registered
+        memory reloaded); one we handshook with is marked stale, so its next `connect` handshakes
+        again. A record that went (closed, lease ran out) only marks the peer stale: transfers
+        in flight go on, and the next ``connect(engine_id=...)`` raises `PeerNotPublished`.
+        """
+        async for engine_id, record in directory.changes():
+            peer = self._peers.table.get(engine_id)
+            if peer is None or not peer.connected:
+                continue
+            if record is None:
+                peer.stale = True
+                self.stats.counters["published_peers_gone"] += 1
+                continue
+            if not self._peers.differs(peer, record.metadata):
+                continue
+            self.stats.counters["published_peers_refreshed"] += 1
+            if peer.notify_session or record.metadata.engine_id != engine_id:
+                peer.stale = True
+                continue
+            try:
+                await self._adopt_published(record)
+            except Exception as exc:  # incompatible now, or fenced: the next connect says why
+                log.warning("refreshing peer %s from etcd failed: %s", engine_id, exc)
+                peer.stale = True
 
     def peer(self, engine_id: str) -> Peer:
         """The connected peer with that engine id (raises `PeerUnknownError`)."""

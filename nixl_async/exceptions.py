@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 __all__ = [
+    "DiscoveryUnavailable",
     "EngineClosedError",
     "EngineIdMismatch",
     "HandshakeError",
@@ -39,6 +40,7 @@ __all__ = [
     "NixlAsyncError",
     "NotificationFailed",
     "NotificationTimeout",
+    "PeerNotPublished",
     "PeerUnknownError",
     "ProtocolError",
     "TransferCancelled",
@@ -92,6 +94,14 @@ class EngineIdMismatch(HandshakeError):
 
 class ProtocolError(HandshakeError):
     """The peer's reply could not be decoded, or speaks an unknown protocol version."""
+
+
+class DiscoveryUnavailable(HandshakeError):
+    """The discovery service (etcd) did not answer within the handshake timeout, or refused us."""
+
+
+class PeerNotPublished(HandshakeError):
+    """No engine with that id is published in the discovery service (never was, closed, or its lease ran out)."""
 
 
 class TransferError(NixlAsyncError):

@@ -35,9 +35,11 @@ __all__ = [
     "MetadataReply",
     "MetadataRequest",
     "NotifyMessage",
+    "PublishedEngine",
     "Reply",
     "Request",
     "compat_hash",
+    "decode_published",
     "decode_reply",
     "decode_request",
     "encode",
@@ -130,6 +132,18 @@ class CallReply(msgspec.Struct, tag="call_reply", frozen=True, kw_only=True):
     payload: bytes
 
 
+class PublishedEngine(msgspec.Struct, tag="published_engine", frozen=True, kw_only=True):
+    """What an engine publishes in a discovery service (etcd) for peers to connect without asking it.
+
+    `metadata` is the reply a handshake would give (without a notify session: those are issued
+    per asker, by the side channel); `host` and `port` name its side channel, if it serves one.
+    """
+
+    metadata: MetadataReply
+    host: str = ""
+    port: int = 0
+
+
 Reply = MetadataReply | CallReply | ErrorReply | AuthChallenge
 Request = MetadataRequest | CallRequest | NotifyMessage
 Authenticated = MetadataRequest | CallRequest
@@ -137,9 +151,10 @@ Authenticated = MetadataRequest | CallRequest
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)
 _reply_decoder = msgspec.msgpack.Decoder(Reply)
+_published_decoder = msgspec.msgpack.Decoder(PublishedEngine)
 
 
-def encode(message: Request | Reply) -> bytes:
+def encode(message: Request | Reply | PublishedEngine) -> bytes:
     return _encoder.encode(message)
 
 
@@ -151,6 +166,11 @@ def decode_request(data: bytes) -> Request:
 def decode_reply(data: bytes) -> Reply:
     """Decode a reply; raises `msgspec.DecodeError` (incl. `ValidationError`) on bad input."""
     return _reply_decoder.decode(data)
+
+
+def decode_published(data: bytes) -> PublishedEngine:
+    """Decode a published record; raises `msgspec.DecodeError` on bad input."""
+    return _published_decoder.decode(data)
 
 
 def request_mac(secret: bytes, request: Authenticated) -> bytes:

@@ -133,13 +133,25 @@ class SyncEngine:
     def serve(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
         return self.call(self.engine.serve, host, port)
 
+    def publish(self) -> None:
+        """Publish this engine in etcd (see `TransferEngine.publish`)."""
+        self.call(self.engine.publish)
+
     def connect(
-        self, host: str, port: int, *, expected_engine_id: str | None = None, timeout: float | None = None
+        self,
+        host: str | None = None,
+        port: int | None = None,
+        *,
+        engine_id: str | None = None,
+        expected_engine_id: str | None = None,
+        timeout: float | None = None,
     ) -> PeerInfo:
-        """Handshake now (blocking) and describe the peer."""
+        """Handshake now (blocking), or find `engine_id` in etcd, and describe the peer."""
 
         async def run() -> PeerInfo:
-            peer = await self.engine.connect(host, port, expected_engine_id=expected_engine_id, timeout=timeout)
+            peer = await self.engine.connect(
+                host, port, engine_id=engine_id, expected_engine_id=expected_engine_id, timeout=timeout
+            )
             return PeerInfo(peer.engine_id, peer.agent_name, peer.address, dict(peer.layouts), dict(peer.extra))
 
         return self.call(run)

@@ -10,8 +10,16 @@ export NIXL_ASYNC_REQUIRE_VLLM=1  # the vLLM tests must run here, never skip
 if [ "$(id -u)" -eq 0 ]; then
   # As root (CI) the tests across network namespaces must run, never skip; they need iproute2 (ip, tc, ss).
   export NIXL_ASYNC_REQUIRE_NETNS=1
+  # Likewise the tests of discovery through etcd: they start Debian's etcd-server on loopback.
+  export NIXL_ASYNC_REQUIRE_ETCD=1
+  packages=""
   if ! command -v ip >/dev/null || ! command -v tc >/dev/null || ! command -v ss >/dev/null; then
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2) >/dev/null || exit 1
+    packages="iproute2"
+  fi
+  command -v etcd >/dev/null || packages="$packages etcd-server"
+  if [ -n "$packages" ]; then
+    # shellcheck disable=SC2086
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $packages) >/dev/null || exit 1
   fi
 fi
 .venv/bin/ruff check . || exit 1

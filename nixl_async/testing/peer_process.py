@@ -44,6 +44,7 @@ __all__ = [
     "PeerCommandError",
     "PeerProcess",
     "PeerSpec",
+    "Register",
     "Reincarnate",
     "Stats",
     "TransferCommand",
@@ -73,6 +74,9 @@ class PeerSpec(msgspec.Struct, kw_only=True):
     extra: dict[str, str] = {}  # announced in the handshake (e.g. an adapter's block size)
     handshake_timeout_s: float = 5.0
     auth_secret: bytes | None = None
+    etcd_endpoint: str | None = None  # publish the engine there (EngineConfig.etcd)
+    etcd_namespace: str = "nixl_async"
+    etcd_lease_ttl_s: int = 10
 
 
 class Verify(msgspec.Struct, tag="verify", kw_only=True):
@@ -122,6 +126,16 @@ class Exit(msgspec.Struct, tag="exit"):
     pass
 
 
+class Register(msgspec.Struct, tag="register", kw_only=True):
+    """Register another layout of `num_regions` regions, filled with the pattern for `seed`."""
+
+    layout_name: str
+    num_regions: int = 1
+    num_blocks: int = 16
+    block_len: int = 4096
+    seed: int = 7
+
+
 class Reincarnate(msgspec.Struct, tag="reincarnate", kw_only=True):
     """Close the peer's engine and start a new one as `engine_id` (a new NIXL agent) on `port`.
 
@@ -133,7 +147,9 @@ class Reincarnate(msgspec.Struct, tag="reincarnate", kw_only=True):
     port: int = 0
 
 
-Command = Verify | Fill | Checksums | TransferCommand | Notify | WaitNotifications | Stats | Exit | Reincarnate
+Command = (
+    Verify | Fill | Checksums | TransferCommand | Notify | WaitNotifications | Stats | Exit | Register | Reincarnate
+)
 
 
 class Ok(msgspec.Struct, tag="ok"):
@@ -166,19 +182,24 @@ class _PeerServer:
         self.engine: TransferEngine  # the current incarnation, from `open_engine`
         region_len = spec.num_blocks * spec.block_len
         self.regions = [np.zeros(region_len, dtype=np.uint8) for _ in range(spec.num_regions)]
+        self.extra_regions: list[np.ndarray] = []  # layouts added by `Register`
         self.done = asyncio.Event()
 
     async def open_engine(self, spec: PeerSpec) -> tuple[TransferEngine, str, int]:
         """A started engine as `spec` says, with our regions registered, serving on spec.port."""
-        from ..config import EngineConfig
+        from ..config import EngineConfig, EtcdConfig
         from ..engine import TransferEngine
 
+        etcd = None
+        if spec.etcd_endpoint is not None:
+            etcd = EtcdConfig(spec.etcd_endpoint, namespace=spec.etcd_namespace, lease_ttl_s=spec.etcd_lease_ttl_s)
         engine = TransferEngine(
             EngineConfig(
                 engine_id=spec.engine_id,
                 compat=spec.compat,
                 handshake_timeout_s=spec.handshake_timeout_s,
                 auth_secret=spec.auth_secret,
+                etcd=etcd,
             )
         )
         await engine.start()
@@ -187,6 +208,8 @@ class _PeerServer:
             if spec.extra:
                 engine.set_extra(**spec.extra)
             host, port = await engine.serve(spec.host, spec.port)
+            if etcd is not None:
+                await engine.publish()
         except BaseException:
             await engine.close()
             raise
@@ -271,6 +294,12 @@ class _PeerServer:
                 return msgspec.to_builtins(engine.snapshot())
             case Exit():
                 self.done.set()
+                return None
+            case Register(layout_name=name, num_regions=n, num_blocks=blocks, block_len=bl, seed=seed):
+                regions = [np.zeros(blocks * bl, dtype=np.uint8) for _ in range(n)]
+                fill_pattern(regions, seed)
+                self.extra_regions.extend(regions)
+                engine.register(name, regions, block_len=bl)
                 return None
             case Reincarnate(engine_id=engine_id, port=port):
                 return await self.reincarnate(engine_id, port)

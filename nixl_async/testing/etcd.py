@@ -1,0 +1,138 @@
+"""A real etcd server on loopback, for tests and benchmarks (Debian's ``etcd-server`` package).
+
+`EtcdServer` runs the ``etcd`` binary with its own data directory and free ports, and can be
+stopped, killed and started again on the same ports and data (an outage, then recovery).
+`etcd_or_skip` starts one for a test, skipping where no ``etcd`` binary exists unless
+`etcd_required()` (scripts/test.sh sets ``NIXL_ASYNC_REQUIRE_ETCD=1`` as root, where it installs
+the package).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Self
+
+__all__ = ["EtcdServer", "EtcdUnavailable", "etcd_or_skip", "etcd_required"]
+
+
+class EtcdUnavailable(RuntimeError):
+    """No etcd binary here, or it would not start."""
+
+
+def etcd_required() -> bool:
+    """Whether a test needing etcd must fail rather than skip."""
+    return os.environ.get("NIXL_ASYNC_REQUIRE_ETCD") == "1"
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class EtcdServer:
+    """One etcd member listening for clients on ``host:client_port``."""
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        binary = shutil.which("etcd")
+        if binary is None:
+            raise EtcdUnavailable("no etcd binary on PATH (Debian: apt-get install etcd-server)")
+        self.binary = binary
+        self.host = host
+        self.client_port = _free_port(host)
+        self.peer_port = _free_port(host)
+        self.data_dir = tempfile.mkdtemp(prefix="nixl-async-etcd-")
+        self.process: subprocess.Popen[bytes] | None = None
+        self._log = open(os.path.join(self.data_dir, "etcd.log"), "ab")  # noqa: SIM115 - closed in close()
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.client_port}"
+
+    def start(self, timeout: float = 20.0) -> Self:
+        client, peer = f"http://{self.host}:{self.client_port}", f"http://{self.host}:{self.peer_port}"
+        self.process = subprocess.Popen(
+            [
+                self.binary,
+                "--name=nixl-async-test",
+                f"--data-dir={self.data_dir}/data",
+                f"--listen-client-urls={client}",
+                f"--advertise-client-urls={client}",
+                f"--listen-peer-urls={peer}",
+                f"--initial-advertise-peer-urls={peer}",
+                f"--initial-cluster=nixl-async-test={peer}",
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + timeout
+        while not self._healthy():
+            if self.process.poll() is not None:
+                raise EtcdUnavailable(f"etcd exited with {self.process.returncode}: see {self.data_dir}/etcd.log")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise EtcdUnavailable(f"etcd did not become healthy within {timeout}s")
+            time.sleep(0.05)
+        return self
+
+    def _healthy(self) -> bool:
+        import urllib.request
+
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never via a proxy
+        try:
+            with opener.open(f"http://{self.endpoint}/health", timeout=1) as answer:
+                return b'"health":"true"' in answer.read()
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        """Stop it (SIGTERM, then SIGKILL): clients see it down; `start` brings it back with its data."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process = None
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self.process = None
+
+    def close(self) -> None:
+        self.kill()
+        self._log.close()
+        shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+@contextlib.contextmanager
+def etcd_or_skip(host: str = "127.0.0.1") -> Iterator[EtcdServer]:
+    """A started `EtcdServer` for a test: skips where etcd cannot run, unless `etcd_required()`."""
+    import pytest
+
+    try:
+        server = EtcdServer(host).start()
+    except EtcdUnavailable as exc:
+        if etcd_required():
+            pytest.fail(f"{exc} (NIXL_ASYNC_REQUIRE_ETCD=1: this run must test with etcd)")
+        pytest.skip(str(exc))
+    with server:
+        yield server

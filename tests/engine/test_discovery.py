@@ -1,0 +1,264 @@
+"""Fleet discovery through a real etcd: publish, find by engine id, refresh, leave, and etcd failing."""
+
+import asyncio
+import socket
+import time
+
+import aetcd
+import numpy as np
+import pytest
+
+from nixl_async import (
+    DiscoveryUnavailable,
+    EngineConfig,
+    EngineIdMismatch,
+    EtcdConfig,
+    IncompatiblePeerError,
+    PeerNotPublished,
+    TransferEngine,
+    messages,
+)
+from nixl_async.testing import Register, Stats, WaitNotifications, assert_no_live_handles, verify_blocks
+from nixl_async.testing.etcd import EtcdServer, etcd_or_skip
+
+BLOCK = 4096
+NAMESPACE = "nixl_async_test"
+
+
+@pytest.fixture(scope="module")
+def etcd():
+    with etcd_or_skip() as server:
+        yield server
+
+
+def _etcd_config(server: EtcdServer, **fields) -> EtcdConfig:
+    return EtcdConfig(server.endpoint, namespace=NAMESPACE, **fields)
+
+
+async def _engine(etcd_config: EtcdConfig, **fields) -> TransferEngine:
+    engine = TransferEngine(EngineConfig(etcd=etcd_config, **fields))
+    await engine.start()
+    return engine
+
+
+def _regions(n=2, blocks=64):
+    return [np.zeros(blocks * BLOCK, dtype=np.uint8) for _ in range(n)]
+
+
+def _publisher(factory, server, **spec):
+    return factory(etcd_endpoint=server.endpoint, etcd_namespace=NAMESPACE, **spec)
+
+
+async def _etcd_value(server: EtcdServer, engine_id: str) -> bytes | None:
+    async with aetcd.Client(server.host, server.client_port) as client:
+        found = await client.get(f"{NAMESPACE}/engines/{engine_id}".encode())
+    return None if found is None else found.value
+
+
+async def test_connect_by_engine_id_reads_what_the_publisher_registered_without_asking_it(etcd, nixl_peer_factory):
+    publisher = _publisher(nixl_peer_factory, etcd)
+    engine = await _engine(_etcd_config(etcd))
+    try:
+        regions = _regions()
+        engine.register("kv", regions, block_len=BLOCK)
+        peer = await engine.connect(engine_id=publisher.engine_id)
+        assert peer.engine_id == publisher.engine_id
+        assert peer.address == publisher.address  # its side channel, as published
+        assert peer.layout("kv").num_blocks == 64
+        await engine.read(peer, [0, 1, 9], [3, 4, 63])
+        assert verify_blocks(regions, BLOCK, [0, 1, 9], [3, 4, 63], seed=1) == []
+        assert await engine.connect(engine_id=publisher.engine_id) is peer  # held: no second lookup
+        stats = await publisher.request(Stats())
+        assert stats["counters"]["handshakes_answered"] == 0, "found through etcd: the publisher was never asked"
+        assert engine.snapshot().counters["handshakes_via_etcd"] == 1
+    finally:
+        await engine.close()
+    assert_no_live_handles(engine)
+
+
+async def test_an_engine_nobody_published_is_a_typed_error(etcd):
+    engine = await _engine(_etcd_config(etcd))
+    try:
+        started = time.monotonic()
+        with pytest.raises(PeerNotPublished, match="no engine 'nobody'"):
+            await engine.connect(engine_id="nobody")
+        assert time.monotonic() - started < 1.0
+        with pytest.raises(TypeError):
+            await engine.connect("127.0.0.1", 1, engine_id="nobody")
+    finally:
+        await engine.close()
+
+
+async def test_connect_by_engine_id_needs_etcd_configured(nixl_engine):
+    with pytest.raises(RuntimeError, match=r"EngineConfig\.etcd"):
+        await nixl_engine.connect(engine_id="anyone")
+    with pytest.raises(RuntimeError, match=r"EngineConfig\.etcd"):
+        await nixl_engine.publish()
+
+
+async def test_a_record_under_another_engines_key_is_refused(etcd, nixl_peer_factory):
+    publisher = _publisher(nixl_peer_factory, etcd)
+    value = await _etcd_value(etcd, publisher.engine_id)
+    assert value is not None
+    async with aetcd.Client(etcd.host, etcd.client_port) as client:
+        await client.put(f"{NAMESPACE}/engines/impostor".encode(), value)  # someone else's record
+        await client.put(f"{NAMESPACE}/engines/garbage".encode(), b"\x00not msgpack")
+    engine = await _engine(_etcd_config(etcd))
+    try:
+        with pytest.raises(EngineIdMismatch, match="impostor"):
+            await engine.connect(engine_id="impostor")
+        with pytest.raises(Exception, match="undecodable etcd record"):
+            await engine.connect(engine_id="garbage")
+        assert not engine.peers
+    finally:
+        await engine.close()
+
+
+async def test_an_incompatible_engine_found_in_etcd_is_refused(etcd, nixl_peer_factory):
+    publisher = _publisher(nixl_peer_factory, etcd, compat={"model": "a"})
+    engine = await _engine(_etcd_config(etcd), compat={"model": "b"})
+    try:
+        with pytest.raises(IncompatiblePeerError, match="compatibility hash"):
+            await engine.connect(engine_id=publisher.engine_id)
+        assert not engine.peers
+    finally:
+        await engine.close()
+
+
+async def test_side_channel_notifications_handshake_at_the_published_address(etcd, nixl_peer_factory):
+    """A notify session is issued by the peer per asker: etcd gives the address, the handshake the session."""
+    publisher = _publisher(nixl_peer_factory, etcd)
+    engine = await _engine(_etcd_config(etcd), notify_via="side_channel")
+    try:
+        engine.register("kv", _regions(1, 4), block_len=BLOCK)
+        peer = await engine.connect(engine_id=publisher.engine_id)
+        assert peer.notify_session
+        await engine.notify(peer, b"found-in-etcd")
+        assert await publisher.request(WaitNotifications(message=b"found-in-etcd", timeout=10)) == [engine.engine_id]
+        stats = await publisher.request(Stats())
+        assert stats["counters"]["handshakes_answered"] == 1
+    finally:
+        await engine.close()
+
+
+async def _until(condition, timeout: float, what: str) -> float:
+    started = time.monotonic()
+    while not condition():
+        if time.monotonic() - started > timeout:
+            raise AssertionError(f"{what}: not within {timeout}s")
+        await asyncio.sleep(0.02)
+    return time.monotonic() - started
+
+
+async def test_a_new_registration_is_republished_and_a_connected_engine_refreshes(etcd, nixl_peer_factory):
+    publisher = _publisher(nixl_peer_factory, etcd)
+    engine = await _engine(_etcd_config(etcd))
+    try:
+        regions = _regions(1, 16)
+        engine.register("kv", regions, block_len=BLOCK)
+        peer = await engine.connect(engine_id=publisher.engine_id)
+        assert set(peer.layouts) == {"kv"}
+        await publisher.request(Register(layout_name="more", num_regions=1, num_blocks=16, seed=7))
+        await _until(lambda: "more" in engine.peer(publisher.engine_id).layouts, 5.0, "the new layout reached us")
+        refreshed = await engine.connect(engine_id=publisher.engine_id)
+        await engine.read(refreshed, [0, 5], [2, 15], remote="more")
+        assert verify_blocks(regions, BLOCK, [0, 5], [2, 15], seed=7) == []
+        assert engine.snapshot().counters["published_peers_refreshed"] >= 1
+    finally:
+        await engine.close()
+    assert_no_live_handles(engine)
+
+
+async def test_close_removes_the_record_and_a_connected_engine_notices(etcd, nixl_peer_factory):
+    publisher = _publisher(nixl_peer_factory, etcd)
+    engine = await _engine(_etcd_config(etcd))
+    try:
+        peer = await engine.connect(engine_id=publisher.engine_id)
+        await publisher.astop()
+        assert await _etcd_value(etcd, publisher.engine_id) is None, "close() must remove the record at once"
+        await _until(lambda: peer.stale, 5.0, "the connected engine saw the record go")
+        with pytest.raises(PeerNotPublished):
+            await engine.connect(engine_id=publisher.engine_id)
+    finally:
+        await engine.close()
+
+
+async def test_a_killed_engine_disappears_when_its_lease_runs_out(etcd, nixl_peer_factory):
+    publisher = _publisher(nixl_peer_factory, etcd, etcd_lease_ttl_s=2)
+    assert await _etcd_value(etcd, publisher.engine_id) is not None
+    await publisher.akill()
+    started = time.monotonic()
+    while await _etcd_value(etcd, publisher.engine_id) is not None:
+        assert time.monotonic() - started < 4.0, "a dead engine's record outlived its 2 s lease"
+        await asyncio.sleep(0.1)
+
+
+async def test_a_live_engine_keeps_its_record_past_the_lease(etcd, nixl_peer_factory):
+    publisher = _publisher(nixl_peer_factory, etcd, etcd_lease_ttl_s=2)
+    await asyncio.sleep(5.0)  # more than two leases: renewals keep it
+    assert await _etcd_value(etcd, publisher.engine_id) is not None
+    del publisher
+
+
+async def test_etcd_down_is_a_typed_error_and_connected_engines_keep_transferring(nixl_peer_factory):
+    with etcd_or_skip() as server:  # its own: this test stops it
+        first = _publisher(nixl_peer_factory, server)
+        second = _publisher(nixl_peer_factory, server)
+        engine = await _engine(_etcd_config(server), handshake_timeout_s=1.5)
+        try:
+            regions = _regions()
+            engine.register("kv", regions, block_len=BLOCK)
+            peer = await engine.connect(engine_id=first.engine_id)
+            server.stop()
+            started = time.monotonic()
+            with pytest.raises(DiscoveryUnavailable, match=server.endpoint):
+                await engine.connect(engine_id=second.engine_id)
+            assert time.monotonic() - started < 1.5 + 0.5
+            with pytest.raises(DiscoveryUnavailable):
+                await engine.publish()
+            await engine.read(peer, [0, 1], [10, 11])  # transfers never touch etcd
+            assert verify_blocks(regions, BLOCK, [0, 1], [10, 11], seed=1) == []
+            server.start()
+            second_peer = await engine.connect(engine_id=second.engine_id)
+            assert second_peer.engine_id == second.engine_id
+            await asyncio.sleep(0.1)
+            assert await _etcd_value(server, first.engine_id) is not None, "the publisher's record survived"
+        finally:
+            await engine.close()
+
+
+async def test_an_etcd_that_never_answers_is_a_typed_error_within_the_timeout():
+    with socket.socket() as silent:  # accepts connections (backlog) and never says a word
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        endpoint = f"127.0.0.1:{silent.getsockname()[1]}"
+        engine = await _engine(EtcdConfig(endpoint), handshake_timeout_s=1.0)
+        try:
+            for attempt in (lambda: engine.connect(engine_id="anyone"), engine.publish):
+                started = time.monotonic()
+                with pytest.raises(DiscoveryUnavailable, match="did not answer"):
+                    await attempt()
+                assert 0.9 < time.monotonic() - started < 1.6
+        finally:
+            await engine.close()
+
+
+def test_published_record_round_trips():
+    reply = messages.MetadataReply(
+        version=messages.PROTOCOL_VERSION, engine_id="e", agent_name="e/1", agent_metadata=b"md",
+        compat_hash="h", layouts=[],
+    )  # fmt: skip
+    record = messages.PublishedEngine(metadata=reply, host="10.0.0.2", port=5600)
+    assert messages.decode_published(messages.encode(record)) == record
+
+
+@pytest.mark.parametrize("endpoint", ["", "etcd", "etcd:", ":2379", "a:1,b:2", "http://etcd:2379", "etcd:port"])
+def test_etcd_config_refuses_what_it_cannot_use(endpoint):
+    with pytest.raises(ValueError, match="endpoint"):
+        EtcdConfig(endpoint)
+
+
+@pytest.mark.parametrize("fields", [{"lease_ttl_s": 1}, {"lease_ttl_s": 2.5}, {"namespace": ""}, {"namespace": "x/"}])
+def test_etcd_config_refuses_bad_fields(fields):
+    with pytest.raises(ValueError):
+        EtcdConfig("etcd:2379", **fields)
