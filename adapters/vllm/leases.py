@@ -25,6 +25,7 @@ import msgspec
 from nixl_async import HandshakeError, TransferEngine
 
 from .send_book import SendBook
+from .settings import connect_rank
 
 __all__ = ["LEASE_TOPIC", "LearnedLeases", "answer_renewal", "heartbeat"]
 
@@ -102,7 +103,7 @@ async def heartbeat(
     chunks = [request_ids[i : i + IDS_PER_CALL] for i in range(0, len(request_ids), IDS_PER_CALL)]
 
     async def renew(host: str, port: int, rank_engine_id: str) -> dict[str, float]:
-        peer = await engine.connect(host, port, expected_engine_id=rank_engine_id)
+        peer = await connect_rank(engine, host, port, rank_engine_id)
         reply: dict[str, float] = {}
         for chunk in chunks:
             reply.update(_expiries.decode(await engine.call(peer, LEASE_TOPIC, _encode(chunk))))

@@ -14,6 +14,9 @@ NixlConnector; our own knobs live in ``kv_connector_extra_config``:
 - ``link_timeout`` (s, default 5; ``null`` keeps UCX's defaults): a peer silent this long over
   UCX/TCP loses its connection, so a read across a cut link fails (and its blocks go quiet)
   instead of staying in flight for minutes (`EngineConfig.link_timeout_s`).
+- ``etcd_endpoint`` (``host:port``; default none), ``etcd_namespace`` (default ``nixl_async``) and
+  ``etcd_lease_ttl`` (s, default 10): publish each rank's engine in etcd and find producers by engine
+  id there, so ``kv_transfer_params`` need no ``remote_host``/``remote_port`` (`EngineConfig.etcd`).
 - ``switch_interval_s`` (default 0.0005): the worker process's `sys.setswitchinterval` (lowered,
   never raised). The engine's loop thread shares the interpreter with vLLM's worker thread; at
   Python's default 5 ms, each hand-over to the loop can wait that long (measured here: decode
@@ -34,9 +37,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nixl_async import EngineConfig, PollConfig
+from nixl_async import EngineConfig, EtcdConfig, HandshakeError, Peer, PollConfig, TransferEngine
 
-__all__ = ["REFUSED", "AdapterSettings", "UnsupportedSetting", "rank_engine_id"]
+__all__ = ["REFUSED", "AdapterSettings", "UnsupportedSetting", "connect_rank", "rank_engine_id"]
 
 ADAPTER_PROTOCOL = "nixl_async-vllm-pull-1"
 
@@ -44,7 +47,7 @@ ADAPTER_PROTOCOL = "nixl_async-vllm-pull-1"
 _KNOWN = {
     "kv_lease_duration", "auth_secret", "auth_secret_env", "auth_secret_file", "transfer_timeout",
     "handshake_timeout", "link_timeout", "switch_interval_s", "backends", "num_threads", "engine_ttl",
-    "enforce_handshake_compat", "kv_recompute_threshold",
+    "enforce_handshake_compat", "kv_recompute_threshold", "etcd_endpoint", "etcd_namespace", "etcd_lease_ttl",
 }  # fmt: skip
 # NixlConnector keys the adapter does not implement: refused when set (to anything but the default).
 REFUSED: dict[str, tuple[object, str]] = {
@@ -114,6 +117,29 @@ def rank_engine_id(engine_id: str, tp_rank: int) -> str:
     return f"{engine_id}/tp{tp_rank}"
 
 
+async def connect_rank(engine: TransferEngine, host: str | None, port: int | None, rank_id: str) -> Peer:
+    """Connect to a producer rank: by its engine id in etcd when configured, else at host:port."""
+    if engine.config.etcd is not None:
+        return await engine.connect(engine_id=rank_id)
+    if not host or not port:
+        raise HandshakeError(f"no address for producer {rank_id!r}: remote_host/remote_port unset, no etcd_endpoint")
+    return await engine.connect(host, port, expected_engine_id=rank_id)
+
+
+def _etcd(extra: dict[str, Any]) -> EtcdConfig | None:
+    endpoint = extra.get("etcd_endpoint")
+    if endpoint is None:
+        for key in ("etcd_namespace", "etcd_lease_ttl"):
+            if key in extra:
+                raise ValueError(f"kv_connector_extra_config[{key!r}] needs 'etcd_endpoint'")
+        return None
+    try:
+        return EtcdConfig(str(endpoint), namespace=extra.get("etcd_namespace", "nixl_async"),
+                          lease_ttl_s=extra.get("etcd_lease_ttl", 10))  # fmt: skip
+    except ValueError as exc:
+        raise ValueError(f"kv_connector_extra_config: {exc}") from None
+
+
 def _number(extra: dict[str, Any], key: str, default: float) -> float:
     value = extra.get(key, default)
     try:
@@ -169,6 +195,7 @@ class AdapterSettings:
     peer_ttl_s: float | None = 3600.0  # NixlConnector's engine_ttl; None: never evict
     enforce_compat: bool = True
     link_timeout_s: float | None = 5.0
+    etcd: EtcdConfig | None = None
 
     def __repr__(self) -> str:  # the secret never appears in logs
         secret = "set" if self.auth_secret else "none"
@@ -206,6 +233,7 @@ class AdapterSettings:
             peer_ttl_s=float(ttl) if ttl > 0 else None,  # as NixlConnector: <= 0 turns eviction off
             enforce_compat=_flag(extra, "enforce_handshake_compat", True),
             link_timeout_s=_link_timeout(extra),
+            etcd=_etcd(extra),
         )
 
     def bind_host(self) -> str:
@@ -224,6 +252,7 @@ class AdapterSettings:
             peer_ttl_s=self.peer_ttl_s,
             enforce_compat=self.enforce_compat,
             link_timeout_s=self.link_timeout_s,
+            etcd=self.etcd,
             # Readers notify producers through the side channel: a NIXL notification would hold
             # the reader's next read until the producer's loop polls (see EngineConfig.notify_via).
             notify_via="side_channel",

@@ -48,7 +48,7 @@ from .block_pairs import GroupBlocks, in_kernel_pages, pair_blocks
 from .kv_layout import CacheLayout, describe_cache
 from .leases import LEASE_TOPIC, LearnedLeases, answer_renewal, heartbeat
 from .send_book import SendBook
-from .settings import AdapterSettings, rank_engine_id
+from .settings import AdapterSettings, connect_rank, rank_engine_id
 from .tp_mapping import RankRead, expected_consumers, plan_reads, remote_ranks, split_for_block_ratio
 
 __all__ = ["ConnectorWorker", "KVGeometry", "RecvJob", "receive", "transfer_groups"]
@@ -274,6 +274,8 @@ class ConnectorWorker:
         self.sync.set_extra(block_size=str(page_size), pages_per_block=str(pages), tp_size=str(self.tp_size),
                             tp_rank=str(self.tp_rank))  # fmt: skip
         host, port = self.sync.serve(self.settings.bind_host(), self.settings.side_channel_port + self.tp_rank)
+        if self.settings.etcd is not None:
+            self.sync.publish()  # readers find this rank by engine id (DiscoveryUnavailable: vLLM fails to start)
         log.info("nixl_async worker %s rank %d: %d layers x %d blocks of %d bytes, KV cache groups %s, serving %s:%d",
                  self.engine_id, self.tp_rank, len(regions), num_blocks, block_len, ",".join(self.group_kinds), host,
                  port)  # fmt: skip
@@ -304,7 +306,8 @@ class ConnectorWorker:
         except LayoutError as exc:  # its reads will fail with the same error; never fail vLLM's step
             log.warning("no lease renewal with %s: %s", engine_id, exc)
             return
-        addresses = [(info.host, int(info.port) + rank, rank_engine_id(engine_id, rank)) for rank in ranks]
+        port = int(info.port) if info.port else 0  # unset when producers are found through etcd
+        addresses = [(info.host, port + rank if port else 0, rank_engine_id(engine_id, rank)) for rank in ranks]
         if engine_id in self._heartbeating:
             return  # the last round is still waiting on a slow or dead producer: no pile-up of rounds
         self._heartbeating.add(engine_id)
@@ -331,8 +334,8 @@ class ConnectorWorker:
             request_id=request_id,
             remote_request_id=remote.request_id,
             remote_engine_id=remote.engine_id,
-            host=remote.host,
-            port=int(remote.port),
+            host=remote.host or "",
+            port=int(remote.port or 0),  # unset when producers are found through etcd
             remote_tp=int(req.tp_size),
             groups=self._group_blocks(req),
             expires_at=remote.blocks_expiry_time,
@@ -554,9 +557,8 @@ async def receive(
 
 
 async def _connect(engine: TransferEngine, job: RecvJob, rank: int) -> Peer:
-    return await engine.connect(
-        job.host, job.port + rank, expected_engine_id=rank_engine_id(job.remote_engine_id, rank)
-    )
+    return await connect_rank(engine, job.host, job.port + rank if job.port else 0,
+                              rank_engine_id(job.remote_engine_id, rank))  # fmt: skip
 
 
 def _compat(vllm_config: Any, attention: AttentionChoice) -> dict[str, str]:

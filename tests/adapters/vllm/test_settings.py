@@ -58,11 +58,22 @@ def test_defaults_match_vllm_nixl_connector():
         {"switch_interval_s": -1},
         {"link_timeout": 1},
         {"link_timeout": "never"},
+        {"etcd_endpoint": "etcd-0:2379,etcd-1:2379"},
+        {"etcd_endpoint": "etcd:2379", "etcd_lease_ttl": 1},
+        {"etcd_namespace": "fleet"},  # without an endpoint
     ],
 )
 def test_bad_settings_are_refused_with_a_clear_error(extra):
     with pytest.raises(ValueError, match=r"kv_connector_extra_config|auth_secret"):
         AdapterSettings.from_vllm(_config(extra)).engine_config("e", {})
+
+
+def test_etcd_settings_reach_the_engine():
+    extra = {"etcd_endpoint": "10.0.0.9:2379", "etcd_namespace": "fleet-a", "etcd_lease_ttl": 6}
+    etcd = AdapterSettings.from_vllm(_config(extra)).engine_config("e", {}).etcd
+    assert etcd is not None
+    assert (etcd.host, etcd.port, etcd.namespace, etcd.lease_ttl_s) == ("10.0.0.9", 2379, "fleet-a", 6)
+    assert AdapterSettings.from_vllm(_config({})).engine_config("e", {}).etcd is None
 
 
 def test_secret_from_an_environment_variable_or_a_file(monkeypatch, tmp_path):
