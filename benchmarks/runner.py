@@ -22,6 +22,7 @@ SCENARIOS: dict[str, tuple[str, bool]] = {
     "descriptors": ("descriptors", True),
     "inflight": ("inflight", True),
     "busy": ("busy", True),
+    "discovery": ("discovery", False),  # 16 peers through etcd vs the side channel (needs an etcd binary)
     "vllm": ("vllm", False),  # real vLLM servers: minutes; run it by name
     "vllm_hybrid": ("vllm_hybrid", False),  # the same on hybrid models
     "vllm_hosts": ("vllm_hosts", False),  # P and D on two hosts (network namespaces, root): minutes
