@@ -50,18 +50,36 @@ class Connections:
         self.retiring: dict[str, Peer] = {}  # forgotten; their remote agent goes once quiet
         self._orphan_dlists: list[Any] = []  # remote lists a peer's new layouts replaced, still in use
         self._next_eviction = float("-inf")
+        self._adopting: dict[str, tuple[asyncio.Lock, list[int]]] = {}
 
-    async def adopt(self, reply: messages.MetadataReply, address: Address | None, offset: float, now: float) -> Peer:
+    async def adopt(
+        self, reply: messages.MetadataReply, address: Address, offset: float, now: float, *, claimed: bool = False
+    ) -> Peer:
         """Carry out what `reconcile` decides for a handshake reply; the peer to use from now on.
 
-        `address` is where the reply came from; None for a record found in etcd of an engine
-        that serves no side channel (such a peer is found by engine id only).
+        `address` is where the reply came from, or, with `claimed`, where an etcd record says the
+        engine serves ("", 0: nowhere). A claimed address is only a claim (a dead engine's record
+        outlives it): it neither displaces the engine that answers there nor is indexed.
+        Adoptions for one engine id run one at a time (a watch and a connect may race).
         """
+        entry = self._adopting.setdefault(reply.engine_id, (asyncio.Lock(), [0]))
+        entry[1][0] += 1  # callers holding or awaiting it: the lock goes with the last one
+        try:
+            async with entry[0]:
+                return await self._adopt(reply, address, offset, now, claimed)
+        finally:
+            entry[1][0] -= 1
+            if not entry[1][0]:
+                del self._adopting[reply.engine_id]
+
+    async def _adopt(
+        self, reply: messages.MetadataReply, address: Address, offset: float, now: float, claimed: bool
+    ) -> Peer:
         agent = self._agent()
         old = self.table.get(reply.engine_id)
         busy = old is not None and old.agent_name in self._driver.busy_agents()
         decision = reconcile(old, reply, busy=busy)
-        previous = self.table.at(address) if address is not None else None
+        previous = None if claimed else self.table.at(address)
         if previous is not None and previous.engine_id != reply.engine_id:
             self.forget(previous)  # another engine now answers at this address: that one is gone
         if old is not None and decision in (Reconcile.KEEP, Reconcile.REFRESH_LAYOUTS):
@@ -69,7 +87,10 @@ class Connections:
                 in_use = {id(t.remote_dlist) for t in self._driver.live()}
                 self._orphan_dlists += self._memory.drop_remote(agent, old.agent_name, keep=in_use)
             old.refresh(reply, clock_offset_s=offset, now=now)
-            self.table.add(old, address or old.address)
+            if claimed:
+                old.address = address
+            else:
+                self.table.add(old, address)
             return old
         if old is not None:  # RELOAD or REPLACE: its transfers end; its remote agent goes once quiet
             self.forget(old)
@@ -79,15 +100,11 @@ class Connections:
             # (bounded by the grace) before loading it anew.
             await self._retired(retiring, self._config.release_grace_s + 0.5)
         assert self._driver.loop is not None
-        peer = Peer(reply, address or ("", 0), now=self._driver.loop.time())
+        peer = Peer(reply, address, now=self._driver.loop.time())
         peer.agent_name = agent.add_remote(reply.agent_metadata)
         peer.clock_offset_s = offset
-        self.table.add(peer)
+        self.table.add(peer, ("", 0) if claimed else address)
         return peer
-
-    def differs(self, peer: Peer, reply: messages.MetadataReply) -> bool:
-        """Whether `reply` would change anything we hold for `peer` (a refresh would not be a KEEP)."""
-        return reconcile(peer, reply, busy=True) is not Reconcile.KEEP or peer.extra != reply.extra
 
     async def _retired(self, peer: Peer, timeout: float) -> None:
         loop = asyncio.get_running_loop()

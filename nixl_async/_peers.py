@@ -41,12 +41,24 @@ import hashlib
 from collections.abc import Iterator
 from collections.abc import Set as AbstractSet
 
+import msgspec
+
 from ._slicing import LinkRates
 from .exceptions import LayoutError
 from .layout import BlockLayout
 from .messages import MetadataReply
 
-__all__ = ["Address", "Peer", "PeerTable", "Reconcile", "metadata_digest", "pick_layout", "reconcile"]
+__all__ = [
+    "Address",
+    "Peer",
+    "PeerTable",
+    "Reconcile",
+    "fingerprint",
+    "metadata_digest",
+    "pick_layout",
+    "reconcile",
+    "reply_fingerprint",
+]
 
 Address = tuple[str, int]
 
@@ -54,6 +66,17 @@ Address = tuple[str, int]
 def metadata_digest(agent_metadata: bytes) -> bytes:
     """A 16-byte digest of NIXL agent metadata: equal digests, same registrations (rkeys)."""
     return hashlib.blake2b(agent_metadata, digest_size=16).digest()
+
+
+def fingerprint(agent_name: str, digest: bytes, layouts: list[BlockLayout], extra: dict[str, str]) -> str:
+    """What identifies a handshake reply's content: agent, metadata digest, layouts (by name), extra."""
+    ordered = sorted(layouts, key=lambda lay: lay.name)
+    content = msgspec.msgpack.encode([agent_name, digest, ordered, sorted(extra.items())])
+    return hashlib.blake2b(content, digest_size=16).hexdigest()
+
+
+def reply_fingerprint(reply: MetadataReply) -> str:
+    return fingerprint(reply.agent_name, metadata_digest(reply.agent_metadata), list(reply.layouts), dict(reply.extra))
 
 
 def pick_layout(layouts: dict[str, BlockLayout], name: str | None, owner: str) -> BlockLayout:
@@ -105,6 +128,11 @@ class Peer:
 
     def __repr__(self) -> str:
         return f"<Peer {self.engine_id} at {self.address[0]}:{self.address[1]} agent={self.agent_name}>"
+
+    @property
+    def fingerprint(self) -> str:
+        """`reply_fingerprint` of the reply we hold for it (compare with a published record's)."""
+        return fingerprint(self.agent_name, self.metadata_digest, list(self.layouts.values()), self.extra)
 
     def layout(self, name: str | None = None) -> BlockLayout:
         """The peer's layout called `name` (or its only one)."""

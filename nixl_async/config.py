@@ -77,6 +77,10 @@ class EtcdConfig:
     lease_ttl_s: int = 10
 
     def __post_init__(self) -> None:
+        if not isinstance(self.endpoint, str) or not isinstance(self.namespace, str):
+            raise ValueError(
+                f"EtcdConfig.endpoint and namespace must be strings, got {self.endpoint!r}, {self.namespace!r}"
+            )
         host, sep, port = self.endpoint.rpartition(":")
         if "," in self.endpoint or "://" in self.endpoint or not sep or not host or not port.isdigit():
             raise ValueError(f"EtcdConfig.endpoint must be one 'host:port', got {self.endpoint!r}")
@@ -87,7 +91,8 @@ class EtcdConfig:
 
     @property
     def host(self) -> str:
-        return self.endpoint.rpartition(":")[0].strip("[]")
+        """The host as gRPC wants it (an IPv6 address keeps its brackets)."""
+        return self.endpoint.rpartition(":")[0]
 
     @property
     def port(self) -> int:
@@ -189,6 +194,8 @@ class EngineConfig:
             raise ValueError("EngineConfig.peer_ttl_s must be > 0 or None")
         if self.handshake_timeout_s <= 0:
             raise ValueError("EngineConfig.handshake_timeout_s must be > 0")
+        if self.etcd is not None and not isinstance(self.etcd, EtcdConfig):
+            raise ValueError(f"EngineConfig.etcd must be an EtcdConfig (or None), got {self.etcd!r}")
         if self.link_timeout_s is not None and self.link_timeout_s < 2:
             raise ValueError("EngineConfig.link_timeout_s must be >= 2 (seconds) or None")
         if self.release_grace_s < 0:

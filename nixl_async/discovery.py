@@ -1,8 +1,8 @@
 """Fleet discovery through etcd: engines publish what a handshake would tell, under a lease.
 
 Layout in etcd: one key per engine, ``<namespace>/engines/<engine_id>``, whose value is a msgpack
-`PublishedEngine` (its handshake reply: NIXL agent metadata, layouts, compat hash, extra; and its
-side-channel address if it serves one). The key is attached to the engine's lease: the engine
+`PublishedEngine` (engine id, compat hash, side-channel address, and, unless the engine has a shared
+secret, its handshake reply: NIXL agent metadata, layouts, extra). The key is attached to the engine's lease: the engine
 renews it every third of `lease_ttl_s` from its loop, so an engine that dies (or loses etcd)
 disappears that long after; `close()` revokes the lease and the key goes at once.
 
@@ -22,24 +22,40 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
 
 from . import messages
 from .config import EtcdConfig
-from .exceptions import DiscoveryUnavailable, ProtocolError
+from .exceptions import DiscoveryUnavailable, EngineClosedError, ProtocolError
 
-__all__ = ["EtcdDirectory"]
+__all__ = ["Changes", "EtcdDirectory"]
 
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 _RETRY_S = 1.0  # after a failed renewal or a broken watch
 _WARN_INTERVAL_S = 10.0
+# gRPC keepalive, so a half-open connection to etcd is noticed (etcd refuses pings under 5 s apart).
+# Reconnection backoff capped at 1 s (gRPC's default grows to 120 s): an etcd that comes back is used at once.
+_CHANNEL_OPTIONS = {"grpc.keepalive_time_ms": 10_000, "grpc.keepalive_timeout_ms": 5_000,
+                    "grpc.keepalive_permit_without_calls": 1, "grpc.initial_reconnect_backoff_ms": 100,
+                    "grpc.min_reconnect_backoff_ms": 100, "grpc.max_reconnect_backoff_ms": 1_000}  # fmt: skip
+_UNREACHABLE_RETRY_S = 0.1
+
+
+@dataclass(frozen=True)
+class Changes:
+    """Records that changed (None: gone). `complete`: these are all the records there are (a resync)."""
+
+    records: dict[str, messages.PublishedEngine | None]
+    complete: bool = False
 
 
 class EtcdDirectory:
@@ -54,13 +70,15 @@ class EtcdDirectory:
             ) from None
         self._config = config
         self._timeout = timeout
-        self._client: Any = aetcd.Client(config.host, config.port, timeout=timeout)
+        # aetcd's own deadline is a little later than ours, so a silent etcd is always our timeout.
+        self._client: Any = aetcd.Client(config.host, config.port, timeout=timeout + 1, options=_CHANNEL_OPTIONS)
         self._prefix = f"{config.namespace}/engines/".encode()
         self._record: messages.PublishedEngine | None = None  # what we publish (None: nothing)
         self._lease_id: int | None = None
         self._dirty = asyncio.Event()  # the record changed: put it again
         self._keeper: asyncio.Task[None] | None = None
         self._warned_at = float("-inf")
+        self._closed = False
         self.republished = 0  # puts after the first (a re-registration, a lost lease)
 
     @property
@@ -70,65 +88,92 @@ class EtcdDirectory:
     def key(self, engine_id: str) -> bytes:
         return self._prefix + engine_id.encode()
 
-    async def _bounded(self, what: str, call: Awaitable[_T]) -> _T:
-        """Await an etcd call within the timeout; any failure of etcd is `DiscoveryUnavailable`."""
-        from aetcd.exceptions import ClientError
+    async def _bounded(self, what: str, call: Callable[[], Awaitable[_T]], timeout: float | None = None) -> _T:
+        """Make an etcd call within the timeout; any failure of etcd is `DiscoveryUnavailable`.
 
+        Until the deadline an unreachable etcd is tried again (gRPC fails fast while it reconnects),
+        so a blip shorter than the timeout costs only time.
+        """
+        from aetcd.exceptions import ClientError, ConnectionFailedError
+
+        if self._closed:
+            raise EngineClosedError("the engine's etcd directory is closed")
+        limit = self._timeout if timeout is None else min(timeout, self._timeout)
+        last: Exception | None = None
         try:
-            async with asyncio.timeout(self._timeout):
-                return await call
+            async with asyncio.timeout(limit):
+                while True:
+                    try:
+                        return await call()
+                    except ConnectionFailedError as exc:
+                        last = exc
+                        await asyncio.sleep(_UNREACHABLE_RETRY_S)
         except TimeoutError:
-            raise DiscoveryUnavailable(
-                f"etcd at {self.endpoint} did not answer {what} within {self._timeout}s", address=self.endpoint
-            ) from None
+            why = f" (last error: {last})" if last is not None else ""
+            raise DiscoveryUnavailable(f"etcd at {self.endpoint} did not answer {what} within {limit}s{why}",
+                                       address=self.endpoint) from None  # fmt: skip
         except ClientError as exc:
             raise DiscoveryUnavailable(f"etcd at {self.endpoint} failed {what}: {exc}", address=self.endpoint) from None
 
     # -- looking up -----------------------------------------------------------------------
-    async def lookup(self, engine_id: str) -> messages.PublishedEngine | None:
+    async def lookup(self, engine_id: str, timeout: float | None = None) -> messages.PublishedEngine | None:
         """The record `engine_id` published, or None. Raises `DiscoveryUnavailable`, `ProtocolError`."""
-        found = await self._bounded(f"a lookup of {engine_id!r}", self._client.get(self.key(engine_id)))
+        key = self.key(engine_id)
+        found = await self._bounded(f"a lookup of {engine_id!r}", lambda: self._client.get(key), timeout)
         return None if found is None else self._decode(engine_id, found.value)
 
     def _decode(self, engine_id: str, value: bytes) -> messages.PublishedEngine:
         try:
-            return messages.decode_published(value)
+            record = messages.decode_published(value)
         except msgspec.DecodeError as exc:
             raise ProtocolError(f"undecodable etcd record for engine {engine_id!r}: {exc}",
                                 address=self.endpoint) from None  # fmt: skip
+        if record.version != messages.PROTOCOL_VERSION:
+            raise ProtocolError(f"etcd record for engine {engine_id!r} has protocol version {record.version}"
+                                f" (want {messages.PROTOCOL_VERSION})", address=self.endpoint)  # fmt: skip
+        return record
 
-    async def changes(self) -> AsyncIterator[tuple[str, messages.PublishedEngine | None]]:
-        """(engine id, its new record, or None once gone) for every change under our prefix, for ever.
+    def _decoded(self, engine_id: str, value: bytes) -> messages.PublishedEngine | None:
+        try:
+            return self._decode(engine_id, value)
+        except ProtocolError as exc:
+            self._warn(str(exc))
+            return None
 
-        A broken watch (etcd restarted, unreachable) is retried every second; changes made
-        while it was broken are replayed from the last revision seen when etcd still has them.
+    async def changes(self) -> AsyncIterator[Changes]:
+        """Every change under our prefix, for ever: first (and after each broken watch) all records
+        there are (`Changes.complete`), then each change as it happens.
+
+        Reading everything and watching from that revision on misses nothing in between, survives
+        a compacted history and an etcd that was wiped (its revisions start again). An undecodable
+        record counts as gone. A broken watch is retried every second.
         """
         from aetcd.exceptions import ClientError
 
-        next_revision: int | None = None
-        while True:
+        while not self._closed:
             watch = None
             try:
-                opening = self._client.watch_prefix(self._prefix, start_revision=next_revision)
-                watch = await self._bounded("a watch", opening)
+                found = await self._bounded("a listing", lambda: self._client.get_prefix(self._prefix))
+                records = {kv.key[len(self._prefix) :].decode(errors="replace"): kv.value for kv in found}
+                yield Changes({k: self._decoded(k, v) for k, v in records.items()}, complete=True)
+                start = found.header.revision + 1
+                watching = functools.partial(self._client.watch_prefix, self._prefix, start_revision=start)
+                watch = await self._bounded("a watch", watching)
                 async for event in watch:
-                    next_revision = event.kv.mod_revision + 1
                     engine_id = event.kv.key[len(self._prefix) :].decode(errors="replace")
-                    if event.kind == "DELETE":
-                        yield engine_id, None
-                        continue
-                    try:
-                        yield engine_id, self._decode(engine_id, event.kv.value)
-                    except ProtocolError as exc:
-                        log.warning("%s", exc)
+                    gone = event.kind == "DELETE"
+                    yield Changes({engine_id: None if gone else self._decoded(engine_id, event.kv.value)})
+            except EngineClosedError:
+                return
             except (DiscoveryUnavailable, ClientError) as exc:
                 self._warn(f"watching etcd at {self.endpoint} failed ({exc}): retrying")
             except Exception:  # a bug must not end the watch for good: say so loudly, and go on
                 log.exception("watching etcd at %s failed: retrying", self.endpoint)
             finally:
-                if watch is not None:
+                if watch is not None:  # bounded: aetcd's cancel waits on its stream's locks
                     with contextlib.suppress(Exception):
-                        await watch.cancel()
+                        async with asyncio.timeout(_RETRY_S):
+                            await watch.cancel()
             await asyncio.sleep(_RETRY_S)
 
     # -- publishing -----------------------------------------------------------------------
@@ -139,7 +184,7 @@ class EtcdDirectory:
         """
         self._record = record
         await self._put_on_lease()
-        if self._keeper is None:
+        if self._keeper is None and not self._closed:
             self._keeper = asyncio.get_running_loop().create_task(self._keep(), name=f"etcd-keeper:{self.endpoint}")
 
     def republish(self, record: messages.PublishedEngine) -> None:
@@ -153,17 +198,18 @@ class EtcdDirectory:
         record = self._record
         assert record is not None
         if self._lease_id is None:
-            lease = await self._bounded("a lease grant", self._client.lease(self._config.lease_ttl_s))
+            lease = await self._bounded("a lease grant", lambda: self._client.lease(self._config.lease_ttl_s))
             self._lease_id = lease.id
-        key = self.key(record.metadata.engine_id)
-        await self._bounded("a put", self._client.put(key, messages.encode(record), lease=self._lease_id))
+        key, value, lease_id = self.key(record.engine_id), messages.encode(record), self._lease_id
+        try:
+            await self._bounded("a put", lambda: self._client.put(key, value, lease=lease_id))
+        except DiscoveryUnavailable as exc:
+            if "lease not found" in str(exc):  # it ran out (or etcd was wiped): the next try gets a new one
+                self._lease_id = None
+            raise
 
     async def _keep(self) -> None:
-        """Renew the lease every ttl/3; put the record again when it changed or the lease was lost.
-
-        A failed put drops the lease (it may be the lease etcd no longer knows): the next try
-        grants a new one, and the old one, if it lives, runs out on its own.
-        """
+        """Renew the lease every ttl/3; put the record again when it changed or the lease was lost."""
         interval = self._config.lease_ttl_s / 3
         renew_at = time.monotonic() + interval
         while True:
@@ -176,19 +222,18 @@ class EtcdDirectory:
                     self._dirty.clear()
                     await self._put_on_lease()
                     self.republished += 1
-                    renew_at = max(renew_at, time.monotonic() + _RETRY_S)
                 if time.monotonic() >= renew_at:
-                    reply = await self._bounded("a lease renewal", self._client.refresh_lease(self._lease_id))
-                    if reply is None or reply.TTL <= 0:  # it ran out meanwhile: our key is gone
+                    renewing = functools.partial(self._client.refresh_lease, self._lease_id)
+                    reply = await self._bounded("a lease renewal", renewing)
+                    if reply is None or reply.TTL <= 0:  # it ran out meanwhile (or etcd was wiped): our key is gone
                         self._warn(f"our etcd lease at {self.endpoint} had run out: publishing again")
                         self._lease_id = None
                         self._dirty.set()
                         continue
                     renew_at = time.monotonic() + interval
-            except DiscoveryUnavailable as exc:
-                self._warn(f"{exc}: retrying")
+            except Exception as exc:  # etcd down (DiscoveryUnavailable) or anything else: keep trying
+                self._warn(f"keeping our etcd record at {self.endpoint} failed ({exc!r}): retrying")
                 if putting:
-                    self._lease_id = None
                     self._dirty.set()
                 renew_at = time.monotonic() + _RETRY_S
                 await asyncio.sleep(_RETRY_S)
@@ -200,7 +245,9 @@ class EtcdDirectory:
             log.warning("%s", message)
 
     async def close(self) -> None:
-        """Stop renewing, revoke the lease (our key goes at once; bounded), close the client."""
+        """Stop renewing, revoke the lease (our key goes at once; bounded), close the client; refuse calls after."""
+        if self._closed:
+            return
         if self._keeper is not None:
             self._keeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -208,10 +255,13 @@ class EtcdDirectory:
             self._keeper = None
         if self._lease_id is not None:
             try:
-                await self._bounded("a lease revocation", self._client.revoke_lease(self._lease_id))
+                lease_id = self._lease_id
+                await self._bounded("a lease revocation", lambda: self._client.revoke_lease(lease_id))
             except DiscoveryUnavailable as exc:
                 log.warning("%s: our key goes when the lease runs out", exc)
             self._lease_id = None
+        self._closed = True
         self._record = None
         with contextlib.suppress(Exception):
-            await self._client.close()
+            async with asyncio.timeout(self._timeout):  # aetcd's close waits on its watch stream
+                await self._client.close()

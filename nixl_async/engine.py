@@ -46,7 +46,7 @@ from ._driver import COLLECTOR, TransferDriver
 from ._memory import MemoryRegistry, ViewLike, layout_of_memory
 from ._notify_guard import REFUSAL_REASONS
 from ._notify_transport import WIREUP_BRISK_S, NotificationTransport
-from ._peers import Peer, PeerTable, pick_layout
+from ._peers import Peer, PeerTable, pick_layout, reply_fingerprint
 from ._poller import AdaptivePacer, ErrorThrottle
 from ._state import TransferState
 from .config import EngineConfig
@@ -100,6 +100,7 @@ class TransferEngine:
         self._connecting: dict[tuple[str, object], asyncio.Task[Peer]] = {}  # (host, port) or ("etcd", id)
         self._directory: EtcdDirectory | None = None
         self._follower: asyncio.Task[None] | None = None  # applies etcd changes to peers we hold
+        self._discovered: set[str] = set()  # engine ids we connected to through etcd
         self._closed = False
         self._final_live: dict[str, int] = {}
         self._wake: asyncio.Future[None] | None = None
@@ -141,6 +142,8 @@ class TransferEngine:
         if self._agent is not None or self._closed:
             raise RuntimeError("engine already started" if self._agent is not None else "engine was closed")
         self._loop = asyncio.get_running_loop()
+        if self.config.etcd is not None:  # first: if it cannot be made, nothing else was
+            self._directory = EtcdDirectory(self.config.etcd, timeout=self.config.handshake_timeout_s)
         agent_name = f"{self.engine_id}/{time.time_ns():x}"
         settings = {backend: self.config.backend_settings(backend) for backend in self.config.backends}
         self._agent = OwnedAgent(agent_name, self.config.backends, settings)
@@ -149,8 +152,6 @@ class TransferEngine:
         self._driver.agent = self._peers.agent = self._agent
         self._driver.loop = self._loop
         self._poller = self._loop.create_task(self._poll_forever(), name=f"nixl-poller:{self.engine_id}")
-        if self.config.etcd is not None:
-            self._directory = EtcdDirectory(self.config.etcd, timeout=self.config.handshake_timeout_s)
         return self
 
     async def __aenter__(self) -> Self:
@@ -172,17 +173,17 @@ class TransferEngine:
         self._admission.close()  # waiters wake and fail with EngineClosedError
         agent = self._agent
         assert self._loop is not None
-        if self._directory is not None:  # first, so nobody finds us any more
-            if self._follower is not None:
-                self._follower.cancel()
-                await asyncio.gather(self._follower, return_exceptions=True)
-            await self._directory.close()
+        if self._follower is not None:
+            self._follower.cancel()
+            await asyncio.gather(self._follower, return_exceptions=True)
         if self._server is not None:
             await self._server.close()
         connecting = list(self._connecting.values())
         for task in connecting:
             task.cancel()
         await asyncio.gather(*connecting, return_exceptions=True)
+        if self._directory is not None:  # our record goes (lease revoked) before our memory does
+            await self._directory.close()
         driver = self._driver
         driver.end_all(lambda t: TransferCancelled("the engine was closed", transfer_id=t.id, peer=t.peer))
         self._notifications.close(EngineClosedError("the engine was closed"))
@@ -477,7 +478,7 @@ class TransferEngine:
             )
             answered_at = time.time()
             offset = reply.wall_clock - (asked_at + answered_at) / 2 if reply.wall_clock else 0.0
-            self._check_compat(reply, f"{host}:{port}")
+            self._check_compat(reply.engine_id, reply.compat_hash, f"{host}:{port}")
             peer = await self._peers.adopt(reply, (host, port), offset, self._loop.time())
         except BaseException:
             self.stats.counters["handshake_failures"] += 1
@@ -486,11 +487,10 @@ class TransferEngine:
         self.stats.histograms["handshake_us"].record(self._loop.time() - started)
         return peer
 
-    def _check_compat(self, reply: messages.MetadataReply, where: str) -> None:
-        if reply.compat_hash == self._compat_hash:
+    def _check_compat(self, engine_id: str, compat_hash: str, where: str) -> None:
+        if compat_hash == self._compat_hash:
             return
-        mismatch = (f"{where} (engine {reply.engine_id!r}) has compatibility hash {reply.compat_hash}, "
-                    f"ours is {self._compat_hash}")  # fmt: skip
+        mismatch = f"{where} (engine {engine_id!r}) has compatibility hash {compat_hash}, ours is {self._compat_hash}"
         if self.config.enforce_compat:
             raise IncompatiblePeerError(f"{mismatch}: its memory cannot be used with ours", address=where)
         log.warning("%s: connecting anyway (EngineConfig.enforce_compat is off)", mismatch)
@@ -499,18 +499,27 @@ class TransferEngine:
     async def publish(self) -> None:
         """Publish this engine in etcd (`EngineConfig.etcd`) so peers can ``connect(engine_id=...)``.
 
-        What is published is what our handshake answers (agent metadata, layouts, compat hash,
-        extra) and our side-channel address if we serve one. It is put again whenever that
-        changes (a registration, `set_extra`, `serve`), and it lives on a lease renewed from our
-        loop: if we die it disappears within `EtcdConfig.lease_ttl_s`; `close()` removes it at once.
-        Raises `DiscoveryUnavailable` if etcd does not take it within the handshake timeout.
+        What is published: our engine id, compat hash and side-channel address, and (without a
+        shared secret) what our handshake answers: agent metadata, layouts, extra. With a secret
+        the metadata stays behind the authenticated side channel, where readers then handshake.
+        It is put again whenever it changes (a registration, `set_extra`, `serve`), and it lives
+        on a lease renewed from our loop: if we die it disappears within `EtcdConfig.lease_ttl_s`;
+        `close()` removes it at once. Raises `DiscoveryUnavailable` if etcd does not take it
+        within the handshake timeout.
         """
         await self._require_directory().publish(self._published())
 
     def _published(self) -> messages.PublishedEngine:
-        metadata = msgspec.structs.replace(self._reply_for(messages.MetadataRequest()), wall_clock=0.0)
+        reply = msgspec.structs.replace(self._reply_for(messages.MetadataRequest()), wall_clock=0.0)
         host, port = self.address or ("", 0)
-        return messages.PublishedEngine(metadata=metadata, host=host, port=port)
+        return messages.PublishedEngine(
+            engine_id=self.engine_id,
+            compat_hash=self._compat_hash,
+            host=host,
+            port=port,
+            metadata=None if self.config.auth_secret is not None else reply,
+            fingerprint=reply_fingerprint(reply),
+        )
 
     def _changed(self) -> None:
         """What a handshake answers changed: rebuild the reply, and put it in etcd again if published."""
@@ -525,14 +534,7 @@ class TransferEngine:
         return self._directory
 
     async def _connect_published(self, engine_id: str, timeout: float | None, refresh: bool) -> Peer:
-        """Connect to the engine `engine_id` published in etcd.
-
-        With ``notify_via="nixl"`` the peer's record is used as its handshake reply: the peer is
-        never asked (its loop does no work for us), the same compat and engine-id checks apply,
-        and its clock is taken to agree with ours (no round trip to estimate an offset). With
-        ``notify_via="side_channel"`` our notifications need a session only the peer can issue,
-        so etcd gives its address and the side-channel handshake runs as usual.
-        """
+        """Connect to the engine `engine_id` published in etcd (see `_discover`)."""
         directory = self._require_directory()
         peer = self._peers.table.get(engine_id)
         if peer is None or refresh or not peer.connected or peer.stale:
@@ -551,26 +553,49 @@ class TransferEngine:
         self._peers.table.touch(peer, self._loop.time())
         return peer
 
+    def _adopts_records(self, held: Peer | None) -> bool:
+        """Whether a published record may stand in for a handshake reply.
+
+        Only between engines without a shared secret (a record proves nothing), with NIXL
+        notifications (side-channel ones need a session only the peer issues), and for a peer we
+        have not handshaken with (that would drop its session and measured clock offset).
+        """
+        return (
+            self.config.auth_secret is None
+            and self.config.notify_via == "nixl"
+            and not (held is not None and held.notify_session)
+        )
+
     async def _discover(self, directory: EtcdDirectory, engine_id: str, timeout: float) -> Peer:
+        """Find `engine_id` in etcd, check it as a handshake would, then adopt its record or handshake.
+
+        A record adopted directly means the peer is never asked (its loop does no work for us)
+        and its clock is taken to agree with ours (no round trip measures an offset). Otherwise
+        etcd gives the address and the side-channel handshake runs as usual.
+        """
         assert self._loop is not None
-        if self._follower is None:
-            self._follower = self._loop.create_task(self._follow(directory), name=f"etcd-follower:{self.engine_id}")
         started = self._loop.time()
         try:
-            record = await directory.lookup(engine_id)
+            if self._follower is None and not self._closing:
+                self._follower = self._loop.create_task(self._follow(directory), name=f"etcd-follower:{self.engine_id}")
+            record = await directory.lookup(engine_id, timeout)
+            where = f"etcd record of {engine_id!r}"
             if record is None:
                 raise PeerNotPublished(f"no engine {engine_id!r} is published in etcd at {directory.endpoint}",
                                        address=directory.endpoint)  # fmt: skip
-            if record.metadata.engine_id != engine_id:
-                raise EngineIdMismatch(f"etcd's record for {engine_id!r} is engine {record.metadata.engine_id!r}'s",
-                                       address=directory.endpoint)  # fmt: skip
-            if self.config.notify_via == "side_channel" and not record.host:
-                raise HandshakeRejected(f"engine {engine_id!r} serves no side channel, which "
-                                        "notify_via='side_channel' needs", address=directory.endpoint)  # fmt: skip
+            if record.engine_id != engine_id or (record.metadata and record.metadata.engine_id != engine_id):
+                raise EngineIdMismatch(f"etcd's record for {engine_id!r} is another engine's", address=where)
+            self._check_compat(engine_id, record.compat_hash, where)
+            direct = record.metadata is not None and self._adopts_records(self._peers.table.get(engine_id))
+            if not direct and not record.host:
+                raise HandshakeRejected(f"engine {engine_id!r} serves no side channel, and its record cannot be used"
+                                        " without one (a shared secret or notify_via='side_channel')",
+                                        address=where)  # fmt: skip
         except BaseException:
             self.stats.counters["handshake_failures"] += 1
             raise
-        if self.config.notify_via == "side_channel":
+        self._discovered.add(engine_id)
+        if not direct:
             remaining = max(0.001, timeout - (self._loop.time() - started))
             peer = await self._handshake(record.host, record.port, remaining)  # counts itself
             if peer.engine_id != engine_id:
@@ -588,39 +613,48 @@ class TransferEngine:
         return peer
 
     async def _adopt_published(self, record: messages.PublishedEngine) -> Peer:
-        assert self._loop is not None
-        reply = record.metadata
-        self._check_compat(reply, f"etcd record of {reply.engine_id!r}")
-        address = (record.host, record.port) if record.host else None
-        return await self._peers.adopt(reply, address, 0.0, self._loop.time())
+        assert self._loop is not None and record.metadata is not None
+        self._check_compat(record.engine_id, record.metadata.compat_hash, f"etcd record of {record.engine_id!r}")
+        return await self._peers.adopt(
+            record.metadata, (record.host, record.port), 0.0, self._loop.time(), claimed=True
+        )
 
     async def _follow(self, directory: EtcdDirectory) -> None:
-        """Apply what etcd says about peers we hold: a changed record refreshes them, a gone one marks them stale.
+        """Apply what etcd says about peers we found there: a changed record refreshes them, a gone one
+        marks them stale.
 
-        A peer we adopted from etcd is refreshed at once (new layouts usable, re-registered
+        A peer adopted from a record is refreshed at once (new layouts usable, re-registered
         memory reloaded); one we handshook with is marked stale, so its next `connect` handshakes
         again. A record that went (closed, lease ran out) only marks the peer stale: transfers
         in flight go on, and the next ``connect(engine_id=...)`` raises `PeerNotPublished`.
         """
-        async for engine_id, record in directory.changes():
-            peer = self._peers.table.get(engine_id)
-            if peer is None or not peer.connected:
-                continue
-            if record is None:
-                peer.stale = True
-                self.stats.counters["published_peers_gone"] += 1
-                continue
-            if not self._peers.differs(peer, record.metadata):
-                continue
-            self.stats.counters["published_peers_refreshed"] += 1
-            if peer.notify_session or record.metadata.engine_id != engine_id:
-                peer.stale = True
-                continue
-            try:
-                await self._adopt_published(record)
-            except Exception as exc:  # incompatible now, or fenced: the next connect says why
-                log.warning("refreshing peer %s from etcd failed: %s", engine_id, exc)
-                peer.stale = True
+        async for changes in directory.changes():
+            gone: list[str] = []
+            if changes.complete:
+                self._discovered &= {peer.engine_id for peer in self._peers.table}  # forgotten ones go
+                gone = [i for i in self._discovered if i not in changes.records]
+            for engine_id, record in [*changes.records.items(), *((i, None) for i in gone)]:
+                peer = self._peers.table.get(engine_id)
+                if engine_id not in self._discovered or peer is None or not peer.connected:
+                    continue
+                if record is None:
+                    if not peer.stale:
+                        self.stats.counters["published_peers_gone"] += 1
+                    peer.stale = True
+                    continue
+                if record.fingerprint == peer.fingerprint:
+                    if not peer.notify_session and (record.host, record.port) != peer.address:
+                        peer.address = (record.host, record.port)  # it serves elsewhere now (calls go there)
+                    continue
+                self.stats.counters["published_peers_refreshed"] += 1
+                if record.metadata is None or not self._adopts_records(peer) or record.engine_id != engine_id:
+                    peer.stale = True  # the next connect handshakes again
+                    continue
+                try:
+                    await self._adopt_published(record)
+                except Exception as exc:  # incompatible now, or fenced: the next connect says why
+                    log.warning("refreshing peer %s from etcd failed: %s", engine_id, exc)
+                    peer.stale = True
 
     def peer(self, engine_id: str) -> Peer:
         """The connected peer with that engine id (raises `PeerUnknownError`)."""

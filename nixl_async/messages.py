@@ -133,15 +133,23 @@ class CallReply(msgspec.Struct, tag="call_reply", frozen=True, kw_only=True):
 
 
 class PublishedEngine(msgspec.Struct, tag="published_engine", frozen=True, kw_only=True):
-    """What an engine publishes in a discovery service (etcd) for peers to connect without asking it.
+    """What an engine publishes in a discovery service (etcd) for peers to find it by engine id.
 
-    `metadata` is the reply a handshake would give (without a notify session: those are issued
-    per asker, by the side channel); `host` and `port` name its side channel, if it serves one.
+    `host` and `port` name its side channel, if it serves one. `metadata` is the reply a handshake
+    would give (without a notify session: those are issued per asker), or None when the engine has a
+    shared secret: its NIXL metadata (the keys to its memory) then stays behind the authenticated
+    side channel, and readers handshake there.
     """
 
-    metadata: MetadataReply
+    version: int = PROTOCOL_VERSION
+    engine_id: str
+    compat_hash: str
     host: str = ""
     port: int = 0
+    metadata: MetadataReply | None = None
+    # Digest of the handshake reply (agent, its metadata, layouts, extra): a reader holding the
+    # peer compares it with what it holds to notice a change without seeing the metadata.
+    fingerprint: str = ""
 
 
 Reply = MetadataReply | CallReply | ErrorReply | AuthChallenge

@@ -105,6 +105,11 @@ class EtcdServer:
                 self.process.wait()
         self.process = None
 
+    def wipe(self) -> None:
+        """Stop it and delete its data: started again, it is a new etcd (no keys, no leases, revisions from 1)."""
+        self.stop()
+        shutil.rmtree(os.path.join(self.data_dir, "data"), ignore_errors=True)
+
     def kill(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.kill()

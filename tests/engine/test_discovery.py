@@ -5,6 +5,7 @@ import socket
 import time
 
 import aetcd
+import msgspec
 import numpy as np
 import pytest
 
@@ -13,6 +14,7 @@ from nixl_async import (
     EngineConfig,
     EngineIdMismatch,
     EtcdConfig,
+    HandshakeRejected,
     IncompatiblePeerError,
     PeerNotPublished,
     TransferEngine,
@@ -49,8 +51,12 @@ def _publisher(factory, server, **spec):
     return factory(etcd_endpoint=server.endpoint, etcd_namespace=NAMESPACE, **spec)
 
 
+def _client(server: EtcdServer) -> aetcd.Client:
+    return aetcd.Client(server.host, server.client_port, timeout=5)
+
+
 async def _etcd_value(server: EtcdServer, engine_id: str) -> bytes | None:
-    async with aetcd.Client(server.host, server.client_port) as client:
+    async with _client(server) as client:
         found = await client.get(f"{NAMESPACE}/engines/{engine_id}".encode())
     return None if found is None else found.value
 
@@ -100,7 +106,7 @@ async def test_a_record_under_another_engines_key_is_refused(etcd, nixl_peer_fac
     publisher = _publisher(nixl_peer_factory, etcd)
     value = await _etcd_value(etcd, publisher.engine_id)
     assert value is not None
-    async with aetcd.Client(etcd.host, etcd.client_port) as client:
+    async with _client(etcd) as client:
         await client.put(f"{NAMESPACE}/engines/impostor".encode(), value)  # someone else's record
         await client.put(f"{NAMESPACE}/engines/garbage".encode(), b"\x00not msgpack")
     engine = await _engine(_etcd_config(etcd))
@@ -202,16 +208,16 @@ async def test_a_live_engine_keeps_its_record_past_the_lease(etcd, nixl_peer_fac
 
 async def test_etcd_down_is_a_typed_error_and_connected_engines_keep_transferring(nixl_peer_factory):
     with etcd_or_skip() as server:  # its own: this test stops it
-        first = _publisher(nixl_peer_factory, server)
-        second = _publisher(nixl_peer_factory, server)
+        first = _publisher(nixl_peer_factory, server, etcd_lease_ttl_s=3)
+        second = _publisher(nixl_peer_factory, server, etcd_lease_ttl_s=3)
         engine = await _engine(_etcd_config(server), handshake_timeout_s=1.5)
         try:
             regions = _regions()
             engine.register("kv", regions, block_len=BLOCK)
             peer = await engine.connect(engine_id=first.engine_id)
-            server.stop()
+            server.wipe()  # down, and back later as a new etcd: no keys, no leases, revisions from 1
             started = time.monotonic()
-            with pytest.raises(DiscoveryUnavailable, match=server.endpoint):
+            with pytest.raises(DiscoveryUnavailable, match=r"did not answer|failed"):
                 await engine.connect(engine_id=second.engine_id)
             assert time.monotonic() - started < 1.5 + 0.5
             with pytest.raises(DiscoveryUnavailable):
@@ -219,10 +225,18 @@ async def test_etcd_down_is_a_typed_error_and_connected_engines_keep_transferrin
             await engine.read(peer, [0, 1], [10, 11])  # transfers never touch etcd
             assert verify_blocks(regions, BLOCK, [0, 1], [10, 11], seed=1) == []
             server.start()
+            # Publishers notice their lease is gone and put their records back; readers watch again.
+            for publisher in (first, second):
+                for _ in range(100):
+                    if await _etcd_value(server, publisher.engine_id) is not None:
+                        break
+                    await asyncio.sleep(0.1)
+                else:
+                    raise AssertionError("a publisher did not put its record back after etcd came back")
             second_peer = await engine.connect(engine_id=second.engine_id)
             assert second_peer.engine_id == second.engine_id
-            await asyncio.sleep(0.1)
-            assert await _etcd_value(server, first.engine_id) is not None, "the publisher's record survived"
+            await first.request(Register(layout_name="after", num_regions=1, num_blocks=4, seed=9))
+            await _until(lambda: "after" in engine.peer(first.engine_id).layouts, 10.0, "a change after the restart")
         finally:
             await engine.close()
 
@@ -248,8 +262,54 @@ def test_published_record_round_trips():
         version=messages.PROTOCOL_VERSION, engine_id="e", agent_name="e/1", agent_metadata=b"md",
         compat_hash="h", layouts=[],
     )  # fmt: skip
-    record = messages.PublishedEngine(metadata=reply, host="10.0.0.2", port=5600)
-    assert messages.decode_published(messages.encode(record)) == record
+    for metadata in (reply, None):
+        record = messages.PublishedEngine(engine_id="e", compat_hash="h", host="10.0.0.2", port=5600, metadata=metadata)
+        assert messages.decode_published(messages.encode(record)) == record
+
+
+async def test_with_a_shared_secret_the_memory_keys_stay_behind_the_side_channel(etcd, nixl_peer_factory):
+    """etcd has no authentication here: a record must not let anyone without the secret reach the memory."""
+    secret = b"discovery-secret-0123456789"
+    publisher = _publisher(nixl_peer_factory, etcd, auth_secret=secret)
+    record = messages.decode_published(await _etcd_value(etcd, publisher.engine_id))
+    assert record.metadata is None and record.host and record.fingerprint
+    stranger = await _engine(_etcd_config(etcd))
+    member = await _engine(_etcd_config(etcd), auth_secret=secret)
+    try:
+        with pytest.raises(HandshakeRejected, match="requires authentication"):
+            await stranger.connect(engine_id=publisher.engine_id)
+        regions = _regions(2, 8)
+        member.register("kv", regions, block_len=BLOCK)
+        peer = await member.connect(engine_id=publisher.engine_id)
+        await member.read(peer, [3], [30])
+        assert verify_blocks(regions, BLOCK, [3], [30], seed=1) == []
+        stats = await publisher.request(Stats())
+        assert stats["counters"]["handshakes_answered"] == 1 and stats["counters"]["handshake_auth_failures"] == 0
+    finally:
+        await stranger.close()
+        await member.close()
+
+
+async def test_a_stale_record_at_a_live_engines_address_does_not_displace_it(etcd, nixl_peer_factory):
+    """A record is a claim: an engine that died leaves one naming an address another engine now serves."""
+    live = nixl_peer_factory()
+    ghost = _publisher(nixl_peer_factory, etcd)
+    value = messages.decode_published(await _etcd_value(etcd, ghost.engine_id))
+    async with _client(etcd) as client:  # the ghost "was" at the live one's address
+        claim = msgspec.structs.replace(value, host=live.address[0], port=live.address[1])
+        await client.put(f"{NAMESPACE}/engines/{ghost.engine_id}".encode(), messages.encode(claim))
+    engine = await _engine(_etcd_config(etcd))
+    try:
+        regions = _regions()
+        engine.register("kv", regions, block_len=BLOCK)
+        live_peer = await engine.connect(*live.address)
+        transfer = await engine.start_read(live_peer, list(range(64)), list(range(64)))
+        await engine.connect(engine_id=ghost.engine_id)
+        await transfer
+        assert live_peer.connected and engine.peer(live.engine_id) is live_peer
+        assert await engine.connect(*live.address) is live_peer
+    finally:
+        await engine.close()
 
 
 @pytest.mark.parametrize("endpoint", ["", "etcd", "etcd:", ":2379", "a:1,b:2", "http://etcd:2379", "etcd:port"])
@@ -262,3 +322,11 @@ def test_etcd_config_refuses_what_it_cannot_use(endpoint):
 def test_etcd_config_refuses_bad_fields(fields):
     with pytest.raises(ValueError):
         EtcdConfig("etcd:2379", **fields)
+
+
+def test_etcd_settings_are_checked_by_name():
+    with pytest.raises(ValueError, match=r"EngineConfig\.etcd"):
+        EngineConfig(etcd="127.0.0.1:2379")
+    with pytest.raises(ValueError, match="endpoint"):
+        EtcdConfig(2379)
+    assert EtcdConfig("[::1]:2379").host == "[::1]"  # as gRPC dials it

@@ -16,9 +16,9 @@ if os.environ.get("NIXL_ASYNC_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm", reason="vLLM not installed (bash scripts/setup-vllm.sh)")
 
 import aetcd
-from nixl_async_vllm.launch import VllmServer, kv_transfer_config, make_prompt, running
 
 from nixl_async.testing.etcd import etcd_or_skip
+from nixl_async_vllm.launch import VllmServer, kv_transfer_config, make_prompt, running
 
 from .pd_client import complete, counter, make_models
 
