@@ -10,9 +10,9 @@ Why our own keys and not NIXL's etcd exchange (``NIXL_ETCD_ENDPOINTS``, read fro
 environment when an agent is made): NIXL talks to etcd from a worker thread of its own, which loads
 remote agents into ours while our loop uses it (and so turns NIXL's locking on for every call); a
 fetch only queues work, to be polled for; and its keys carry no lease, so a crashed engine's
-metadata stays in etcd for good. Here etcd is spoken by the engine's loop (`aetcd`, gRPC's
-asyncio API; gRPC adds its own poller thread, which never touches NIXL), every record carries what
-the compat and engine-id checks need, and liveness is etcd's lease.
+metadata stays in etcd for good. Here etcd is spoken by the engine's loop (its JSON gateway over
+aiohttp, `_etcd_http.py`: no thread), every record carries what the compat and engine-id checks
+need, and liveness is etcd's lease.
 
 Every call is bounded by the engine's handshake timeout; etcd down or unreachable is
 `DiscoveryUnavailable`. Transfers never touch etcd: engines already connected keep transferring.
@@ -22,16 +22,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import msgspec
 
 from . import messages
+from ._etcd_http import EtcdError, EtcdHttp, EtcdUnreachable
 from .config import EtcdConfig
 from .exceptions import DiscoveryUnavailable, EngineClosedError, ProtocolError
 
@@ -42,11 +42,6 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 _RETRY_S = 1.0  # after a failed renewal or a broken watch
 _WARN_INTERVAL_S = 10.0
-# gRPC keepalive, so a half-open connection to etcd is noticed (etcd refuses pings under 5 s apart).
-# Reconnection backoff capped at 1 s (gRPC's default grows to 120 s): an etcd that comes back is used at once.
-_CHANNEL_OPTIONS = {"grpc.keepalive_time_ms": 10_000, "grpc.keepalive_timeout_ms": 5_000,
-                    "grpc.keepalive_permit_without_calls": 1, "grpc.initial_reconnect_backoff_ms": 100,
-                    "grpc.min_reconnect_backoff_ms": 100, "grpc.max_reconnect_backoff_ms": 1_000}  # fmt: skip
 _UNREACHABLE_RETRY_S = 0.1
 
 
@@ -63,15 +58,14 @@ class EtcdDirectory:
 
     def __init__(self, config: EtcdConfig, *, timeout: float) -> None:
         try:
-            import aetcd
+            import aiohttp  # noqa: F401
         except ImportError:  # pragma: no cover - depends on the install
             raise DiscoveryUnavailable(
-                "EngineConfig.etcd needs the aetcd package: pip install 'nixl-async[etcd]'"
+                "EngineConfig.etcd needs the aiohttp package: pip install 'nixl-async[etcd]'"
             ) from None
         self._config = config
         self._timeout = timeout
-        # aetcd's own deadline is a little later than ours, so a silent etcd is always our timeout.
-        self._client: Any = aetcd.Client(config.host, config.port, timeout=timeout + 1, options=_CHANNEL_OPTIONS)
+        self._client = EtcdHttp(config.endpoint)
         self._prefix = f"{config.namespace}/engines/".encode()
         self._record: messages.PublishedEngine | None = None  # what we publish (None: nothing)
         self._lease_id: int | None = None
@@ -91,11 +85,9 @@ class EtcdDirectory:
     async def _bounded(self, what: str, call: Callable[[], Awaitable[_T]], timeout: float | None = None) -> _T:
         """Make an etcd call within the timeout; any failure of etcd is `DiscoveryUnavailable`.
 
-        Until the deadline an unreachable etcd is tried again (gRPC fails fast while it reconnects),
-        so a blip shorter than the timeout costs only time.
+        Until the deadline an unreachable etcd is tried again, so a blip shorter than the timeout
+        costs only time.
         """
-        from aetcd.exceptions import ClientError, ConnectionFailedError
-
         if self._closed:
             raise EngineClosedError("the engine's etcd directory is closed")
         limit = self._timeout if timeout is None else min(timeout, self._timeout)
@@ -105,14 +97,14 @@ class EtcdDirectory:
                 while True:
                     try:
                         return await call()
-                    except ConnectionFailedError as exc:
+                    except EtcdUnreachable as exc:
                         last = exc
                         await asyncio.sleep(_UNREACHABLE_RETRY_S)
         except TimeoutError:
             why = f" (last error: {last})" if last is not None else ""
             raise DiscoveryUnavailable(f"etcd at {self.endpoint} did not answer {what} within {limit}s{why}",
                                        address=self.endpoint) from None  # fmt: skip
-        except ClientError as exc:
+        except (EtcdError, msgspec.DecodeError) as exc:
             raise DiscoveryUnavailable(f"etcd at {self.endpoint} failed {what}: {exc}", address=self.endpoint) from None
 
     # -- looking up -----------------------------------------------------------------------
@@ -133,9 +125,9 @@ class EtcdDirectory:
                                 f" (want {messages.PROTOCOL_VERSION})", address=self.endpoint)  # fmt: skip
         return record
 
-    def _decoded(self, engine_id: str, value: bytes) -> messages.PublishedEngine | None:
+    def _decoded(self, key: bytes, value: bytes) -> messages.PublishedEngine | None:
         try:
-            return self._decode(engine_id, value)
+            return self._decode(self._engine_id(key), value)
         except ProtocolError as exc:
             self._warn(str(exc))
             return None
@@ -148,33 +140,24 @@ class EtcdDirectory:
         a compacted history and an etcd that was wiped (its revisions start again). An undecodable
         record counts as gone. A broken watch is retried every second.
         """
-        from aetcd.exceptions import ClientError
-
         while not self._closed:
-            watch = None
             try:
-                found = await self._bounded("a listing", lambda: self._client.get_prefix(self._prefix))
-                records = {kv.key[len(self._prefix) :].decode(errors="replace"): kv.value for kv in found}
-                yield Changes({k: self._decoded(k, v) for k, v in records.items()}, complete=True)
-                start = found.header.revision + 1
-                watching = functools.partial(self._client.watch_prefix, self._prefix, start_revision=start)
-                watch = await self._bounded("a watch", watching)
-                async for event in watch:
-                    engine_id = event.kv.key[len(self._prefix) :].decode(errors="replace")
-                    gone = event.kind == "DELETE"
-                    yield Changes({engine_id: None if gone else self._decoded(engine_id, event.kv.value)})
+                kvs, revision = await self._bounded("a listing", lambda: self._client.get_prefix(self._prefix))
+                yield Changes({self._engine_id(kv.key): self._decoded(kv.key, kv.value) for kv in kvs}, complete=True)
+                async for event in self._client.watch_prefix(self._prefix, revision + 1):
+                    gone = event.type == "DELETE"
+                    record = None if gone else self._decoded(event.kv.key, event.kv.value)
+                    yield Changes({self._engine_id(event.kv.key): record})
             except EngineClosedError:
                 return
-            except (DiscoveryUnavailable, ClientError) as exc:
+            except (DiscoveryUnavailable, EtcdUnreachable, EtcdError, msgspec.DecodeError) as exc:
                 self._warn(f"watching etcd at {self.endpoint} failed ({exc}): retrying")
             except Exception:  # a bug must not end the watch for good: say so loudly, and go on
                 log.exception("watching etcd at %s failed: retrying", self.endpoint)
-            finally:
-                if watch is not None:  # bounded: aetcd's cancel waits on its stream's locks
-                    with contextlib.suppress(Exception):
-                        async with asyncio.timeout(_RETRY_S):
-                            await watch.cancel()
             await asyncio.sleep(_RETRY_S)
+
+    def _engine_id(self, key: bytes) -> str:
+        return key[len(self._prefix) :].decode(errors="replace")
 
     # -- publishing -----------------------------------------------------------------------
     async def publish(self, record: messages.PublishedEngine) -> None:
@@ -198,8 +181,7 @@ class EtcdDirectory:
         record = self._record
         assert record is not None
         if self._lease_id is None:
-            lease = await self._bounded("a lease grant", lambda: self._client.lease(self._config.lease_ttl_s))
-            self._lease_id = lease.id
+            self._lease_id = await self._bounded("a lease grant", lambda: self._client.grant(self._config.lease_ttl_s))
         key, value, lease_id = self.key(record.engine_id), messages.encode(record), self._lease_id
         try:
             await self._bounded("a put", lambda: self._client.put(key, value, lease=lease_id))
@@ -223,9 +205,10 @@ class EtcdDirectory:
                     await self._put_on_lease()
                     self.republished += 1
                 if time.monotonic() >= renew_at:
-                    renewing = functools.partial(self._client.refresh_lease, self._lease_id)
-                    reply = await self._bounded("a lease renewal", renewing)
-                    if reply is None or reply.TTL <= 0:  # it ran out meanwhile (or etcd was wiped): our key is gone
+                    lease = self._lease_id
+                    assert lease is not None
+                    ttl = await self._bounded("a lease renewal", lambda: self._client.keep_alive(lease))  # noqa: B023
+                    if ttl <= 0:  # it ran out meanwhile (or etcd was wiped): our key is gone
                         self._warn(f"our etcd lease at {self.endpoint} had run out: publishing again")
                         self._lease_id = None
                         self._dirty.set()
@@ -256,12 +239,10 @@ class EtcdDirectory:
         if self._lease_id is not None:
             try:
                 lease_id = self._lease_id
-                await self._bounded("a lease revocation", lambda: self._client.revoke_lease(lease_id))
+                await self._bounded("a lease revocation", lambda: self._client.revoke(lease_id))
             except DiscoveryUnavailable as exc:
                 log.warning("%s: our key goes when the lease runs out", exc)
             self._lease_id = None
         self._closed = True
         self._record = None
-        with contextlib.suppress(Exception):
-            async with asyncio.timeout(self._timeout):  # aetcd's close waits on its watch stream
-                await self._client.close()
+        await self._client.close()

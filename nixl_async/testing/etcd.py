@@ -9,7 +9,9 @@ the package).
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -18,13 +20,17 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
-from typing import Self
+from typing import Any, Self
 
 __all__ = ["EtcdServer", "EtcdUnavailable", "etcd_or_skip", "etcd_required"]
 
 
 class EtcdUnavailable(RuntimeError):
     """No etcd binary here, or it would not start."""
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
 
 
 def etcd_required() -> bool:
@@ -93,6 +99,30 @@ class EtcdServer:
                 return b'"health":"true"' in answer.read()
         except OSError:
             return False
+
+    # -- a client of our own for tests (etcd's JSON gateway, blocking, a few ms on loopback) ----------
+    def _call(self, path: str, body: dict[str, object]) -> dict[str, Any]:
+        import urllib.request
+
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        request = urllib.request.Request(f"http://{self.endpoint}{path}", data=json.dumps(body).encode())
+        with opener.open(request, timeout=5) as answer:
+            return dict(json.loads(answer.read()))
+
+    def get(self, key: bytes) -> bytes | None:
+        """The value at `key` (None: no such key)."""
+        kvs = self._call("/v3/kv/range", {"key": _b64(key)}).get("kvs", [])
+        return base64.b64decode(kvs[0].get("value", "")) if kvs else None
+
+    def keys(self, prefix: bytes) -> list[bytes]:
+        end = prefix[:-1] + bytes([prefix[-1] + 1])
+        kvs = self._call("/v3/kv/range", {"key": _b64(prefix), "range_end": _b64(end), "keys_only": True}).get(
+            "kvs", []
+        )
+        return sorted(base64.b64decode(kv["key"]) for kv in kvs)
+
+    def put(self, key: bytes, value: bytes) -> None:
+        self._call("/v3/kv/put", {"key": _b64(key), "value": _b64(value)})
 
     def stop(self) -> None:
         """Stop it (SIGTERM, then SIGKILL): clients see it down; `start` brings it back with its data."""

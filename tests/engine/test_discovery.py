@@ -4,7 +4,6 @@ import asyncio
 import socket
 import time
 
-import aetcd
 import msgspec
 import numpy as np
 import pytest
@@ -20,6 +19,7 @@ from nixl_async import (
     TransferEngine,
     messages,
 )
+from nixl_async._etcd_http import prefix_end
 from nixl_async.testing import Register, Stats, WaitNotifications, assert_no_live_handles, verify_blocks
 from nixl_async.testing.etcd import EtcdServer, etcd_or_skip
 
@@ -51,14 +51,12 @@ def _publisher(factory, server, **spec):
     return factory(etcd_endpoint=server.endpoint, etcd_namespace=NAMESPACE, **spec)
 
 
-def _client(server: EtcdServer) -> aetcd.Client:
-    return aetcd.Client(server.host, server.client_port, timeout=5)
+def _key(engine_id: str) -> bytes:
+    return f"{NAMESPACE}/engines/{engine_id}".encode()
 
 
 async def _etcd_value(server: EtcdServer, engine_id: str) -> bytes | None:
-    async with _client(server) as client:
-        found = await client.get(f"{NAMESPACE}/engines/{engine_id}".encode())
-    return None if found is None else found.value
+    return server.get(_key(engine_id))
 
 
 async def test_connect_by_engine_id_reads_what_the_publisher_registered_without_asking_it(etcd, nixl_peer_factory):
@@ -106,9 +104,8 @@ async def test_a_record_under_another_engines_key_is_refused(etcd, nixl_peer_fac
     publisher = _publisher(nixl_peer_factory, etcd)
     value = await _etcd_value(etcd, publisher.engine_id)
     assert value is not None
-    async with _client(etcd) as client:
-        await client.put(f"{NAMESPACE}/engines/impostor".encode(), value)  # someone else's record
-        await client.put(f"{NAMESPACE}/engines/garbage".encode(), b"\x00not msgpack")
+    etcd.put(_key("impostor"), value)  # someone else's record
+    etcd.put(_key("garbage"), b"\x00not msgpack")
     engine = await _engine(_etcd_config(etcd))
     try:
         with pytest.raises(EngineIdMismatch, match="impostor"):
@@ -295,9 +292,8 @@ async def test_a_stale_record_at_a_live_engines_address_does_not_displace_it(etc
     live = nixl_peer_factory()
     ghost = _publisher(nixl_peer_factory, etcd)
     value = messages.decode_published(await _etcd_value(etcd, ghost.engine_id))
-    async with _client(etcd) as client:  # the ghost "was" at the live one's address
-        claim = msgspec.structs.replace(value, host=live.address[0], port=live.address[1])
-        await client.put(f"{NAMESPACE}/engines/{ghost.engine_id}".encode(), messages.encode(claim))
+    claim = msgspec.structs.replace(value, host=live.address[0], port=live.address[1])
+    etcd.put(_key(ghost.engine_id), messages.encode(claim))  # the ghost "was" at the live one's address
     engine = await _engine(_etcd_config(etcd))
     try:
         regions = _regions()
@@ -330,3 +326,8 @@ def test_etcd_settings_are_checked_by_name():
     with pytest.raises(ValueError, match="endpoint"):
         EtcdConfig(2379)
     assert EtcdConfig("[::1]:2379").host == "[::1]"  # as gRPC dials it
+
+
+def test_prefix_end_bounds_exactly_the_keys_under_a_prefix():
+    assert prefix_end(b"ns/engines/") == b"ns/engines0"
+    assert prefix_end(b"a\xff") == b"b" and prefix_end(b"\xff\xff") == b"\x00"

@@ -15,7 +15,6 @@ import pytest
 if os.environ.get("NIXL_ASYNC_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm", reason="vLLM not installed (bash scripts/setup-vllm.sh)")
 
-import aetcd
 
 from nixl_async.testing.etcd import etcd_or_skip
 from nixl_async_vllm.launch import VllmServer, kv_transfer_config, make_prompt, running
@@ -48,9 +47,8 @@ def cluster(tmp_path_factory):
 
 
 async def _published(etcd) -> list[str]:
-    async with aetcd.Client(etcd.host, etcd.client_port) as client:
-        found = await client.get_prefix(f"{NAMESPACE}/engines/".encode())
-    return sorted(kv.key.decode().removeprefix(f"{NAMESPACE}/engines/") for kv in found)
+    prefix = f"{NAMESPACE}/engines/"
+    return [key.decode().removeprefix(prefix) for key in etcd.keys(prefix.encode())]
 
 
 async def _pd_by_engine_id(servers, prompt: str, model: str) -> dict:

@@ -1,0 +1,187 @@
+"""etcd v3 through its JSON gateway (``/v3/...`` over HTTP, etcd >= 3.4), on the caller's loop.
+
+Why HTTP and not gRPC: a gRPC asyncio client adds gRPC's own poller thread and binds its
+completion queue to event loops; an engine run in several loops in turn (tests, tools) hung on
+a gRPC call that never completed. aiohttp runs entirely in the loop that awaits it. The gateway's
+JSON is decoded into msgspec Structs (etcd sends 64-bit numbers as strings and bytes as base64).
+
+Only what discovery needs: range, put, lease grant / keep-alive / revoke, and a prefix watch.
+Errors: `EtcdUnreachable` (no connection), `EtcdError` (etcd answered with an error).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
+
+import msgspec
+
+__all__ = ["EtcdError", "EtcdHttp", "EtcdUnreachable", "Event", "KeyValue", "prefix_end"]
+
+_T = TypeVar("_T")
+
+
+class EtcdUnreachable(Exception):
+    """No HTTP exchange with etcd was possible (refused, reset, DNS)."""
+
+
+class EtcdError(Exception):
+    """etcd answered with an error; `code` is its gRPC status code."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class _Header(msgspec.Struct, frozen=True):
+    revision: int = 0
+
+
+class KeyValue(msgspec.Struct):
+    key: bytes
+    value: bytes = b""
+    mod_revision: int = 0
+    lease: int = 0
+
+
+class _Range(msgspec.Struct):
+    header: _Header
+    kvs: list[KeyValue] = []
+
+
+class _Grant(msgspec.Struct):
+    ID: int
+    TTL: int = 0
+
+
+class _KeepAliveResult(msgspec.Struct):
+    TTL: int = 0  # absent (0): the lease is gone
+
+
+class _KeepAlive(msgspec.Struct):
+    result: _KeepAliveResult
+
+
+class Event(msgspec.Struct):
+    kv: KeyValue
+    type: str = "PUT"
+
+
+class _WatchResult(msgspec.Struct):
+    header: _Header = _Header()
+    created: bool = False
+    canceled: bool = False
+    compact_revision: int = 0
+    cancel_reason: str = ""
+    events: list[Event] = []
+
+
+class _WatchLine(msgspec.Struct):
+    result: _WatchResult | None = None
+    error: dict[str, Any] | None = None
+
+
+class _Error(msgspec.Struct):
+    code: int = 0
+    message: str = ""
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """The end of etcd's range of keys starting with `prefix`."""
+    end = bytearray(prefix)
+    while end and end[-1] == 0xFF:
+        end.pop()
+    if not end:
+        return b"\x00"
+    end[-1] += 1
+    return bytes(end)
+
+
+class EtcdHttp:
+    """One etcd endpoint; an aiohttp session made on first use in the running loop."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.base = f"http://{endpoint}"
+        self._session: Any = None  # aiohttp.ClientSession
+
+    def _open(self) -> Any:
+        import aiohttp
+
+        if self._session is None:
+            self._session = aiohttp.ClientSession(self.base, timeout=aiohttp.ClientTimeout(total=None))
+        return self._session
+
+    async def _post(self, path: str, body: dict[str, Any], answer: type[_T]) -> _T:
+        import aiohttp
+
+        try:
+            async with self._open().post(path, data=msgspec.json.encode(body)) as reply:
+                data = await reply.read()
+                status = reply.status
+        except aiohttp.ClientConnectionError as exc:
+            raise EtcdUnreachable(f"{self.base}: {exc}") from None
+        if status != 200:
+            error = msgspec.json.decode(data, type=_Error, strict=False) if data.startswith(b"{") else _Error()
+            raise EtcdError(error.code, error.message or f"HTTP {status} on {path}")
+        return msgspec.json.decode(data, type=answer, strict=False)
+
+    async def get(self, key: bytes) -> KeyValue | None:
+        found = await self._post("/v3/kv/range", {"key": key}, _Range)
+        return found.kvs[0] if found.kvs else None
+
+    async def get_prefix(self, prefix: bytes) -> tuple[list[KeyValue], int]:
+        """Every key under `prefix`, and the revision they were read at."""
+        found = await self._post("/v3/kv/range", {"key": prefix, "range_end": prefix_end(prefix)}, _Range)
+        return found.kvs, found.header.revision
+
+    async def put(self, key: bytes, value: bytes, lease: int) -> None:
+        await self._post("/v3/kv/put", {"key": key, "value": value, "lease": lease}, _Range)
+
+    async def grant(self, ttl: int) -> int:
+        return (await self._post("/v3/lease/grant", {"TTL": ttl}, _Grant)).ID
+
+    async def keep_alive(self, lease: int) -> int:
+        """Renew `lease` once; its new TTL (0: it is gone)."""
+        return (await self._post("/v3/lease/keepalive", {"ID": lease}, _KeepAlive)).result.TTL
+
+    async def revoke(self, lease: int) -> None:
+        await self._post("/v3/lease/revoke", {"ID": lease}, _Range)
+
+    async def watch_prefix(self, prefix: bytes, start_revision: int) -> AsyncIterator[Event]:
+        """Events under `prefix` from `start_revision` on, until the stream breaks.
+
+        Raises `EtcdUnreachable`, or `EtcdError` when etcd cancels the watch (e.g. that revision
+        was compacted: read everything again and watch from there).
+        """
+        import aiohttp
+
+        request = {"create_request": {"key": prefix, "range_end": prefix_end(prefix), "start_revision": start_revision}}
+        try:
+            async with self._open().post("/v3/watch", data=msgspec.json.encode(request)) as reply:
+                if reply.status != 200:
+                    raise EtcdError(0, f"HTTP {reply.status} on /v3/watch")
+                pending = b""
+                async for chunk in reply.content.iter_any():
+                    pending += chunk
+                    *lines, pending = pending.split(b"\n")
+                    for line in lines:
+                        if not line.strip():
+                            continue
+                        message = msgspec.json.decode(line, type=_WatchLine, strict=False)
+                        if message.error is not None:
+                            raise EtcdError(int(message.error.get("code", 0)), str(message.error.get("message")))
+                        result = message.result
+                        if result is None:
+                            continue
+                        if result.canceled or result.compact_revision:
+                            raise EtcdError(0, f"watch cancelled: {result.cancel_reason or 'compacted'}")
+                        for event in result.events:
+                            yield event
+        except aiohttp.ClientError as exc:
+            raise EtcdUnreachable(f"{self.base}: {exc}") from None
+        raise EtcdUnreachable(f"{self.base}: the watch stream ended")
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
