@@ -31,7 +31,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from typing import Any, Self
 
 import msgspec
@@ -440,16 +440,8 @@ class TransferEngine:
         peer = self._peers.table.at((host, port))
         moved = peer is not None and expected_engine_id is not None and peer.engine_id != expected_engine_id
         if peer is None or refresh or moved or not peer.connected or peer.stale:
-            task = self._connecting.get(key)
-            if task is None:
-                assert self._loop is not None
-                task = self._loop.create_task(
-                    self._handshake(host, port, timeout or self.config.handshake_timeout_s),
-                    name=f"handshake:{host}:{port}",
-                )
-                self._connecting[key] = task
-                task.add_done_callback(functools.partial(self._connect_done, key))
-            peer = await asyncio.shield(task)
+            handshake = functools.partial(self._handshake, host, port, timeout or self.config.handshake_timeout_s)
+            peer = await self._shared(key, f"handshake:{host}:{port}", handshake)
         assert self._loop is not None
         self._peers.table.touch(peer, self._loop.time())
         if expected_engine_id is not None and peer.engine_id != expected_engine_id:
@@ -458,6 +450,18 @@ class TransferEngine:
                 address=f"{host}:{port}",
             )
         return peer
+
+    async def _shared(self, key: tuple[str, object], name: str, connect: Callable[[], Coroutine[Any, Any, Peer]]
+                      ) -> Peer:  # fmt: skip
+        """Run `connect` once per key at a time: concurrent connects to one peer share it (and a
+        cancelled caller does not cancel it for the others)."""
+        task = self._connecting.get(key)
+        if task is None:
+            assert self._loop is not None
+            task = self._loop.create_task(connect(), name=name)
+            self._connecting[key] = task
+            task.add_done_callback(functools.partial(self._connect_done, key))
+        return await asyncio.shield(task)
 
     def _connect_done(self, key: tuple[str, object], _task: asyncio.Task[Peer]) -> None:
         self._connecting.pop(key, None)
@@ -538,17 +542,9 @@ class TransferEngine:
         directory = self._require_directory()
         peer = self._peers.table.get(engine_id)
         if peer is None or refresh or not peer.connected or peer.stale:
-            key: tuple[str, object] = ("etcd", engine_id)
-            task = self._connecting.get(key)
-            if task is None:
-                assert self._loop is not None
-                task = self._loop.create_task(
-                    self._discover(directory, engine_id, timeout or self.config.handshake_timeout_s),
-                    name=f"discover:{engine_id}",
-                )
-                self._connecting[key] = task
-                task.add_done_callback(functools.partial(self._connect_done, key))
-            peer = await asyncio.shield(task)
+            limit = timeout or self.config.handshake_timeout_s
+            discover = functools.partial(self._discover, directory, engine_id, limit)
+            peer = await self._shared(("etcd", engine_id), f"discover:{engine_id}", discover)
         assert self._loop is not None
         self._peers.table.touch(peer, self._loop.time())
         return peer
