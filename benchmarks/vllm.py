@@ -18,6 +18,8 @@ head_dim 128, ~2 k-token prompts, ~64 MiB of KV per request: transfer time matte
 from __future__ import annotations
 
 import asyncio
+import itertools
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -61,61 +63,89 @@ def _progress(done: int, total: int, label: str) -> None:
         sys.stderr.write("\n")
 
 
-async def _one(session: Any, url: str, model: str, prompt: str) -> tuple[float, float]:
-    """(TTFT, latency) in seconds, streaming."""
+async def _one(session: Any, url: str, model: str, prompt: str) -> tuple[float, float, list[float]]:
+    """(TTFT, latency, gaps between streamed tokens) in seconds."""
     body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
             "ignore_eos": True}  # fmt: skip
     started = time.perf_counter()
-    ttft = None
+    stamps: list[float] = []
     async with session.post(f"{url}/v1/completions", json=body) as reply:
         if reply.status != 200:
             raise RuntimeError(f"{url} answered {reply.status}: {await reply.text()}")
         async for line in reply.content:
-            if ttft is None and line.startswith(b"data: {"):
-                ttft = time.perf_counter() - started
-    return (ttft if ttft is not None else float("nan")), time.perf_counter() - started
+            if line.startswith(b"data: {"):
+                stamps.append(time.perf_counter())
+    ttft = stamps[0] - started if stamps else float("nan")
+    return ttft, time.perf_counter() - started, [b - a for a, b in itertools.pairwise(stamps)]
 
 
-async def _load(url: str, model: str, prompts: list[str], concurrency: int) -> tuple[list[float], list[float]]:
+@dataclass
+class Load:
+    """One batch of prompts at one concurrency: per-request TTFT and latency, every inter-token gap, wall time."""
+
+    ttfts: list[float]
+    latencies: list[float]
+    gaps: list[float]
+    wall: float
+
+
+async def _load(url: str, model: str, prompts: list[str], concurrency: int) -> Load:
     import aiohttp
 
-    ttfts: list[float] = []
-    latencies: list[float] = []
+    load = Load([], [], [], 0.0)
     queue = list(prompts)
+    started = time.perf_counter()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
 
         async def worker() -> None:
             while queue:
-                ttft, latency = await _one(session, url, model, queue.pop(0))
-                ttfts.append(ttft)
-                latencies.append(latency)
+                ttft, latency, gaps = await _one(session, url, model, queue.pop(0))
+                load.ttfts.append(ttft)
+                load.latencies.append(latency)
+                load.gaps.extend(gaps)
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return ttfts, latencies
+    load.wall = time.perf_counter() - started
+    return load
 
 
-def _measure(setup: str, spec: ModelSpec, model: str, prompts: dict[int, list[str]], log_dir: Path) -> dict[int, Any]:
+def summarize(loads: dict[int, Load]) -> dict[str, float]:
+    """Per concurrency: TTFT, latency and inter-token gap (ms, p50/p99), requests per second."""
+    out: dict[str, float] = {}
+    for concurrency, load in loads.items():
+        key = f"c{concurrency}"
+        for name, samples in (("ttft", load.ttfts), ("latency", load.latencies), ("itl", load.gaps)):
+            p50, p99 = percentiles([t * 1e3 for t in samples], 50, 99)
+            out[f"{key}_{name}_p50_ms"], out[f"{key}_{name}_p99_ms"] = p50, p99
+        out[f"{key}_req_per_s"] = len(load.latencies) / load.wall
+    return out
+
+
+def measure(connector: str | None, spec: ModelSpec, model: str, prompts: dict[int, list[str]], logs: Path, tag: str,
+            *, extra: dict[str, Any] | None = None, env: dict[str, str] | None = None,
+            placement: Any = None) -> dict[int, Load]:  # fmt: skip
+    """Fresh servers (P/D through the proxy with `connector`, or one instance for None), a warm-up request,
+    then each concurrency's prompts. `placement(role)` gives `VllmServer` fields placing a role on a host."""
     from nixl_async_vllm.launch import ProxyProcess, VllmServer, kv_transfer_config, running
 
-    common = {"max_model_len": spec.max_model_len, "kv_cache_bytes": spec.kv_cache_bytes}
-    if setup == "single":
-        servers = [VllmServer(model, 18530, 15930, None, cpu=0, log_path=log_dir / f"{setup}.log", **common)]
+    common = {"max_model_len": spec.max_model_len, "kv_cache_bytes": spec.kv_cache_bytes, "extra_env": env or {}}
+    if connector is None:
+        servers = [VllmServer(model, 18530, 15930, None, cpu=0, log_path=logs / f"{tag}.log", **common)]
         url, proxy = servers[0].url, None
     else:
         servers = [
-            VllmServer(model, 18510, 15910, kv_transfer_config(setup, "kv_producer"), cpu=0,
-                       log_path=log_dir / f"{setup}-prefill.log", **common),
-            VllmServer(model, 18520, 15920, kv_transfer_config(setup, "kv_consumer"), cpu=1,
-                       log_path=log_dir / f"{setup}-decode.log", **common),
+            VllmServer(model, port, side, kv_transfer_config(connector, role, extra or {}), cpu=cpu,
+                       log_path=logs / f"{tag}-{role}.log", **common, **(placement(role) if placement else {}))
+            for port, side, role, cpu in ((18510, 15910, "kv_producer", 0), (18520, 15920, "kv_consumer", 1))
         ]  # fmt: skip
         proxy = ProxyProcess(18540, servers[0].url, servers[1].url)
         url = proxy.url
-    out: dict[int, Any] = {}
+    out: dict[int, Load] = {}
     with running(*servers, timeout=600):
         try:
             if proxy is not None:
                 proxy.start()
-            asyncio.run(_load(url, model, [make_prompt(f"warm-up {setup}", spec.prompt_words)], 1))
+            asyncio.run(_load(url, model, [make_prompt(f"warm-up {tag}", spec.prompt_words)], 1))
             for concurrency, batch in prompts.items():
                 out[concurrency] = asyncio.run(_load(url, model, batch, concurrency))
         finally:
@@ -124,55 +154,145 @@ def _measure(setup: str, spec: ModelSpec, model: str, prompts: dict[int, list[st
     return out
 
 
+def medians(runs: list[dict[str, float]], setup: str) -> tuple[dict[str, float], list[str]]:
+    """The median of each figure over `runs` (keyed ``{setup}_{figure}``) and its spread, as notes."""
+    metrics: dict[str, float] = {}
+    spread: list[str] = []
+    for key in runs[0]:
+        values = [run[key] for run in runs]
+        metrics[f"{setup}_{key}"] = statistics.median(values)
+        if len(values) > 1:
+            spread.append(f"{setup} {key}: {min(values):.1f} to {max(values):.1f} over {len(values)} runs")
+    return metrics, spread
+
+
+def make_model(spec: ModelSpec, work: Path) -> Path:
+    model = work / spec.name
+    if not model.exists():
+        subprocess.run([sys.executable, str(REPO / "examples" / "vllm_pd" / "make_tiny_model.py"), str(model),
+                        *spec.args], check=True, capture_output=True)  # fmt: skip
+    return model
+
+
+def _require_vllm(scenario: str) -> None:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        raise SystemExit(f"the {scenario} scenario needs real vLLM: bash scripts/setup-vllm.sh") from None
+
+
 # Hybrid models (vLLM's hybrid allocator on): sliding-window + full attention, and Qwen3-Next's
 # gated-delta-net state + full attention; ~250-token prompts, beyond the 64-token window.
 WINDOW = ModelSpec("hybrid-window", ("--sliding-window", "64", "--layers", "4"), 200, 512, 64 << 20)
 STATE = ModelSpec("hybrid-state", ("--arch", "qwen3_next", "--layers", "4"), 200, 512, 64 << 20)
 
 
+# Transports between P and D on this host: UCX's choice (CMA: a READ is a copy inside the post), and
+# TCP only (transfers really in flight).
+TRANSPORTS: dict[str, dict[str, str]] = {"tcp": {"UCX_TLS": "tcp"}, "cma": {}}
+COLUMNS = ["model transport setup (median of runs)", "c1 TTFT p50", "c1 TTFT p99", "c4 TTFT p50", "c4 TTFT p99",
+           "c4 ITL p50", "c4 ITL p99", "c4 req/s"]  # fmt: skip
+
+
 def run(quick: bool = False) -> Result:
-    return run_models([TINY] if quick else [TINY, LARGE], "vllm")
+    """The tiny model over each transport, adapter and NixlConnector in alternating runs (fresh servers
+    each); the larger model once each (context: transfer time matters there), and one instance as reference."""
+    _require_vllm("vllm")
+    order = ["nixl_async", "vllm"] + ([] if quick else ["vllm", "nixl_async", "nixl_async", "vllm"])
+    n = 24 if quick else 100
+    work = Path(tempfile.mkdtemp(prefix="nixl-async-bench-vllm-"))
+    plan = [(TINY, transport, setup) for transport in TRANSPORTS for setup in order]
+    if not quick:
+        plan += [(LARGE, "cma", setup) for setup in ("nixl_async", "vllm")]
+    plan += [(TINY, "cma", "single")] + ([] if quick else [(LARGE, "cma", "single")])
+    runs: dict[tuple[str, str, str], list[dict[str, float]]] = {}
+    for index, (spec, transport, setup) in enumerate(plan):
+        _progress(index, len(plan), f"{spec.name} {transport}: {setup}")
+        count = n if spec is TINY else 12
+        # Unique prompts per run and concurrency: no prefix cache helps anyone.
+        prompts = {c: [make_prompt(f"{setup} {transport} r{index} c{c} #{i}", spec.prompt_words) for i in range(count)]
+                   for c in (1, 4)}  # fmt: skip
+        connector = None if setup == "single" else setup
+        loads = measure(connector, spec, str(make_model(spec, work)), prompts, work, f"run{index}-{spec.name}-{setup}",
+                        env=TRANSPORTS[transport])  # fmt: skip
+        runs.setdefault((spec.name, transport, setup), []).append(summarize(loads))
+    _progress(len(plan), len(plan), "done")
+
+    metrics: dict[str, float] = {}
+    notes: list[str] = []
+    rows: list[list[Any]] = []
+    for (model, transport, setup), measured in runs.items():
+        prefix = f"{model}_{transport}"
+        found, spread = medians(measured, f"{prefix}_{setup}")
+        metrics.update(found)
+        notes += spread
+        f = {k.removeprefix(f"{prefix}_{setup}_"): v for k, v in found.items()}
+        rows.append([f"{model} {transport} {setup} ({len(measured)} run{'s' * (len(measured) > 1)})",
+                     f["c1_ttft_p50_ms"], f["c1_ttft_p99_ms"], f["c4_ttft_p50_ms"], f["c4_ttft_p99_ms"],
+                     f["c4_itl_p50_ms"], f["c4_itl_p99_ms"], f["c4_req_per_s"]])  # fmt: skip
+    ratios: dict[str, float] = {}
+    for model, transport in {(m, t) for m, t, s in runs if s != "single"}:
+
+        def ratio(figure: str, model: str = model, transport: str = transport) -> float:
+            return metrics[f"{model}_{transport}_nixl_async_{figure}"] / metrics[f"{model}_{transport}_vllm_{figure}"]
+
+        tag = f"{model}_{transport}"
+        ratios[f"{tag}_adapter_over_stock_ttft_p50_c1_lower_is_better"] = ratio("c1_ttft_p50_ms")
+        ratios[f"{tag}_adapter_over_stock_ttft_p50_c4_lower_is_better"] = ratio("c4_ttft_p50_ms")
+        ratios[f"{tag}_adapter_over_stock_itl_p50_c4_lower_is_better"] = ratio("c4_itl_p50_ms")
+        ratios[f"{tag}_adapter_over_stock_req_per_s_c4_higher_is_better"] = ratio("c4_req_per_s")
+    # The headline figures (issue #13's names): the tiny model over TCP, where transfers are in flight.
+    for name, figure in (("ttft_p50", "ttft_p50_c4"), ("itl_p50", "itl_p50_c4"), ("req_per_s_c4", "req_per_s_c4")):
+        direction = "higher" if name.startswith("req") else "lower"
+        ratios[f"adapter_over_stock_{name}_{direction}_is_better"] = ratios[
+            f"tiny_tcp_adapter_over_stock_{figure}_{direction}_is_better"
+        ]
+    return Result(
+        scenario="vllm",
+        columns=COLUMNS,
+        rows=rows,
+        metrics=metrics,
+        ratios=dict(sorted(ratios.items())),
+        notes=[
+            f"{MAX_TOKENS} output tokens, greedy, streamed; {n} unique prompts per concurrency and run (larger model:"
+            " 12); TTFT includes the prefill call; ITL: gaps between streamed tokens of every request at"
+            " concurrency 4, i.e. decode steps taken while other requests' KV was being pulled (ms)",
+            f"runs per transport in the order {order}, fresh servers each; headline ratios: tiny model, TCP, c=4;"
+            f" logs in {work}",
+            "vllm = vLLM's NixlConnector with its progress thread patched off (benchmarks/stock_nixl.py)",
+            *notes,
+        ],
+    )
 
 
 def run_models(specs: list[ModelSpec], scenario: str) -> Result:
-    """Every set-up on each model of `specs`, one after the other."""
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        raise SystemExit(f"the {scenario} scenario needs real vLLM: bash scripts/setup-vllm.sh") from None
-    setups = ["nixl_async", "vllm", "single"]
+    """Adapter, NixlConnector and one instance on each model of `specs`, one run each (hybrid models)."""
+    _require_vllm(scenario)
+    work = Path(tempfile.mkdtemp(prefix=f"nixl-async-bench-{scenario}-"))
     rows: list[list[Any]] = []
     metrics: dict[str, float] = {}
     ratios: dict[str, float] = {}
-    work = Path(tempfile.mkdtemp(prefix="nixl-async-bench-vllm-"))
-    total = len(specs) * len(setups)
-    step = 0
+    setups = ["nixl_async", "vllm", "single"]
+    total, step = len(specs) * len(setups), 0
     for spec in specs:
-        model = work / spec.name
-        subprocess.run([sys.executable, str(REPO / "examples" / "vllm_pd" / "make_tiny_model.py"), str(model),
-                        *spec.args], check=True, capture_output=True)  # fmt: skip
-        n = 8 if spec is LARGE else 24
-        results: dict[str, dict[int, Any]] = {}
+        model = str(make_model(spec, work))
+        n = 24
         for setup in setups:
             _progress(step, total, f"{spec.name}: {setup}")
-            # Unique prompts per set-up and concurrency: no prefix cache helps anyone.
             prompts = {c: [make_prompt(f"{setup} c{c} #{i}", spec.prompt_words) for i in range(n)] for c in (1, 4)}
-            results[setup] = _measure(setup, spec, str(model), prompts, work)
+            found = summarize(measure(None if setup == "single" else setup, spec, model, prompts, work,
+                                      f"{spec.name}-{setup}"))  # fmt: skip
+            metrics.update({f"{spec.name}_{setup}_{k}": v for k, v in found.items()})
             step += 1
         _progress(step, total, "done")
         for concurrency in (1, 4):
             for setup in setups:
-                ttfts, latencies = results[setup][concurrency]
-                t50, t99 = percentiles([t * 1e3 for t in ttfts], 50, 99)
-                l50, l99 = percentiles([t * 1e3 for t in latencies], 50, 99)
-                rows.append([f"{spec.name} c={concurrency} {setup}", t50, t99, l50, l99])
-                key = f"{spec.name}_c{concurrency}_{setup}"
-                metrics.update({f"{key}_ttft_p50_ms": t50, f"{key}_ttft_p99_ms": t99, f"{key}_latency_p50_ms": l50,
-                                f"{key}_latency_p99_ms": l99})  # fmt: skip
-            ours, theirs = (
-                metrics[f"{spec.name}_c{concurrency}_nixl_async_ttft_p50_ms"],
-                metrics[f"{spec.name}_c{concurrency}_vllm_ttft_p50_ms"],
-            )
+                key = f"{spec.name}_{setup}_c{concurrency}"
+                rows.append([f"{spec.name} c={concurrency} {setup}", metrics[f"{key}_ttft_p50_ms"],
+                             metrics[f"{key}_ttft_p99_ms"], metrics[f"{key}_latency_p50_ms"],
+                             metrics[f"{key}_latency_p99_ms"]])  # fmt: skip
+            ours = metrics[f"{spec.name}_nixl_async_c{concurrency}_ttft_p50_ms"]
+            theirs = metrics[f"{spec.name}_vllm_c{concurrency}_ttft_p50_ms"]
             ratios[f"{spec.name}_c{concurrency}_adapter_over_vllm_connector_ttft_p50_lower_is_better"] = ours / theirs
     return Result(
         scenario=scenario,
@@ -181,7 +301,7 @@ def run_models(specs: list[ModelSpec], scenario: str) -> Result:
         metrics=metrics,
         ratios=ratios,
         notes=[
-            f"{MAX_TOKENS} output tokens, greedy; P/D TTFT includes the prefill call; logs in {work}",
+            f"{MAX_TOKENS} output tokens, greedy; P/D TTFT includes the prefill call; one run each; logs in {work}",
             "vllm = vLLM's NixlConnector with its progress thread patched off (benchmarks/stock_nixl.py)",
         ],
     )
