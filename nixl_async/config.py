@@ -91,7 +91,7 @@ class EtcdConfig:
 
     @property
     def host(self) -> str:
-        """The host as gRPC wants it (an IPv6 address keeps its brackets)."""
+        """The host as it stands in a URL (an IPv6 address keeps its brackets)."""
         return self.endpoint.rpartition(":")[0]
 
     @property

@@ -170,6 +170,11 @@ class EtcdDirectory:
         if self._keeper is None and not self._closed:
             self._keeper = asyncio.get_running_loop().create_task(self._keep(), name=f"etcd-keeper:{self.endpoint}")
 
+    @property
+    def published(self) -> bool:
+        """Whether we publish a record (so a change must be put again)."""
+        return self._record is not None
+
     def republish(self, record: messages.PublishedEngine) -> None:
         """`record` replaces what we published (once published); the keeper puts it soon."""
         if self._record is None:

@@ -528,7 +528,7 @@ class TransferEngine:
     def _changed(self) -> None:
         """What a handshake answers changed: rebuild the reply, and put it in etcd again if published."""
         self._reply_cache = None
-        if self._directory is not None and self._agent is not None and not self._closing:
+        if self._directory is not None and self._directory.published and self._agent is not None and not self._closing:
             self._directory.republish(self._published())
 
     def _require_directory(self) -> EtcdDirectory:

@@ -80,6 +80,23 @@ async def test_connect_by_engine_id_reads_what_the_publisher_registered_without_
     assert_no_live_handles(engine)
 
 
+async def test_a_peer_adopted_from_its_record_over_tcp_gets_no_busy_hints_it_would_refuse(etcd, nixl_peer_factory):
+    """Busy hints need the notify session a handshake issues; a record carries none (UCX over TCP: really in flight)."""
+    publisher = _publisher(nixl_peer_factory, etcd, tcp=True)
+    engine = await _engine(_etcd_config(etcd))
+    try:
+        regions = _regions()
+        engine.register("kv", regions, block_len=BLOCK)
+        peer = await engine.connect(engine_id=publisher.engine_id)
+        await engine.read(peer, list(range(64)), list(range(64)))
+        assert verify_blocks(regions, BLOCK, list(range(64)), list(range(64)), seed=1) == []
+        assert engine.snapshot().counters.get("busy_hints_sent", 0) == 0
+        stats = await publisher.request(Stats())
+        assert stats["counters"]["handshake_auth_failures"] == 0, "the publisher refused hints without a session"
+    finally:
+        await engine.close()
+
+
 async def test_an_engine_nobody_published_is_a_typed_error(etcd):
     engine = await _engine(_etcd_config(etcd))
     try:
