@@ -147,6 +147,12 @@ class EngineConfig:
     # the process environment), so its transfers fail and their memory goes quiet. Whole
     # seconds, >= 2; None leaves UCX's defaults.
     link_timeout_s: float | None = 5.0
+    # UCX turns cuda_ipc's GET off on a GPU without active NVLink (PCIe cards, or two processes
+    # sharing one GPU); a READ of a peer's VRAM then falls back to software emulation over TCP
+    # (0.4 GB/s against hundreds with cuda_ipc, measured on an H100: docs/gpu.md). True asks for
+    # it in the UCX backend's own settings (CUDA_IPC_ENABLE_GET_ZCOPY=on; an environment
+    # variable of that name still wins); False leaves UCX's choice.
+    cuda_ipc_get: bool = True
     # A peer unused this long (no connect, no transfer) with nothing in flight is forgotten: its
     # remote agent, descriptor lists and notification socket go (vLLM's engine TTL is 3600 s).
     # None keeps peers until `disconnect()`.
@@ -217,15 +223,19 @@ class EngineConfig:
         object.__setattr__(self, "backend_params", dict(self.backend_params))
 
     def backend_settings(self, backend: str) -> dict[str, str]:
-        """The parameters NIXL's `backend` is created with: `backend_params`, and for UCX the
-        link timeout as UCX settings (an ``engine_config`` the caller gave wins key by key)."""
+        """The parameters NIXL's `backend` is created with: `backend_params`, and for UCX the link
+        timeout and cuda_ipc GET as UCX settings (an ``engine_config`` the caller gave wins key by key)."""
         params = dict(self.backend_params)
-        if backend != "UCX" or self.link_timeout_s is None:
+        if backend != "UCX":
             return params
+        settings = ucx_link_settings(self.link_timeout_s) if self.link_timeout_s is not None else {}
+        if self.cuda_ipc_get:
+            settings["CUDA_IPC_ENABLE_GET_ZCOPY"] = "on"  # unknown to a UCX without CUDA: ignored there
         given = [item for item in params.get("engine_config", "").split(",") if "=" in item]
         named = {item.split("=", 1)[0].strip().upper() for item in given}
-        ours = [f"{key}={value}" for key, value in ucx_link_settings(self.link_timeout_s).items() if key not in named]
-        params["engine_config"] = ",".join(given + ours)
+        ours = [f"{key}={value}" for key, value in settings.items() if key not in named]
+        if given or ours:
+            params["engine_config"] = ",".join(given + ours)
         return params
 
     def replace(self, **changes: object) -> EngineConfig:
