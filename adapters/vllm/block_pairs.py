@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from nixl_async.exceptions import LayoutError
 
-__all__ = ["KINDS", "GroupBlocks", "in_kernel_pages", "pair_blocks", "select_remote_blocks"]
+__all__ = ["KINDS", "GroupBlocks", "in_kernel_pages", "kernel_pages", "pair_blocks", "select_remote_blocks"]
 
 KINDS = ("full", "window", "state")
 
@@ -49,15 +49,16 @@ def select_remote_blocks(group: GroupBlocks, ratio: int) -> list[int]:
     return remote[skip:]
 
 
+def kernel_pages(blocks: list[int], k: int) -> list[int]:
+    """The kernel page ids of logical `blocks` when vLLM splits each block in `k` pages (b -> b*k .. b*k+k-1)."""
+    return [b * k + j for b in blocks for j in range(k)]
+
+
 def in_kernel_pages(group: GroupBlocks, local_pages: int, remote_pages: int) -> GroupBlocks:
-    """`group` with logical block ids turned into kernel page ids on each side (block b -> pages b*k .. b*k+k-1)."""
-
-    def pages(blocks: list[int], k: int) -> list[int]:
-        return [b * k + j for b in blocks for j in range(k)]
-
+    """`group` with logical block ids turned into kernel page ids on each side."""
     hit = None if group.local_hit is None else group.local_hit * local_pages
-    return dataclasses.replace(group, local=pages(group.local, local_pages), remote=pages(group.remote, remote_pages),
-                               local_hit=hit)  # fmt: skip
+    return dataclasses.replace(group, local=kernel_pages(group.local, local_pages),
+                               remote=kernel_pages(group.remote, remote_pages), local_hit=hit)  # fmt: skip
 
 
 def pair_blocks(group: GroupBlocks, ratio: int, *, paged: bool = False) -> tuple[list[int], list[int]]:

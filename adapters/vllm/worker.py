@@ -44,7 +44,7 @@ from nixl_async import (
 )
 
 from . import cpu_quirks
-from .block_pairs import GroupBlocks, in_kernel_pages, pair_blocks
+from .block_pairs import GroupBlocks, in_kernel_pages, kernel_pages, pair_blocks
 from .kv_layout import CacheLayout, describe_cache
 from .leases import LEASE_TOPIC, LearnedLeases, answer_renewal, heartbeat
 from .send_book import SendBook
@@ -376,9 +376,13 @@ class ConnectorWorker:
         if not self._host_caches or self._copy_blocks is None or metadata is None:
             return
         for req in metadata.reqs_to_save.values():
-            ids = [int(b) for group in req.local_block_ids for b in group]
+            ids = self._staged_pages([int(b) for group in req.local_block_ids for b in group])
             if ids:
                 self._copy_blocks(self._device_caches, self._host_caches, ids, ids, "d2h")
+
+    def _staged_pages(self, blocks: list[int]) -> list[int]:
+        """The cache rows of logical `blocks`: vLLM's copy op indexes kernel pages, as NixlConnector maps them."""
+        return kernel_pages(blocks, self.geometry.pages_per_block if self.geometry else 1)
 
     def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) since the last step."""
@@ -388,7 +392,8 @@ class ConnectorWorker:
             blocks = self._awaiting.pop(request_id, None)
             if blocks is not None:
                 if self._host_caches and self._copy_blocks is not None and blocks:
-                    self._copy_blocks(self._host_caches, self._device_caches, blocks, blocks, "h2d")
+                    pages = self._staged_pages(blocks)
+                    self._copy_blocks(self._host_caches, self._device_caches, pages, pages, "h2d")
                 recving.add(request_id)
         for request_id, error in finished.fenced.items():
             # NIXL still holds a read into this request's blocks: keep them out of vLLM's hands

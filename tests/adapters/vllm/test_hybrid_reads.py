@@ -17,7 +17,7 @@ import torch
 
 from nixl_async import EngineConfig, LayoutError, TransferEngine
 from nixl_async.testing import WaitNotifications, free_port_base, pattern_block
-from nixl_async_vllm.block_pairs import GroupBlocks, pair_blocks
+from nixl_async_vllm.block_pairs import GroupBlocks, in_kernel_pages, kernel_pages, pair_blocks
 from nixl_async_vllm.kv_layout import describe_cache
 from nixl_async_vllm.settings import rank_engine_id
 from nixl_async_vllm.worker import KVGeometry, RecvJob, _kv_regions, receive
@@ -139,6 +139,14 @@ def test_pairs_per_group_kind():
     assert pair_blocks(GroupBlocks("window", [1], [5, 6], 0), 1) == ([1], [6])
     assert pair_blocks(GroupBlocks("state", [1], [5, 6]), 1) == ([1], [6])
     assert pair_blocks(GroupBlocks("state", [1, 2], [5]), 1) == ([1], [5])  # decode computes the last position
+
+
+def test_logical_blocks_become_kernel_pages():
+    # vLLM views block b as pages b*k .. b*k+k-1 (host staging copies and reads index pages)
+    assert kernel_pages([3, 0], 1) == [3, 0]
+    assert kernel_pages([3, 0], 2) == [6, 7, 0, 1]
+    paged = in_kernel_pages(GroupBlocks("full", [3], [1, 4], 1), local_pages=2, remote_pages=4)
+    assert (paged.local, paged.remote, paged.local_hit) == ([6, 7], [4, 5, 6, 7, 16, 17, 18, 19], 2)
 
 
 @pytest.mark.parametrize(
