@@ -66,12 +66,20 @@ DRY_RUN = "--cpu-dry-run: stopping before the GPU checks"
 _READY = "GPUCHECK-READY "
 _REPLY = "GPUCHECK-REPLY "
 
-# FlashAttention-shaped caches: per layer [2 (K, V), blocks, heads, block_size, head_dim] bf16.
+# Caches as vLLM 0.32 hands FlashAttention's to a connector: per layer one view [blocks, heads,
+# block_size, 2 * head_dim] bf16, head-major (KV cache layout LBHNC), a token's K and V side by side.
 LAYERS, HEADS, HEAD_DIM, ELT = 2, 8, 128, 2
-ROW = HEAD_DIM * ELT  # bytes of one head's K (or V) for one token
+ROW = 2 * HEAD_DIM * ELT  # bytes of one head's K and V for one token
 PEER_BS, DECODE_BS = 16, 32  # tokens per block: producer, and a reader with block-size ratio 2
 BLOCKS = 64
 TPUT_BLOCK_LENS = (64 << 10, 1 << 20)
+CHECK_TIMEOUT_S = 150.0
+ENGINE_CHECKS = frozenset({
+    "vram_read_blocks", "vram_write_blocks", "vram_read_tp_head_slice", "vram_write_tp_head_slice",
+    "vram_read_block_ratio_split2", "read_remote_vram_into_dram", "write_dram_into_remote_vram",
+    "read_remote_dram_into_vram", "write_vram_into_remote_dram", "cancel_mid_transfer_memory_quiet",
+    "deadline_mid_transfer_memory_quiet", "throughput_vs_raw_nixl",
+})  # fmt: skip
 
 # -- the pattern --------------------------------------------------------------------------------
 _P1, _P2, _MASK = 2654435761, 0x45D9F3B, 0xFFFFFFFF
@@ -126,8 +134,8 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 class LayoutSpec:
     """Memory one process registers as a layout.
 
-    ``heads > 0``: FlashAttention-shaped caches, LAYERS tensors ``[2, num_blocks, heads,
-    block_size, HEAD_DIM]`` bf16, registered as 2 * LAYERS regions (K and V apart). Otherwise
+    ``heads > 0``: FlashAttention's caches as vLLM 0.32 hands them over, LAYERS tensors
+    ``[num_blocks, heads, block_size, 2 * HEAD_DIM]`` bf16, one region per layer. Otherwise
     ``regions`` flat byte regions of ``num_blocks * block_len``.
     """
 
@@ -139,6 +147,7 @@ class LayoutSpec:
     block_size: int = 0
     block_len: int = 0
     regions: int = 1
+    pages: int = 1  # kernel pages per block: the view has num_blocks * pages rows of block_size / pages tokens
 
     @property
     def block_bytes(self) -> int:
@@ -150,12 +159,26 @@ class LayoutSpec:
 
     @property
     def num_regions(self) -> int:
-        return 2 * LAYERS if self.heads else self.regions
+        return LAYERS if self.heads else self.regions
 
 
 def fa(name: str, mem: str, seed: int | None, *, heads: int = HEADS, block_size: int = PEER_BS,
-       num_blocks: int = BLOCKS) -> LayoutSpec:  # fmt: skip
-    return LayoutSpec(name, mem, seed, num_blocks, heads=heads, block_size=block_size)
+       num_blocks: int = BLOCKS, pages: int = 1) -> LayoutSpec:  # fmt: skip
+    return LayoutSpec(name, mem, seed, num_blocks, heads=heads, block_size=block_size, pages=pages)
+
+
+def logical_blocks(flat: torch.Tensor, spec: LayoutSpec) -> torch.Tensor:
+    """A cache's bytes as ``(block, head, token, ROW)``, its kernel pages put back together."""
+    k = spec.pages
+    paged = flat.view(spec.num_blocks, k, spec.heads, spec.block_size // k, ROW)
+    return paged.permute(0, 2, 1, 3, 4).reshape(spec.num_blocks, spec.heads, spec.block_size, ROW)
+
+
+def paged_bytes(logical: torch.Tensor, spec: LayoutSpec) -> torch.Tensor:
+    """The inverse of `logical_blocks`: flat bytes in the order of the cache's kernel pages."""
+    k = spec.pages
+    split = logical.reshape(spec.num_blocks, spec.heads, k, spec.block_size // k, ROW)
+    return split.permute(0, 2, 1, 3, 4).reshape(-1)
 
 
 class Memory:
@@ -166,11 +189,11 @@ class Memory:
         where = device if spec.mem == "vram" else torch.device("cpu")
         pin = spec.mem == "dram" and device.type == "cuda"
         if spec.heads:
-            shape = (2, spec.num_blocks, spec.heads, spec.block_size, HEAD_DIM)
+            shape = (spec.num_blocks * spec.pages, spec.heads, spec.block_size // spec.pages, 2 * HEAD_DIM)
             self.caches = [
                 torch.zeros(shape, dtype=torch.bfloat16, device=where, pin_memory=pin) for _ in range(LAYERS)
             ]
-            self.regions = [c[kv] for c in self.caches for kv in (0, 1)]
+            self.regions = list(self.caches)
         else:
             self.caches = [torch.zeros(spec.region_len, dtype=torch.uint8, device=where, pin_memory=pin)
                            for _ in range(spec.regions)]  # fmt: skip
@@ -267,7 +290,7 @@ def expected_fa_read(src: LayoutSpec, src_seed: int, dst: LayoutSpec, *, rank: i
     n_local = len(local_blocks)
     need = n_local * dst.block_size
     for r in range(src.num_regions):
-        prod = pattern(src_seed, r, src.region_len, device).view(src.num_blocks, src.heads, src.block_size, ROW)
+        prod = logical_blocks(pattern(src_seed, r, src.region_len, device), src)
         mine = prod[torch.as_tensor(list(remote_blocks), device=device)][:, rank * dst.heads : (rank + 1) * dst.heads]
         tokens = mine.permute(1, 0, 2, 3).reshape(dst.heads, -1, ROW)  # (head, position, bytes)
         if tokens.shape[1] < need:
@@ -276,7 +299,7 @@ def expected_fa_read(src: LayoutSpec, src_seed: int, dst: LayoutSpec, *, rank: i
         blocks = tokens[:, :need].reshape(dst.heads, n_local, dst.block_size, ROW).permute(1, 0, 2, 3)
         exp = torch.zeros(dst.num_blocks, dst.heads, dst.block_size, ROW, dtype=torch.uint8, device=device)
         exp[torch.as_tensor(list(local_blocks), device=device)] = blocks
-        out.append(exp.view(-1))
+        out.append(paged_bytes(exp, dst))
     return out
 
 
@@ -427,9 +450,10 @@ class CheckResult:
 class Report:
     """Check results, written to DIR/gpu-check.json and DIR/gpu-check.md after every check."""
 
-    def __init__(self, out: Path, meta: dict[str, Any]) -> None:
+    def __init__(self, out: Path, meta: dict[str, Any], only: frozenset[str] = frozenset()) -> None:
         self.out = out
         self.meta = meta
+        self.only = only  # empty: every check (the handshake always runs before engine checks)
         self.checks: list[CheckResult] = []
         out.mkdir(parents=True, exist_ok=True)
 
@@ -438,10 +462,13 @@ class Report:
         return all(c.ok for c in self.checks)
 
     async def run(self, name: str, fn: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any] | None:
+        if self.only and name not in self.only and name != "handshake":
+            return None
         print(f"--- {name}", flush=True)
         started = time.perf_counter()
         try:
-            details = await fn()
+            async with asyncio.timeout(CHECK_TIMEOUT_S):  # one hung check must not cost the rest of the run
+                details = await fn()
             result = CheckResult(name, bool(details.get("ok", True)), time.perf_counter() - started, details)
         except Exception as exc:
             trace = traceback.format_exc()
@@ -597,6 +624,7 @@ class Checks:
         self.peer: Any = None  # nixl_async.Peer
         self.proc: PeerProc | None = None
         self.mem: dict[str, Memory] = {}
+        self._raw_agents = 0
 
     # helpers
     def ids(self, n: int, of: int = BLOCKS) -> list[int]:
@@ -628,6 +656,9 @@ class Checks:
         from nixl_async import EngineConfig, TransferEngine
 
         dev = str(self.device)
+        if self.report.only and not self.report.only & ENGINE_CHECKS:
+            await self.adapter_checks()
+            return
         spec = {"engine_id": "gpu-check-peer", "device": dev,
                 "layouts": [dataclasses.asdict(s) for s in peer_layouts(self.tput_bytes)]}  # fmt: skip
         self.proc = PeerProc(spec, self.args.time_limit)
@@ -643,9 +674,14 @@ class Checks:
             self.report.add(CheckResult("peer_and_engine", False, 0.0, {}, f"{type(exc).__name__}: {exc}"))
         finally:
             await self.proc.stop()
+        await self.adapter_checks()
+
+    async def adapter_checks(self) -> None:
         await self.report.run("adapter_receive_vram_tp1_to_tp2_ratio2", self.adapter_receive)
         await self.report.run("adapter_connector_worker_vram", functools.partial(self.connector_worker, "cuda"))
         await self.report.run("adapter_host_staging_connector_worker", functools.partial(self.connector_worker, "cpu"))
+        await self.report.run("adapter_host_staging_kernel_pages2",
+                              functools.partial(self.connector_worker, "cpu", pages=2))  # fmt: skip
 
     async def engine_checks(self) -> None:
         await self.report.run("vram_read_blocks", self.read_blocks)
@@ -667,7 +703,7 @@ class Checks:
                      fa("half_src", "vram", 22, heads=HEADS // 2), fa("host", "dram", None),
                      fa("host_src", "dram", 23),
                      LayoutSpec("kv_bs2", "vram", None, BLOCKS // 2, block_len=2 * HEADS * PEER_BS * ROW,
-                                regions=2 * LAYERS)):  # fmt: skip
+                                regions=LAYERS)):  # fmt: skip
             self.local(spec)
         for b in TPUT_BLOCK_LENS:
             self.local(LayoutSpec(f"tput_{b >> 10}k", "vram", None, self.tput_bytes // b, block_len=b))
@@ -831,20 +867,11 @@ class Checks:
 
     # throughput --------------------------------------------------------------------------------
     async def throughput(self) -> dict[str, Any]:
-        from nixl_async import BlockLayout, MemType
-        from nixl_async._agent import OwnedAgent
-        from nixl_async.layout import pair_descriptor_ids
-
         assert self.proc is not None
         repeats = 3 if self.args.quick else 5
         rows: list[dict[str, Any]] = []
         ok = True
-        mem_type = MemType.VRAM if self.device.type == "cuda" else MemType.DRAM
         ceiling = self._copy_ceiling(self.tput_bytes)
-        from .common import fetch_reply
-
-        reply = fetch_reply(*self.proc.address)
-        remote_layouts = {lay.name: lay for lay in reply.layouts}
         for block_len in TPUT_BLOCK_LENS:
             name = f"tput_{block_len >> 10}k"
             dst, src = self.mem[name], self.peer_spec(name)
@@ -862,57 +889,81 @@ class Checks:
                 engine_rates.append(self.tput_bytes / dt / 1e9)
                 cpu.append((time.process_time() - cpu0) / dt * 100)
             engine_check = verify(dst, [copy], self.device)
-            # A raw NIXL loop over the same descriptors: its own agent and buffer, progress thread
-            # off, one transfer for the whole region, spinning on its state until DONE.
-            raw_buf = Memory(dataclasses.replace(dst.spec, name="raw"), self.device)
-            raw_layout = BlockLayout.from_regions("raw", [raw_buf.regions[0].data_ptr()], num_blocks=n,
-                                                  block_len=block_len, mem_type=mem_type,
-                                                  device_id=self.device.index or 0)  # fmt: skip
-            agent = OwnedAgent(f"gpu-check-raw-{block_len}", ("UCX",), {})
-            memory = agent.register(raw_layout.region_descriptors(), mem_type)
-            remote_name = agent.add_remote(reply.agent_metadata)
-            local_dl = agent.prep_view("", raw_layout.view())
-            remote_dl = agent.prep_view(remote_name, remote_layouts[name].view())
-            lidx, ridx = pair_descriptor_ids(raw_layout.view(), np.arange(n), remote_layouts[name].view(),
-                                             np.asarray(order))  # fmt: skip
-            raw_rates, raw_cpu = [], []
-            try:
-                for i in range(repeats + 1):
-                    cpu0, t0 = time.process_time(), time.perf_counter()
-                    handle = agent.make_xfer("READ", local_dl, lidx, remote_dl, ridx)
-                    state = agent.post(handle)
-                    while state == "PROC":
-                        state = agent.state(handle)
-                    dt = time.perf_counter() - t0
-                    agent.release_xfer(handle)
-                    if state != "DONE":
-                        raise RuntimeError(f"raw NIXL READ ended in state {state}")
-                    if i:  # the first one warms up
-                        raw_rates.append(self.tput_bytes / dt / 1e9)
-                        raw_cpu.append((time.process_time() - cpu0) / dt * 100)
-                raw_check = verify(raw_buf, [copy], self.device)
-            finally:
-                agent.release_dlist(local_dl)
-                agent.release_dlist(remote_dl)
-                agent.remove_remote(remote_name)
-                agent.deregister(memory)
-                del raw_buf
-            engine_gbps, raw_gbps = float(np.median(engine_rates)), float(np.median(raw_rates))
-            ok = ok and engine_check["ok"] and raw_check["ok"]
+            # Raw NIXL loops over the same descriptors: with the engine's UCX settings (the same
+            # transport: what the engine's own work costs) and with UCX's defaults (what a plain
+            # NIXL agent, vLLM's NixlConnector among them, gets on this machine).
+            raw_same = await self._raw_read(name, block_len, order, copy, self.engine.config.backend_settings("UCX"))
+            raw_default = await self._raw_read(name, block_len, order, copy, {})
+            engine_gbps = float(np.median(engine_rates))
+            ok = ok and engine_check["ok"] and raw_same["ok"] and raw_default["ok"]
             rows.append({
                 "block": f"{block_len >> 10} KiB", "blocks": n, "MiB": self.tput_bytes >> 20,
-                "engine GB/s": engine_gbps, "raw NIXL GB/s": raw_gbps, "engine/raw": engine_gbps / raw_gbps,
-                "engine CPU %": float(np.median(cpu)), "raw CPU %": float(np.median(raw_cpu)),
-                "copy ceiling GB/s": ceiling, "bytes ok": engine_check["ok"] and raw_check["ok"],
+                "engine GB/s": engine_gbps, "raw NIXL GB/s": raw_same["gbps"],
+                "engine/raw": engine_gbps / raw_same["gbps"], "raw, UCX defaults GB/s": raw_default["gbps"],
+                "engine CPU %": float(np.median(cpu)), "raw CPU %": raw_same["cpu"],
+                "copy ceiling GB/s": ceiling,
+                "bytes ok": engine_check["ok"] and raw_same["ok"] and raw_default["ok"],
             })  # fmt: skip
         notes = [
             f"READ of {self.tput_bytes >> 20} MiB in random block order, median of {repeats} runs",
             "engine: `await engine.read(...)` with the default EngineConfig (slicing, 2 slices in flight)",
-            "raw NIXL: one prepped transfer for the whole region, progress thread off, spinning until DONE",
+            "raw NIXL: one prepped transfer for the whole region, progress thread off, spinning until DONE; "
+            "with the engine's UCX settings (engine/raw compares these), and with UCX's defaults",
             "CPU %: this process's CPU time over the transfer's wall time (100 % = one core)",
             "copy ceiling: torch copy_ of the same bytes on the same device (bytes moved per second)",
         ]
         return {"ok": ok, "rows": rows, "notes": notes}
+
+    async def _raw_read(self, name: str, block_len: int, order: list[int], copy: BlockCopy,
+                        ucx_params: dict[str, str]) -> dict[str, Any]:  # fmt: skip
+        """READ `name`'s blocks in `order` with a raw NIXL agent of its own (UCX `ucx_params`), checked."""
+        from nixl_async import BlockLayout, MemType
+        from nixl_async._agent import OwnedAgent
+        from nixl_async.layout import pair_descriptor_ids
+
+        from .common import fetch_reply
+
+        assert self.proc is not None
+        reply = fetch_reply(*self.proc.address)
+        remote_layout = {lay.name: lay for lay in reply.layouts}[name]
+        repeats = 3 if self.args.quick else 5
+        n = len(order)
+        mem_type = MemType.VRAM if self.device.type == "cuda" else MemType.DRAM
+        dst = self.mem[name]
+        raw_buf = Memory(dataclasses.replace(dst.spec, name="raw"), self.device)
+        raw_layout = BlockLayout.from_regions("raw", [raw_buf.regions[0].data_ptr()], num_blocks=n,
+                                              block_len=block_len, mem_type=mem_type,
+                                              device_id=self.device.index or 0)  # fmt: skip
+        self._raw_agents += 1
+        agent = OwnedAgent(f"gpu-check-raw-{self._raw_agents}", ("UCX",), {"UCX": ucx_params})
+        memory = agent.register(raw_layout.region_descriptors(), mem_type)
+        remote_name = agent.add_remote(reply.agent_metadata)
+        local_dl = agent.prep_view("", raw_layout.view())
+        remote_dl = agent.prep_view(remote_name, remote_layout.view())
+        lidx, ridx = pair_descriptor_ids(raw_layout.view(), np.arange(n), remote_layout.view(), np.asarray(order))
+        rates, cpu = [], []
+        try:
+            for i in range(repeats + 1):
+                cpu0, t0 = time.process_time(), time.perf_counter()
+                handle = agent.make_xfer("READ", local_dl, lidx, remote_dl, ridx)
+                state = agent.post(handle)
+                while state == "PROC":
+                    state = agent.state(handle)
+                dt = time.perf_counter() - t0
+                agent.release_xfer(handle)
+                if state != "DONE":
+                    raise RuntimeError(f"raw NIXL READ ended in state {state}")
+                if i:  # the first one warms up
+                    rates.append(self.tput_bytes / dt / 1e9)
+                    cpu.append((time.process_time() - cpu0) / dt * 100)
+            check = verify(raw_buf, [copy], self.device)
+        finally:
+            agent.release_dlist(local_dl)
+            agent.release_dlist(remote_dl)
+            agent.remove_remote(remote_name)
+            agent.deregister(memory)
+            del raw_buf
+        return {"ok": check["ok"], "gbps": float(np.median(rates)), "cpu": float(np.median(cpu))}
 
     def _copy_ceiling(self, nbytes: int) -> float:
         """Bytes per second of a plain torch copy on the device (what one copy engine pass can do)."""
@@ -931,6 +982,7 @@ class Checks:
         """`worker.receive` on two reader ranks (TP 2, blocks twice as large) from a TP 1 producer, all VRAM."""
         from nixl_async import EngineConfig, TransferEngine
         from nixl_async_vllm.block_pairs import GroupBlocks
+        from nixl_async_vllm.kv_layout import describe_cache
         from nixl_async_vllm.settings import rank_engine_id
         from nixl_async_vllm.tp_mapping import expected_consumers
         from nixl_async_vllm.worker import KVGeometry, RecvJob, receive
@@ -947,12 +999,13 @@ class Checks:
 
             async def rank(r: int) -> tuple[Memory, int]:
                 mem = Memory(dec, self.device)
-                # K and V apart, each plane [blocks, heads, tokens, head_dim]: a run is one head's K (or V)
-                regions = mem.regions
-                block_len = regions[0][0].numel() * regions[0].element_size()
-                run_len = DECODE_BS * HEAD_DIM * regions[0].element_size()
+                regions = mem.regions  # the geometry as the worker derives it from vLLM's view
+                cache = describe_cache("FLASH_ATTN", "LBHNC", tuple(regions[0].shape), tuple(regions[0].stride()),
+                                       ELT, num_kv_heads=dec.heads, mla=False)  # fmt: skip
+                block_len = cache.block_len
                 geometry = KVGeometry(tp_size=2, tp_rank=r, block_size=DECODE_BS, part_len=block_len,
-                                      run_len=run_len, mla=False, kv_heads=HEADS)  # fmt: skip
+                                      run_len=cache.run_len, mla=False, kv_heads=HEADS,
+                                      head_window=cache.head_window)  # fmt: skip
                 job = RecvJob(request_id="req-d", remote_request_id="req-p", remote_engine_id="prefill", host=host,
                               port=port, remote_tp=1, expires_at=time.time() + 60,
                               groups=(GroupBlocks("full", local_blocks, remote_blocks, None),))  # fmt: skip
@@ -982,14 +1035,18 @@ class Checks:
             "first_bad": [c["first_bad"] for c in checks],
         }
 
-    async def connector_worker(self, buffer_device: str) -> dict[str, Any]:
+    async def connector_worker(self, buffer_device: str, pages: int = 1) -> dict[str, Any]:
         # vLLM's worker thread stands apart from any loop: so does this one
-        return await asyncio.to_thread(connector_worker_check, self.device, self.rng, buffer_device)
+        return await asyncio.to_thread(connector_worker_check, self.device, self.rng, buffer_device, pages)
 
 
 # -- host staging through ConnectorWorker ----------------------------------------------------------
 class _VllmStandIns:
-    """The three vLLM modules `ConnectorWorker` imports, replaced so it runs without vLLM."""
+    """What `ConnectorWorker` imports from vLLM, replaced so it runs without vLLM (the device has none).
+
+    TP rank, side-channel port, compatibility hash, stats, the KV cache spec classes and the
+    attention backend (FlashAttention, the CUDA default, with vLLM 0.32's LBHNC layout).
+    """
 
     def __init__(self) -> None:
         self.rank = 0
@@ -1025,12 +1082,25 @@ class _VllmStandIns:
             mod.__path__ = []  # a package, so submodules resolve
             return mod
 
+        class FlashAttentionBackend:
+            @staticmethod
+            def get_name() -> str:
+                return "FLASH_ATTN"
+
         names = ["vllm", "vllm.distributed", "vllm.distributed.parallel_state", "vllm.distributed.kv_transfer",
-                 "vllm.distributed.kv_transfer.kv_connector", "vllm.distributed.kv_transfer.kv_connector.v1",
+                 "vllm.distributed.kv_transfer.kv_connector", "vllm.distributed.kv_transfer.kv_connector.utils",
+                 "vllm.distributed.kv_transfer.kv_connector.v1",
                  "vllm.distributed.kv_transfer.kv_connector.v1.nixl",
                  "vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata",
-                 "vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats"]  # fmt: skip
+                 "vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats", "vllm.v1",
+                 "vllm.v1.kv_cache_interface"]  # fmt: skip
         mods = {name: module(name) for name in names}
+        specs = mods["vllm.v1.kv_cache_interface"]
+        for spec in ("FullAttentionSpec", "MambaSpec", "MLAAttentionSpec", "SlidingWindowSpec"):
+            setattr(specs, spec, type(spec, (), {}))
+        mods["vllm.distributed.kv_transfer.kv_connector.utils"].get_current_attn_backends = (  # type: ignore[attr-defined]
+            lambda vllm_config, layer_names=None: [FlashAttentionBackend]
+        )
         mods["vllm.envs"] = Envs("vllm.envs")
         mods["vllm"].envs = mods["vllm.envs"]  # type: ignore[attr-defined]
         mods["vllm.distributed.parallel_state"].get_tensor_model_parallel_rank = lambda: stand_ins.rank  # type: ignore[attr-defined]
@@ -1053,25 +1123,41 @@ def _vllm_config(tp: int, block_size: int, buffer_device: str) -> Any:
     return ns(
         parallel_config=ns(tensor_parallel_size=tp, decode_context_parallel_size=1, data_parallel_index=0),
         kv_transfer_config=ns(kv_connector_extra_config={"kv_lease_duration": 30}, kv_buffer_device=buffer_device),
-        model_config=ns(use_mla=False),
-        cache_config=ns(block_size=block_size),
+        model_config=ns(
+            use_mla=False,
+            get_total_num_kv_heads=lambda: HEADS,
+            get_num_kv_heads=lambda parallel: HEADS // parallel.tensor_parallel_size,
+        ),
+        cache_config=ns(block_size=block_size, get_resolved_kv_cache_layout=lambda: ns(name="LBHNC")),
     )
+
+
+def _kv_cache_config(num_blocks: int) -> Any:
+    """One full-attention KV cache group holding every layer, as vLLM builds it for a plain model."""
+    from vllm.v1 import kv_cache_interface  # the stand-in's spec classes take no arguments
+
+    ns = types.SimpleNamespace
+    group = ns(
+        kv_cache_spec=kv_cache_interface.FullAttentionSpec.__new__(kv_cache_interface.FullAttentionSpec),
+        layer_names=[f"layer{i}" for i in range(LAYERS)],
+    )
+    return ns(num_blocks=num_blocks, transfer_groups=[group], transfer_group_ids=[0])
 
 
 def copy_blocks(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor], src_ids: Sequence[int],
                 dst_ids: Sequence[int], direction: str) -> None:  # fmt: skip
-    """vLLM's host-buffer copy op for ``[2, blocks, ...]`` caches (blocks on dim 1), byte for byte."""
+    """vLLM 0.32's host-buffer copy op (`copy_kv_blocks` over the CUDA platform's block copies): blocks on dim 0."""
     for name, s in src.items():
         d = dst[name]
         si = torch.as_tensor(list(src_ids), device=s.device)
         di = torch.as_tensor(list(dst_ids), device=d.device)
-        d.view(torch.uint8)[:, di] = s.view(torch.uint8)[:, si].to(d.device)
+        d[di] = s[si].to(d.device)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
 
 def connector_worker_check(
-    device: torch.device, rng: np.random.Generator, buffer_device: str, timeout: float = 60.0
+    device: torch.device, rng: np.random.Generator, buffer_device: str, pages: int = 1, timeout: float = 60.0
 ) -> dict[str, Any]:
     """Producer TP 1 and reader TP 2 `ConnectorWorker`s with CUDA caches, ``kv_buffer_device`` as given.
 
@@ -1081,14 +1167,16 @@ def connector_worker_check(
     copies over NIXL and copy them host -> device when `get_transfer_results` reports the
     request. Either way the readers' CUDA caches are checked against the head/token oracle. On a
     CPU run the caches are host memory and no staging happens (the plumbing is still exercised).
+    ``pages``: the attention kernel's block is that many times smaller than the scheduler's, so
+    vLLM's views have ``pages`` rows per logical block (staging must copy every page of a block).
     """
     from nixl_async.testing import free_port_base
     from nixl_async_vllm.worker import ConnectorWorker
 
     ns = types.SimpleNamespace
     staging = device.type == "cuda" and buffer_device == "cpu"
-    prod = fa("kv", "vram", 31)
-    dec = fa("kv", "vram", None, heads=HEADS // 2, block_size=DECODE_BS, num_blocks=BLOCKS // 2)
+    prod = fa("kv", "vram", 31, pages=pages)
+    dec = fa("kv", "vram", None, heads=HEADS // 2, block_size=DECODE_BS, num_blocks=BLOCKS // 2, pages=pages)
     remote_blocks = [int(b) for b in rng.choice(BLOCKS, 8, replace=False)]
     local_blocks = [int(b) for b in rng.choice(BLOCKS // 2, 4, replace=False)]
     workers: list[Any] = []
@@ -1097,7 +1185,7 @@ def connector_worker_check(
         try:
             stand_ins.port, stand_ins.rank = free_port_base(2), 0
             prefill_port = stand_ins.port
-            producer = ConnectorWorker(_vllm_config(1, PEER_BS, buffer_device), "prefill", ns(num_blocks=BLOCKS))
+            producer = ConnectorWorker(_vllm_config(1, PEER_BS, buffer_device), "prefill", _kv_cache_config(BLOCKS))
             workers.append(producer)
             pmem = Memory(prod, device)
             pmem.fill(prod.seed, device)  # "the forward pass computed these blocks"
@@ -1113,7 +1201,7 @@ def connector_worker_check(
             for rank in (0, 1):
                 stand_ins.rank = rank
                 worker = ConnectorWorker(
-                    _vllm_config(2, DECODE_BS, buffer_device), "decode", ns(num_blocks=BLOCKS // 2)
+                    _vllm_config(2, DECODE_BS, buffer_device), "decode", _kv_cache_config(BLOCKS // 2)
                 )
                 workers.append(worker)
                 mem = Memory(dec, device)
@@ -1172,6 +1260,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tput-mib", type=int, default=None, help="bytes per throughput READ, in MiB (1024)")
     parser.add_argument("--time-limit", type=float, default=480.0,
                         help="dump tracebacks and exit after this many seconds")  # fmt: skip
+    parser.add_argument("--only", default="", help="comma-separated check names: run just these")
     parser.add_argument("--role", choices=("main", "peer"), default="main", help=argparse.SUPPRESS)
     parser.add_argument("--peer-spec", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -1207,7 +1296,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "versions": imports["versions"],
         **environment(compute),
     }
-    report = Report(args.out, meta)
+    only = frozenset(name.strip() for name in args.only.split(",") if name.strip())
+    report = Report(args.out, meta, only)
     report.add(CheckResult("imports", imports["ok"], 0.0, imports))
     started = time.perf_counter()
     try:

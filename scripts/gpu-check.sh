@@ -65,7 +65,8 @@ export GPU_CHECK_INVOKED_AS="bash scripts/gpu-check.sh${*:+ $*}"  # recorded in 
 export UCX_PROTO_INFO="${UCX_PROTO_INFO:-y}"
 
 if command -v nvidia-smi >/dev/null; then
-    nvidia-smi >"$OUT_DIR/nvidia-smi.txt" 2>&1 || true
+    # the topology and NVLink state decide whether UCX offers cuda_ipc GET (docs/gpu.md)
+    { nvidia-smi; nvidia-smi topo -m; nvidia-smi nvlink -s; } >"$OUT_DIR/nvidia-smi.txt" 2>&1 || true
 fi
 echo "gpu-check.sh: $("$PY" -V 2>&1) at $(command -v "$PY"), out: $OUT_DIR"
 
