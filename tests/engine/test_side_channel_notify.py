@@ -92,6 +92,25 @@ async def test_unauthenticated_side_channel_notifications_are_dropped(reader_sec
         await producer.close()
 
 
+@pytest.mark.parametrize(("notify_via", "brisk"), [("side_channel", False), ("nixl", True)])
+async def test_only_a_nixl_notification_keeps_the_poller_brisk(nixl_peer_factory, notify_via, brisk):
+    """A NIXL notification leaves only while our worker is progressed: we poll every 2 ms for 2 s
+    after one. A side-channel one is ZMQ's to deliver; polling for it woke a vLLM decode worker's
+    loop ~500 times a second and took the GIL from its model thread at every step."""
+    producer = nixl_peer_factory(num_blocks=32, block_len=BLOCK, seed=3)
+    async with TransferEngine(EngineConfig(engine_id="reader", notify_via=notify_via)) as reader:
+        reader.register("kv", _regions(), block_len=BLOCK)
+        peer = await reader.connect(*producer.address)
+        assert (await reader.read(peer, [1], [1], notify=b"req:1")).notified
+        assert await producer.request(WaitNotifications(message=b"req:1", timeout=5)) == ["reader"]
+        await asyncio.sleep(0.2)  # past the read's own activity
+        before = reader.stats.counters["polls"]
+        await asyncio.sleep(1.0)
+        polls = reader.stats.counters["polls"] - before
+    # idle: backing off to 50 ms (~20 polls a second); brisk: every 2 ms (~500)
+    assert (polls > 200) if brisk else (polls < 60), f"{polls} polls in 1 s after a {notify_via} notification"
+
+
 def test_notify_via_is_validated():
     with pytest.raises(ValueError, match="notify_via"):
         EngineConfig(notify_via="carrier-pigeon")
