@@ -104,6 +104,7 @@ class SyncEngine:
         self._tasks: set[asyncio.Task[None]] = set()
         self._background: set[asyncio.Task[None]] = set()  # spawn(): cancelled at close
         self._closed = False
+        self._poke_pending = False  # set by the caller's thread, cleared on the loop
 
     # -- blocking calls -------------------------------------------------------------------
     def call(self, func: Any, *args: Any) -> Any:
@@ -252,10 +253,18 @@ class SyncEngine:
     def poke(self) -> None:
         """Have the loop progress NIXL and drain notifications soon (`TransferEngine.poll_soon`).
 
-        Returns at once; cheap enough to call once per inference-engine step.
+        Returns at once; cheap enough to call once per inference-engine step. A poke the loop has
+        not taken yet absorbs the next ones: each would wake the loop thread again, and in a vLLM
+        producer (stepped back to back while readers may read) take the GIL from the model thread.
         """
-        if not self._closed:
-            self._loop.call_soon_threadsafe(self.engine.poll_soon)
+        if self._closed or self._poke_pending:
+            return
+        self._poke_pending = True
+        self._loop.call_soon_threadsafe(self._poked)
+
+    def _poked(self) -> None:
+        self._poke_pending = False
+        self.engine.poll_soon()
 
     def feed_notifications(self) -> queue.SimpleQueue[Notification]:
         """A queue that receives every notification from now on (claimed: not kept elsewhere).

@@ -131,6 +131,23 @@ def test_submit_and_get_finished_do_not_wait_for_a_busy_loop(sync_engine, nixl_p
     assert done == {"r1"}
 
 
+def test_pokes_the_loop_has_not_taken_yet_are_one_wake_up(sync_engine):
+    """vLLM steps a producer back to back; every step pokes. Pokes pending on a busy loop are one."""
+    woken = []
+    sync_engine.call(lambda: setattr(sync_engine.engine, "poll_soon", lambda: woken.append(time.monotonic())))
+    blocker = threading.Thread(target=sync_engine.call, args=(lambda: time.sleep(0.3),))
+    blocker.start()
+    time.sleep(0.05)  # the loop thread is stuck in time.sleep
+    for _ in range(100):
+        sync_engine.poke()
+    blocker.join()
+    sync_engine.call(lambda: None)  # the loop has run what was queued
+    assert len(woken) == 1
+    sync_engine.poke()  # taken: the next poke wakes it again
+    sync_engine.call(lambda: None)
+    assert len(woken) == 2
+
+
 def test_caller_thread_never_touches_the_agent(sync_engine):
     with pytest.raises(WrongThreadError):
         sync_engine.engine.register("kv", [np.zeros(BLOCK, np.uint8)], block_len=BLOCK)
