@@ -92,14 +92,19 @@ async def test_unauthenticated_side_channel_notifications_are_dropped(reader_sec
         await producer.close()
 
 
-@pytest.mark.parametrize(("notify_via", "brisk"), [("side_channel", False), ("nixl", True)])
-async def test_only_a_nixl_notification_keeps_the_poller_brisk(nixl_peer_factory, notify_via, brisk):
+@pytest.mark.parametrize(
+    ("notify_via", "brisk", "tcp"),
+    [("side_channel", False, False), ("side_channel", False, True), ("nixl", True, False)],
+)
+async def test_only_a_nixl_notification_keeps_the_poller_brisk(nixl_peer_factory, notify_via, brisk, tcp):
     """A NIXL notification leaves only while our worker is progressed: we poll every 2 ms for 2 s
     after one. A side-channel one is ZMQ's to deliver; polling for it woke a vLLM decode worker's
-    loop ~500 times a second and took the GIL from its model thread at every step."""
-    producer = nixl_peer_factory(num_blocks=32, block_len=BLOCK, seed=3)
+    loop ~500 times a second and took the GIL from its model thread at every step. Over UCX/TCP
+    (reads really in flight) the next read still lands whole without the brisk polling."""
+    producer = nixl_peer_factory(num_blocks=32, block_len=BLOCK, seed=3, tcp=tcp)
     async with TransferEngine(EngineConfig(engine_id="reader", notify_via=notify_via)) as reader:
-        reader.register("kv", _regions(), block_len=BLOCK)
+        regions = _regions()
+        reader.register("kv", regions, block_len=BLOCK)
         peer = await reader.connect(*producer.address)
         assert (await reader.read(peer, [1], [1], notify=b"req:1")).notified
         assert await producer.request(WaitNotifications(message=b"req:1", timeout=5)) == ["reader"]
@@ -107,6 +112,8 @@ async def test_only_a_nixl_notification_keeps_the_poller_brisk(nixl_peer_factory
         before = reader.stats.counters["polls"]
         await asyncio.sleep(1.0)
         polls = reader.stats.counters["polls"] - before
+        await reader.read(peer, list(range(2, 32)), list(range(2, 32)), timeout=5)
+        assert verify_blocks(regions, BLOCK, list(range(1, 32)), list(range(1, 32)), seed=3) == []
     # idle: backing off to 50 ms (~20 polls a second); brisk: every 2 ms (~500)
     assert (polls > 200) if brisk else (polls < 60), f"{polls} polls in 1 s after a {notify_via} notification"
 
