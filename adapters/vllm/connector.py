@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from .scheduler import AdapterScheduler
     from .worker import ConnectorWorker
 
-__all__ = ["NixlAsyncConnector"]
+__all__ = ["NixlAsyncConnector", "NixlAsyncPushConnector"]
 
 
 class NixlAsyncConnector(KVConnectorBase_V1, SupportsHMA):
@@ -44,13 +44,21 @@ class NixlAsyncConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler: AdapterScheduler | None = None
         self.worker: ConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            from .scheduler import AdapterScheduler
-
-            self.scheduler = AdapterScheduler(vllm_config, transfer.engine_id, kv_cache_config)
+            self.scheduler = self._scheduler_class()(vllm_config, transfer.engine_id, kv_cache_config)
         else:
-            from .worker import ConnectorWorker
+            self.worker = self._worker_class()(vllm_config, transfer.engine_id, kv_cache_config)
 
-            self.worker = ConnectorWorker(vllm_config, transfer.engine_id, kv_cache_config)
+    @staticmethod
+    def _scheduler_class() -> type[AdapterScheduler]:
+        from .scheduler import AdapterScheduler
+
+        return AdapterScheduler
+
+    @staticmethod
+    def _worker_class() -> type[ConnectorWorker]:
+        from .worker import ConnectorWorker
+
+        return ConnectorWorker
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
@@ -152,3 +160,28 @@ class NixlAsyncConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker.shutdown()
         if self.scheduler is not None:
             self.scheduler.shutdown()
+
+
+class NixlAsyncPushConnector(NixlAsyncConnector):
+    """A drop-in for vLLM's NixlPushConnector: decode registers its blocks, prefill WRITEs the KV.
+
+    Same ``kv_transfer_config`` and proxy flow as NixlPushConnector (both legs sent together,
+    decode's ``kv_transfer_params`` naming prefill's engine and request); only the connector name
+    and module change. See `push_worker`.
+    """
+
+    @staticmethod
+    def _scheduler_class() -> type[AdapterScheduler]:
+        from .scheduler import AdapterPushScheduler
+
+        return AdapterPushScheduler  # type: ignore[return-value]
+
+    @staticmethod
+    def _worker_class() -> type[ConnectorWorker]:
+        from .push_worker import PushConnectorWorker
+
+        return PushConnectorWorker
+
+    def has_pending_push_work(self) -> bool:
+        """Keep vLLM's engine stepping while pushes are pending (its scheduler knows which)."""
+        return self.scheduler is not None and self.scheduler.has_pending_push_work()  # type: ignore[attr-defined]

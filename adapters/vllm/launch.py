@@ -14,7 +14,9 @@ prefill returned. It works the same for either connector.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
+import dataclasses
 import glob
 import json
 import os
@@ -23,22 +25,38 @@ import subprocess
 import sys
 import time
 import urllib.request
+import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ProxyProcess", "VllmServer", "kv_transfer_config", "make_prompt", "pd_complete", "run_proxy"]
+__all__ = [
+    "ProxyProcess",
+    "PushTarget",
+    "VllmServer",
+    "kv_transfer_config",
+    "make_prompt",
+    "pd_complete",
+    "pd_push_complete",
+    "run_proxy",
+]
 
 CONNECTORS = {
     # name -> (kv_connector, kv_connector_module_path)
     "nixl_async": ("NixlAsyncConnector", "nixl_async_vllm.connector"),
     "vllm": ("NixlConnector", "nixl_async_benchmarks.stock_nixl"),
+    "nixl_async_push": ("NixlAsyncPushConnector", "nixl_async_vllm.connector"),
 }
 
 
 def kv_transfer_config(
-    connector: str, role: str, extra: Mapping[str, Any] | None = None, *, failure_policy: str | None = None
+    connector: str,
+    role: str,
+    extra: Mapping[str, Any] | None = None,
+    *,
+    failure_policy: str | None = None,
+    engine_id: str | None = None,
 ) -> str:
     """The ``--kv-transfer-config`` JSON: only the connector name and module differ between the two.
 
@@ -49,6 +67,8 @@ def kv_transfer_config(
                               "kv_buffer_device": "cpu"}  # fmt: skip
     if failure_policy is not None:
         config["kv_load_failure_policy"] = failure_policy
+    if engine_id is not None:  # push mode: the proxy names prefill's engine to decode
+        config["engine_id"] = engine_id
     if extra:
         config["kv_connector_extra_config"] = dict(extra)
     return json.dumps(config)
@@ -214,7 +234,57 @@ async def pd_complete(session: Any, prefill_url: str, decode_url: str, body: dic
     return await session.post(f"{decode_url}/v1/completions", json=dict(body, kv_transfer_params=params))
 
 
-def run_proxy(port: int, prefill_url: str, decode_url: str) -> None:
+@dataclass(frozen=True)
+class PushTarget:
+    """Push mode: what the proxy tells decode about prefill (decode registers there before prefill ends)."""
+
+    engine_id: str
+    host: str
+    port: int  # prefill's side channel base port
+    tp_size: int = 1
+    order: str = "together"  # or "decode_first" / "prefill_first": when each leg is sent (for tests)
+
+
+async def pd_push_complete(session: Any, prefill_url: str, decode_url: str, body: dict[str, Any],
+                           target: PushTarget) -> Any:  # fmt: skip
+    """Push mode, as vLLM's push proxies: both legs under one X-Request-Id; decode names prefill's request.
+
+    vLLM names a completion's request ``cmpl-{X-Request-Id}-0`` plus a random suffix on each
+    server; decode registers that name and prefill matches it without the suffix.
+    """
+    request_id = uuid.uuid4().hex
+    headers = {"X-Request-Id": request_id}
+    first = dict(body, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+    first.pop("stream_options", None)
+    params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": target.engine_id,
+              "remote_host": target.host, "remote_port": target.port, "tp_size": target.tp_size,
+              "remote_request_id": f"cmpl-{request_id}-0", "remote_block_ids": []}  # fmt: skip
+
+    async def prefill() -> None:
+        async with session.post(f"{prefill_url}/v1/completions", json=first, headers=headers) as reply:
+            if reply.status != 200:
+                raise RuntimeError(f"prefill answered {reply.status}: {await reply.text()}")
+            await reply.read()
+
+    def decode() -> Any:
+        return session.post(f"{decode_url}/v1/completions", json=dict(body, kv_transfer_params=params),
+                            headers=headers)  # fmt: skip
+
+    if target.order == "prefill_first":
+        await prefill()
+        return await decode()
+    if target.order == "decode_first":
+        reply = asyncio.ensure_future(decode())
+        await asyncio.sleep(0.5)  # decode has registered before prefill even starts
+        await prefill()
+        return await reply
+    prefilled = asyncio.ensure_future(prefill())
+    reply = await decode()
+    await prefilled
+    return reply
+
+
+def run_proxy(port: int, prefill_url: str, decode_url: str, push: PushTarget | None = None) -> None:
     """Serve ``POST /v1/completions`` as one P/D request (streaming passes through)."""
     import aiohttp
     from aiohttp import web
@@ -223,7 +293,10 @@ def run_proxy(port: int, prefill_url: str, decode_url: str) -> None:
         body = await request.json()
         session: aiohttp.ClientSession = request.app["session"]
         try:
-            reply = await pd_complete(session, prefill_url, decode_url, body)
+            if push is None:
+                reply = await pd_complete(session, prefill_url, decode_url, body)
+            else:
+                reply = await pd_push_complete(session, prefill_url, decode_url, body, push)
         except (RuntimeError, aiohttp.ClientError) as exc:
             return web.json_response({"error": str(exc)}, status=502)
         async with reply:
@@ -254,6 +327,7 @@ class ProxyProcess:
     port: int
     prefill_url: str
     decode_url: str
+    push: PushTarget | None = None
     process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -263,6 +337,8 @@ class ProxyProcess:
     def start(self) -> ProxyProcess:
         cmd = [sys.executable, "-m", "nixl_async_vllm.launch", "proxy", "--port", str(self.port),
                "--prefill", self.prefill_url, "--decode", self.decode_url]  # fmt: skip
+        if self.push is not None:
+            cmd += ["--push", json.dumps(dataclasses.asdict(self.push))]
         self.process = subprocess.Popen(cmd, process_group=0)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -300,9 +376,10 @@ def main(argv: list[str] | None = None) -> None:
     proxy.add_argument("--port", type=int, required=True)
     proxy.add_argument("--prefill", required=True)
     proxy.add_argument("--decode", required=True)
+    proxy.add_argument("--push", help="push mode: PushTarget fields as JSON")
     args = parser.parse_args(argv)
     if args.what == "proxy":
-        run_proxy(args.port, args.prefill, args.decode)
+        run_proxy(args.port, args.prefill, args.decode, PushTarget(**json.loads(args.push)) if args.push else None)
 
 
 if __name__ == "__main__":

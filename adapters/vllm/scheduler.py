@@ -20,23 +20,30 @@ import time
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import NixlPushConnectorScheduler
 
 from .settings import AdapterSettings
 
-__all__ = ["AdapterScheduler"]
+__all__ = ["AdapterPushScheduler", "AdapterScheduler"]
 
 log = logging.getLogger(f"vllm.{__name__}")  # under "vllm", so it shows in vLLM's log
+
+
+def _adapt(scheduler: Any, vllm_config: Any) -> AdapterSettings:
+    """Our settings on vLLM's scheduler: side channel address, lease, heartbeat cadence."""
+    settings = AdapterSettings.from_vllm(vllm_config)
+    scheduler.side_channel_host = settings.side_channel_host
+    scheduler.side_channel_port = settings.side_channel_port
+    scheduler._kv_lease_duration = settings.lease_s
+    # vLLM's integer division makes leases under 6 s heartbeat every step; keep lease / 6.
+    scheduler._heartbeat_interval = settings.lease_s / 6
+    return settings
 
 
 class AdapterScheduler(NixlPullConnectorScheduler):
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, engine_id, kv_cache_config)
-        self.settings = AdapterSettings.from_vllm(vllm_config)
-        self.side_channel_host = self.settings.side_channel_host
-        self.side_channel_port = self.settings.side_channel_port
-        self._kv_lease_duration = self.settings.lease_s  # type: ignore[assignment]
-        # vLLM's integer division makes leases under 6 s heartbeat every step; keep lease / 6.
-        self._heartbeat_interval = self.settings.lease_s / 6  # type: ignore[assignment]
+        self.settings = _adapt(self, vllm_config)
 
     def set_xfer_handshake_metadata(self, metadata: Any) -> None:
         """Workers serve their own handshakes; nothing to publish from the scheduler."""
@@ -47,3 +54,15 @@ class AdapterScheduler(NixlPullConnectorScheduler):
         if delay and params is not None and deadline is not None and params.get("do_remote_prefill"):
             params["remote_blocks_expiry_time"] = time.time() + (deadline - time.perf_counter())
         return delay, params
+
+
+class AdapterPushScheduler(NixlPushConnectorScheduler):
+    """vLLM's push scheduler as is: decode stages registrations, prefill hands over finished blocks."""
+
+    def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, engine_id, kv_cache_config)
+        self.settings = _adapt(self, vllm_config)
+        self._push_registration_timeout = self.settings.push_registration_timeout_s
+
+    def set_xfer_handshake_metadata(self, metadata: Any) -> None:
+        """Workers serve their own handshakes; nothing to publish from the scheduler."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Callable
 
 __all__ = ["SendBook", "parse_notification"]
 
@@ -86,8 +87,12 @@ class SendBook:
             self._needed[request_id] = readers
         return True
 
-    def collect(self, now: float) -> tuple[set[str], set[str]]:
-        """(read by all readers, lease expired): both may be freed now; they are forgotten."""
+    def collect(self, now: float, release: Callable[[str], bool] | None = None) -> tuple[set[str], set[str]]:
+        """(read by all readers, lease expired): both may be freed now; they are forgotten.
+
+        `release(request_id)` may hold a request back (False: asked again at the next collect),
+        e.g. while a push still reads its blocks.
+        """
         read, expired = set(), set()
         with self._lock:
             for request_id, deadline in self._deadlines.items():
@@ -96,6 +101,9 @@ class SendBook:
                     read.add(request_id)
                 elif now >= deadline:
                     expired.add(request_id)
+            if release is not None:
+                read = {r for r in read if release(r)}
+                expired = {r for r in expired if release(r)}
             for request_id in read | expired:
                 self._forget(request_id)
         return read, expired

@@ -17,6 +17,8 @@ NixlConnector; our own knobs live in ``kv_connector_extra_config``:
 - ``etcd_endpoint`` (``host:port``; default none), ``etcd_namespace`` (default ``nixl_async``) and
   ``etcd_lease_ttl`` (s, default 10): publish each rank's engine in etcd and find producers by engine
   id there, so ``kv_transfer_params`` need no ``remote_host``/``remote_port`` (`EngineConfig.etcd`).
+- ``push_registration_timeout`` (s, default 480, as vLLM; push mode only): how long decode waits
+  for prefill's WRITE of a registered request before failing it (prefill writes nothing after it).
 - ``switch_interval_s`` (default 0.0005): the worker process's `sys.setswitchinterval` (lowered,
   never raised). The engine's loop thread shares the interpreter with vLLM's worker thread; at
   Python's default 5 ms, each hand-over to the loop can wait that long (measured here: decode
@@ -48,12 +50,13 @@ _KNOWN = {
     "kv_lease_duration", "auth_secret", "auth_secret_env", "auth_secret_file", "transfer_timeout",
     "handshake_timeout", "link_timeout", "switch_interval_s", "backends", "num_threads", "engine_ttl",
     "enforce_handshake_compat", "kv_recompute_threshold", "etcd_endpoint", "etcd_namespace", "etcd_lease_ttl",
+    "push_registration_timeout",
 }  # fmt: skip
+PUSH_CONNECTOR = "NixlAsyncPushConnector"
 # NixlConnector keys the adapter does not implement: refused when set (to anything but the default).
 REFUSED: dict[str, tuple[object, str]] = {
     "bidirectional_kv_xfer": (False, "KV transfer from decode back to prefill is not implemented"),
     "decoder_kv_blocks_ttl": (None, "it is used only with bidirectional_kv_xfer, which is not implemented"),
-    "push_registration_timeout": (None, "push mode (NixlPushConnector) is not implemented by this adapter"),
 }
 
 
@@ -67,6 +70,8 @@ def _refuse_unsupported(vllm_config: Any, extra: dict[str, Any]) -> None:
             default, why = REFUSED[key]
             if value != default:
                 raise UnsupportedSetting(f"kv_connector_extra_config[{key!r}] = {value!r} is not supported: {why}")
+        elif key == "push_registration_timeout" and vllm_config.kv_transfer_config.kv_connector != PUSH_CONNECTOR:
+            raise UnsupportedSetting(f"kv_connector_extra_config[{key!r}] applies to push mode ({PUSH_CONNECTOR}) only")
         elif key not in _KNOWN:
             raise UnsupportedSetting(
                 f"kv_connector_extra_config[{key!r}] is not a setting of this adapter (known: {sorted(_KNOWN)})"
@@ -196,6 +201,7 @@ class AdapterSettings:
     enforce_compat: bool = True
     link_timeout_s: float | None = 5.0
     etcd: EtcdConfig | None = None
+    push_registration_timeout_s: float = 480.0  # push mode: how long decode waits for prefill's WRITE
 
     def __repr__(self) -> str:  # the secret never appears in logs
         secret = "set" if self.auth_secret else "none"
@@ -234,6 +240,7 @@ class AdapterSettings:
             enforce_compat=_flag(extra, "enforce_handshake_compat", True),
             link_timeout_s=_link_timeout(extra),
             etcd=_etcd(extra),
+            push_registration_timeout_s=_number(extra, "push_registration_timeout", 480),
         )
 
     def bind_host(self) -> str:

@@ -29,6 +29,7 @@ import torch
 
 from nixl_async import (
     BlockLayout,
+    FinishedRequests,
     HandshakeError,
     LayoutError,
     LeaseExpired,
@@ -47,11 +48,21 @@ from . import cpu_quirks
 from .block_pairs import GroupBlocks, in_kernel_pages, kernel_pages, pair_blocks
 from .kv_layout import CacheLayout, describe_cache
 from .leases import LEASE_TOPIC, LearnedLeases, answer_renewal, heartbeat
+from .push_book import PUSH_PREFIX
 from .send_book import SendBook
 from .settings import AdapterSettings, connect_rank, rank_engine_id
 from .tp_mapping import RankRead, expected_consumers, plan_reads, remote_ranks, split_for_block_ratio
 
-__all__ = ["ConnectorWorker", "KVGeometry", "RecvJob", "receive", "transfer_groups"]
+__all__ = [
+    "ConnectorWorker",
+    "KVGeometry",
+    "RecvJob",
+    "RequestPlan",
+    "connect_job_rank",
+    "plan_request",
+    "receive",
+    "transfer_groups",
+]
 
 log = logging.getLogger(f"vllm.{__name__}")  # under "vllm", so it shows in vLLM's log
 
@@ -195,6 +206,8 @@ class AttentionChoice:
 
 
 class ConnectorWorker:
+    TRANSFER_MODE = "pull"  # vLLM's compatibility hash keeps pull and push instances apart
+
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -217,10 +230,13 @@ class ConnectorWorker:
                             if name not in self.state_layers]  # fmt: skip
         self.attention = AttentionChoice.of(vllm_config, attention_layers or None)
         self.sync = SyncEngine(
-            self.settings.engine_config(rank_engine_id(engine_id, self.tp_rank), _compat(vllm_config, self.attention))
+            self.settings.engine_config(
+                rank_engine_id(engine_id, self.tp_rank), _compat(vllm_config, self.attention, self.TRANSFER_MODE)
+            )
         )
         self._notifications: queue.SimpleQueue[Notification] = self.sync.feed_notifications()
         self.geometry: KVGeometry | None = None
+        self.address: tuple[str, int] = ("", 0)  # where this rank's engine answers handshakes
         self._regions: list[Any] = []  # vLLM's tensors; the engine does not own them, so keep them referenced
         self._device_caches: dict[str, Any] = {}
         self._host_caches: dict[str, Any] = {}
@@ -273,7 +289,8 @@ class ConnectorWorker:
         )  # fmt: skip
         self.sync.set_extra(block_size=str(page_size), pages_per_block=str(pages), tp_size=str(self.tp_size),
                             tp_rank=str(self.tp_rank))  # fmt: skip
-        host, port = self.sync.serve(self.settings.bind_host(), self.settings.side_channel_port + self.tp_rank)
+        host, port = self.address = self.sync.serve(self.settings.bind_host(),
+                                                    self.settings.side_channel_port + self.tp_rank)  # fmt: skip
         if self.settings.etcd is not None:
             self.sync.publish()  # readers find this rank by engine id (DiscoveryUnavailable: vLLM fails to start)
         log.info("nixl_async worker %s rank %d: %d layers x %d blocks of %d bytes, KV cache groups %s, serving %s:%d",
@@ -288,16 +305,20 @@ class ConnectorWorker:
         """Hand this step's work to the loop; returns without waiting for any of it."""
         if metadata is None:
             return
+        self._track_sends(metadata)
+        for request_id, req in metadata.reqs_to_recv.items():
+            self._start_receive(request_id, req)
+        for engine_id, info in getattr(metadata, "heartbeat_by_engine", {}).items():
+            self._start_heartbeat(engine_id, info)
+
+    def _track_sends(self, metadata: Any) -> None:
+        """Producer side: which requests are computed for readers, and until when their blocks are held."""
         now = time.perf_counter()
         for request_id, deadline in metadata.reqs_to_send.items():  # the scheduler's clock, rebased on ours
             self._sends.hold(request_id, now + (deadline - metadata.scheduler_clock))
         self._sends.in_batch(metadata.reqs_in_batch)
         for request_id in metadata.reqs_not_processed:
             self._sends.drop(request_id)
-        for request_id, req in metadata.reqs_to_recv.items():
-            self._start_receive(request_id, req)
-        for engine_id, info in getattr(metadata, "heartbeat_by_engine", {}).items():
-            self._start_heartbeat(engine_id, info)
 
     def _start_heartbeat(self, engine_id: str, info: Any) -> None:
         """Renew the leases of requests still waiting to read from `engine_id` (on the loop)."""
@@ -387,7 +408,7 @@ class ConnectorWorker:
     def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) since the last step."""
         recving, failed = set(), set()
-        finished = self.sync.get_finished()
+        finished = self._own_finished(self.sync.get_finished())
         for request_id in finished.done:
             blocks = self._awaiting.pop(request_id, None)
             if blocks is not None:
@@ -413,6 +434,14 @@ class ConnectorWorker:
                 failed.add(request_id)
         return self._finished_sending(), recving, failed
 
+    def _own_finished(self, finished: FinishedRequests) -> FinishedRequests:
+        """The requests this worker receives (a subclass takes out work of its own)."""
+        return finished
+
+    def _release(self, request_id: str) -> bool:
+        """Whether a read or expired request's blocks may go back to vLLM now (a subclass may hold them)."""
+        return True
+
     def _finished_sending(self) -> set[str]:
         if self._sends.expecting_readers:
             # Readers' operations can wait on our UCX worker (it acknowledges their notifications):
@@ -423,10 +452,12 @@ class ConnectorWorker:
                 note = self._notifications.get_nowait()
             except queue.Empty:
                 break
+            if note.message.startswith(PUSH_PREFIX):
+                continue  # a push's completion: its request's waiter took it
             if not self._sends.notified(note.message):
                 log.warning("ignoring notification %r from %s: no such request is held", note.message, note.sender)
                 self._record("num_notifications_after_expiry", 1)
-        read, expired = self._sends.collect(time.perf_counter())
+        read, expired = self._sends.collect(time.perf_counter(), release=self._release)
         for request_id in expired:
             log.warning("request %s: reader did not finish within the lease; freeing its blocks", request_id)
             self._record("num_kv_expired_reqs", 1)
@@ -478,24 +509,22 @@ def _failure_kind(error: BaseException) -> str:
     return "num_failed_transfers"
 
 
-async def receive(
-    engine: TransferEngine, geometry: KVGeometry, job: RecvJob, *, lease_margin_s: float = LEASE_MARGIN_S
-) -> list[TransferResult]:
-    """Pull one request on the engine's loop: handshake, plan from the producer's layout, read, notify.
+@dataclass(frozen=True)
+class RequestPlan:
+    """How one request's blocks move between this rank and its producer's ranks."""
 
-    Every producer rank this rank reads (or, for MLA siblings and full prefix hits, only
-    notifies) hears ``"{remote_request_id}:{readers}"`` once this rank is done with it. If any
-    part fails, every other part is cancelled and settled (NIXL holds none of their handles)
-    before the error is raised: vLLM may reuse the request's blocks as soon as it hears of it.
+    steps: list[RankRead]  # per producer rank
+    ratio: int  # producer blocks per local block
+    paged: bool  # block ids are kernel pages
+    groups: tuple[GroupBlocks, ...]  # the request's blocks per KV cache group (in kernel pages when paged)
+
+
+def plan_request(geometry: KVGeometry, job: RecvJob, first: Peer) -> RequestPlan:
+    """Plan `job` from the layout of one producer rank (`first`; every rank has the same geometry).
+
+    Raises `LayoutError` for what cannot be read correctly (block sizes that do not divide,
+    head windows of a packing that has none, state groups across unequal TP...).
     """
-    notify = f"{job.remote_request_id}:{expected_consumers(remote_tp=job.remote_tp, local_tp=geometry.tp_size)}"
-    ranks = remote_ranks(local_tp=geometry.tp_size, local_rank=geometry.tp_rank, remote_tp=job.remote_tp)
-    if not job.local_blocks:  # nothing to read (a full prefix hit, an aborted request): only let them free
-        peers = await asyncio.gather(*(_connect(engine, job, rank) for rank in ranks))
-        for peer in peers:
-            await engine.notify(peer, notify.encode())
-        return []
-    first = await _connect(engine, job, ranks[0])  # every producer rank has the same geometry
     remote_pages = int(first.extra.get("pages_per_block", "1"))
     paged = geometry.pages_per_block > 1 or remote_pages > 1
     groups = job.groups
@@ -522,13 +551,36 @@ async def receive(
     if not geometry.head_window and any(s.local != ViewSpec() or s.remote != ViewSpec() for s in plan if s.read):
         raise LayoutError(f"TP {job.remote_tp} -> {geometry.tp_size}: a rank's heads are not one byte range of a "
                           "block in this cache layout (heterogeneous TP needs LBHNC)")  # fmt: skip
+    return RequestPlan(plan, ratio, paged, groups)
+
+
+async def receive(
+    engine: TransferEngine, geometry: KVGeometry, job: RecvJob, *, lease_margin_s: float = LEASE_MARGIN_S
+) -> list[TransferResult]:
+    """Pull one request on the engine's loop: handshake, plan from the producer's layout, read, notify.
+
+    Every producer rank this rank reads (or, for MLA siblings and full prefix hits, only
+    notifies) hears ``"{remote_request_id}:{readers}"`` once this rank is done with it. If any
+    part fails, every other part is cancelled and settled (NIXL holds none of their handles)
+    before the error is raised: vLLM may reuse the request's blocks as soon as it hears of it.
+    """
+    notify = f"{job.remote_request_id}:{expected_consumers(remote_tp=job.remote_tp, local_tp=geometry.tp_size)}"
+    ranks = remote_ranks(local_tp=geometry.tp_size, local_rank=geometry.tp_rank, remote_tp=job.remote_tp)
+    if not job.local_blocks:  # nothing to read (a full prefix hit, an aborted request): only let them free
+        peers = await asyncio.gather(*(connect_job_rank(engine, job, rank) for rank in ranks))
+        for peer in peers:
+            await engine.notify(peer, notify.encode())
+        return []
+    first = await connect_job_rank(engine, job, ranks[0])  # every producer rank has the same geometry
+    plan = plan_request(geometry, job, first)
+    ratio, paged, groups = plan.ratio, plan.paged, plan.groups
     local_blocks, remote_blocks = [], []  # every group's pairs; one read per rank carries them all
     for blocks in groups:
         local, remote = pair_blocks(blocks, ratio, paged=paged)
         local_blocks += local
         remote_blocks += remote
     lease = None if job.expires_at is None else job.expires_at - lease_margin_s
-    peers = await asyncio.gather(*(_connect(engine, job, step.remote_rank) for step in plan))
+    peers = await asyncio.gather(*(connect_job_rank(engine, job, step.remote_rank) for step in plan.steps))
     results: list[TransferResult] = []
     started: list[Transfer] = []
 
@@ -551,7 +603,7 @@ async def receive(
 
     try:
         async with asyncio.TaskGroup() as group:
-            for step, peer in zip(plan, peers, strict=True):
+            for step, peer in zip(plan.steps, peers, strict=True):
                 group.create_task(one_rank(step, peer))
     except BaseExceptionGroup as group_error:  # callers want the typed error, not a group
         if not await engine.settle(started, timeout=engine.config.release_grace_s + 0.5):
@@ -561,12 +613,12 @@ async def receive(
     return results
 
 
-async def _connect(engine: TransferEngine, job: RecvJob, rank: int) -> Peer:
+async def connect_job_rank(engine: TransferEngine, job: RecvJob, rank: int) -> Peer:
     return await connect_rank(engine, job.host, job.port + rank if job.port else 0,
                               rank_engine_id(job.remote_engine_id, rank))  # fmt: skip
 
 
-def _compat(vllm_config: Any, attention: AttentionChoice) -> dict[str, str]:
+def _compat(vllm_config: Any, attention: AttentionChoice, transfer_mode: str) -> dict[str, str]:
     """What must agree between producer and reader (TP size and block size may differ).
 
     vLLM's own hash (model, dtype, KV heads, head size, layers, attention backend, cache dtype,
@@ -575,5 +627,5 @@ def _compat(vllm_config: Any, attention: AttentionChoice) -> dict[str, str]:
     """
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import compute_nixl_compatibility_hash
 
-    vllm_hash = compute_nixl_compatibility_hash(vllm_config, attention.backend, transfer_mode="pull")
+    vllm_hash = compute_nixl_compatibility_hash(vllm_config, attention.backend, transfer_mode=transfer_mode)
     return {"vllm": vllm_hash, "kv_cache_layout": attention.layout, "cpu_attn_isa": attention.isa or ""}

