@@ -119,13 +119,13 @@ class PushConnectorWorker(ConnectorWorker):
             return
         push_id = f"{PUSH_ID}{request_id}>{registration.decode_engine_id}"
         with self._push_lock:
-            self._push_ids[push_id] = (request_id, self._readers(registration))
-        try:
-            self.sync.submit(push_id, self._push, blocks, registration)
-        except ValueError:  # the same decode rank registered twice: the first push serves it
-            with self._push_lock:
-                self._push_ids.pop(push_id, None)
+            repeat = push_id in self._push_ids
+            if not repeat:
+                self._push_ids[push_id] = (request_id, self._readers(registration))
+        if repeat:  # the same decode rank registered twice: the push under way serves it
             self._book.ended(request_id)
+            return
+        self.sync.submit(push_id, self._push, blocks, registration)
 
     async def _push(self, engine: TransferEngine, blocks: tuple[list[int], ...], reg: PushRegistration) -> None:
         if self.geometry is None:
