@@ -67,19 +67,9 @@ class PushConnectorWorker(ConnectorWorker):
 
     # -- decode ----------------------------------------------------------------------------
     def _start_receive(self, request_id: str, req: Any) -> None:
-        remote = req.remote
-        if remote is None:
+        if req.remote is None:
             return
-        job = RecvJob(
-            request_id=request_id,
-            remote_request_id=remote.request_id,
-            remote_engine_id=remote.engine_id,
-            host=remote.host or "",
-            port=int(remote.port or 0),
-            remote_tp=int(req.tp_size),
-            groups=self._group_blocks(req),
-            expires_at=None,
-        )
+        job = self._recv_job(request_id, req, None)  # no lease: prefill writes when it is done
         if job.local_blocks:  # vLLM waits for it (an empty one only lets prefill free the request)
             self._awaiting[request_id] = job.local_blocks
         deadline = time.time() + self.settings.push_registration_timeout_s

@@ -347,11 +347,10 @@ class ConnectorWorker:
     def _answer_renewal(self, _sender: str, payload: bytes) -> bytes:
         return answer_renewal(self._sends, payload, self._lease_extension_s)
 
-    def _start_receive(self, request_id: str, req: Any) -> None:
+    def _recv_job(self, request_id: str, req: Any, expires_at: float | None) -> RecvJob:
+        """What a coroutine on the loop needs of vLLM's metadata for one request (`req.remote` set)."""
         remote = req.remote
-        if remote is None:
-            return
-        job = RecvJob(
+        return RecvJob(
             request_id=request_id,
             remote_request_id=remote.request_id,
             remote_engine_id=remote.engine_id,
@@ -359,8 +358,13 @@ class ConnectorWorker:
             port=int(remote.port or 0),  # unset when producers are found through etcd
             remote_tp=int(req.tp_size),
             groups=self._group_blocks(req),
-            expires_at=remote.blocks_expiry_time,
+            expires_at=expires_at,
         )
+
+    def _start_receive(self, request_id: str, req: Any) -> None:
+        if req.remote is None:
+            return
+        job = self._recv_job(request_id, req, req.remote.blocks_expiry_time)
         if req.awaiting_kvs:
             self._awaiting[request_id] = job.local_blocks
         try:

@@ -54,6 +54,15 @@ async def prefill_only(server: VllmServer, prompt: str, model: str) -> dict[str,
     return params
 
 
+def restart_with_weights(server: VllmServer, root: Path, model: str) -> None:
+    """Restart `server` with `root/model` pointing at `model` ("model-a" or "model-b")."""
+    server.kill()
+    (root / "model").unlink()
+    (root / "model").symlink_to(root / model)
+    server.start()
+    server.wait_ready(300)
+
+
 def counter(server: VllmServer, name: str) -> float:
     value = server.metric(name)
     assert value is not None, f"{name} missing from {server.url}/metrics"

@@ -25,7 +25,7 @@ import aiohttp
 
 from nixl_async_vllm.launch import PushTarget, VllmServer, kv_transfer_config, make_prompt, pd_push_complete, running
 
-from .pd_client import MAX_TOKENS, complete, counter, make_models, post
+from .pd_client import MAX_TOKENS, complete, counter, make_models, post, restart_with_weights
 
 pytestmark = pytest.mark.vllm
 
@@ -174,12 +174,7 @@ async def test_prefill_with_other_weights_changes_decode_output(cluster):
     root, servers = cluster
     prompts = [make_prompt(f"pushed weights {i}", 40 + 20 * i) for i in range(4)]
     want = [(await complete(servers["single"].url, p, _model(root)))["choices"][0]["text"] for p in prompts]
-    prefill = servers["prefill"]
-    prefill.kill()
-    (root / "model").unlink()
-    (root / "model").symlink_to(root / "model-b")
-    prefill.start()
-    prefill.wait_ready(300)
+    restart_with_weights(servers["prefill"], root, "model-b")
     got = [await _pushed_text(servers, p, _model(root)) for p in prompts]
     changed = sum(a != b for a, b in zip(want, got, strict=True))
     assert changed >= len(prompts) - 1, f"only {changed} of {len(prompts)} outputs changed: {got}"
