@@ -7,7 +7,7 @@ finished request waits for its registration (until its lease runs out).
 
 Decode and prefill name a request differently: vLLM appends a random ``-<8 hex>`` to the id a
 proxy gives both legs, so a registration matches a finished request by exact id, else by the
-id without that suffix (as vLLM's push connector matches them).
+id without that suffix (vLLM's `get_base_request_id`, as its push connector matches them).
 
 Decode plans the transfer from prefill's layout, as it does in pull mode (`tp_mapping`), and
 sends the plan's views; prefill only adds its own block ids, so one planner serves both modes.
@@ -15,14 +15,13 @@ sends the plan's views; prefill only adds its own block ids, so one planner serv
 
 from __future__ import annotations
 
-import re
 import threading
-from collections import deque
 from dataclasses import dataclass, field
 
 import msgspec
 
 from nixl_async import ViewSpec
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id as base_request_id
 
 __all__ = [
     "GONE",
@@ -39,12 +38,6 @@ PUSH_TOPIC = "kv_push"
 PUSH_PREFIX = b"push:"
 GONE = "gone"  # a registration for a request prefill has freed
 GONE_REMEMBERED = 4096  # freed requests remembered to answer late registrations
-_SUFFIX = re.compile(r"-[0-9a-f]{8}$", re.IGNORECASE)
-
-
-def base_request_id(request_id: str) -> str:
-    """`request_id` without vLLM's random ``-<8 hex>`` suffix."""
-    return _SUFFIX.sub("", request_id)
 
 
 def push_notification(decode_request_id: str, prefill_rank: int) -> bytes:
@@ -107,44 +100,37 @@ class PushBook:
     """
 
     _finished: dict[str, _Finished] = field(default_factory=dict)
-    _waiting: dict[str, list[PushRegistration]] = field(default_factory=dict)
-    _gone: deque[str] = field(default_factory=lambda: deque(maxlen=GONE_REMEMBERED))
+    _by_base: dict[str, str] = field(default_factory=dict)  # base id -> finished request
+    _waiting: dict[str, list[PushRegistration]] = field(default_factory=dict)  # by base id
+    _gone: dict[str, None] = field(default_factory=dict)  # base ids of released requests, oldest first
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def finished(self, request_id: str, blocks: tuple[list[int], ...]) -> list[PushRegistration]:
         """Prefill finished `request_id`: the registrations that were waiting for it (now running)."""
+        base = base_request_id(request_id)
         with self._lock:
-            matched = self._waiting.pop(request_id, [])
-            base = base_request_id(request_id)
-            for key in [k for k in self._waiting if base_request_id(k) == base]:
-                matched += self._waiting.pop(key)
+            matched = self._waiting.pop(base, [])
             self._finished[request_id] = _Finished(blocks, running=len(matched))
+            self._by_base[base] = request_id
             return matched
 
     def register(self, registration: PushRegistration) -> tuple[str, tuple[list[int], ...]] | str | None:
         """A decode rank registered: (prefill request, its blocks) to push now, None if it waits, or `GONE`."""
+        base = base_request_id(registration.request_id)
         with self._lock:
-            request_id = self._match(registration.request_id)
-            if request_id is None:
-                if self._was_released(registration.request_id):
+            request_id = registration.request_id
+            if request_id not in self._finished:
+                request_id = self._by_base.get(base, "")
+            entry = self._finished.get(request_id)
+            if entry is None:
+                if base in self._gone:
                     return GONE
-                self._waiting.setdefault(registration.request_id, []).append(registration)
+                self._waiting.setdefault(base, []).append(registration)
                 return None
-            entry = self._finished[request_id]
             if entry.closing:
                 return GONE
             entry.running += 1
             return request_id, entry.blocks
-
-    def _match(self, request_id: str) -> str | None:
-        if request_id in self._finished:
-            return request_id
-        base = base_request_id(request_id)
-        return next((k for k in self._finished if base_request_id(k) == base), None)
-
-    def _was_released(self, request_id: str) -> bool:
-        base = base_request_id(request_id)
-        return any(g == request_id or base_request_id(g) == base for g in self._gone)
 
     def ended(self, request_id: str) -> None:
         """One push of `request_id` ended (its transfers are quiet)."""
@@ -163,7 +149,12 @@ class PushBook:
                 entry.closing = True
                 return False
             del self._finished[request_id]
-            self._gone.append(request_id)
+            base = base_request_id(request_id)
+            if self._by_base.get(base) == request_id:
+                del self._by_base[base]
+            self._gone[base] = None
+            if len(self._gone) > GONE_REMEMBERED:
+                del self._gone[next(iter(self._gone))]
             return True
 
     def closing(self) -> list[str]:

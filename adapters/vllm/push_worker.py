@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Any
 
-from nixl_async import FinishedRequests, LayoutError, LeaseExpired, TransferEngine, TransferResult
+from nixl_async import FinishedRequests, LayoutError, LeaseExpired, TransferEngine, TransferResult, ViewSpec
 
 from .block_pairs import GroupBlocks, in_kernel_pages, pair_blocks
 from .push_book import (
@@ -105,7 +105,7 @@ class PushConnectorWorker(ConnectorWorker):
 
     def _start_push(self, request_id: str, blocks: tuple[list[int], ...], registration: PushRegistration) -> None:
         if not registration.write:  # decode reads nothing from this rank: it only lets it free
-            self._push_ended(request_id, registration)
+            self._served(request_id, self._readers(registration))
             return
         push_id = f"{PUSH_ID}{request_id}>{registration.decode_engine_id}"
         with self._push_lock:
@@ -126,8 +126,9 @@ class PushConnectorWorker(ConnectorWorker):
     def _readers(self, registration: PushRegistration) -> int:
         return expected_consumers(remote_tp=self.tp_size, local_tp=registration.decode_tp)
 
-    def _push_ended(self, request_id: str, registration: PushRegistration) -> None:
-        self._sends.notified(f"{request_id}:{self._readers(registration)}".encode())  # one more decode rank served
+    def _served(self, request_id: str, readers: int) -> None:
+        """One more of the `readers` decode ranks of `request_id` is served (or its push failed)."""
+        self._sends.notified(f"{request_id}:{readers}".encode())
         self._book.ended(request_id)
 
     def _own_finished(self, finished: FinishedRequests) -> FinishedRequests:
@@ -147,9 +148,7 @@ class PushConnectorWorker(ConnectorWorker):
             if error is not None:
                 log.warning("push %s failed: %s: %s", push_id, type(error).__name__, error)
                 self._record("num_failed_transfers", 1)
-            request_id, readers = entry
-            self._book.ended(request_id)
-            self._sends.notified(f"{request_id}:{readers}".encode())  # this decode rank is served (or failed)
+            self._served(*entry)
         return finished
 
     def _release(self, request_id: str) -> bool:
@@ -168,6 +167,7 @@ class PushConnectorWorker(ConnectorWorker):
         return super()._finished_sending()
 
 
+WHOLE = ViewSpec()  # every byte of a block
 WRITE_MARGIN_S = 2.0  # decode waits this long past `write_by` (plus the engine's release grace)
 
 
@@ -191,12 +191,12 @@ async def receive_pushed(
     groups = [PushGroup(g.kind, list(g.local), g.local_hit) for g in job.groups]
     write_by = deadline - margin_s
 
-    def registration(write: bool, decode_view: Any = None, prefill_view: Any = None) -> bytes:
-        views = {} if decode_view is None else {"decode_view": decode_view, "prefill_view": prefill_view}
+    def registration(write: bool, decode_view: ViewSpec = WHOLE, prefill_view: ViewSpec = WHOLE) -> bytes:
         return encode_registration(PushRegistration(
             request_id=job.remote_request_id, decode_request_id=job.request_id, decode_engine_id=engine.engine_id,
             decode_host=address[0], decode_port=address[1], decode_tp=geometry.tp_size,
-            decode_pages=geometry.pages_per_block, groups=groups, write=write, write_by=write_by, **views,
+            decode_pages=geometry.pages_per_block, groups=groups, write=write, write_by=write_by,
+            decode_view=decode_view, prefill_view=prefill_view,
         ))  # fmt: skip
 
     if not job.local_blocks:  # nothing to receive: only let prefill free the request
@@ -218,11 +218,11 @@ async def receive_pushed(
     await asyncio.sleep(0)  # the waiters are registered before anything can be written
     maybe_writing = False  # some prefill rank may have taken a registration to write
     try:
-        for step, peer in zip(plan.steps, peers, strict=True):
+        for i, (step, peer) in enumerate(zip(plan.steps, peers, strict=True)):
             maybe_writing |= step.read  # even if the reply is lost, the registration may have arrived
             reply = await engine.call(peer, PUSH_TOPIC, registration(step.read, step.local, step.remote))
             if reply == GONE.encode():
-                maybe_writing = any(s.read for s in plan.steps[: plan.steps.index(step)])
+                maybe_writing = any(s.read for s in plan.steps[:i])
                 raise PushRefused(f"prefill {peer.engine_id} no longer holds request {job.remote_request_id}",
                                   peer=peer.engine_id)  # fmt: skip
         await asyncio.gather(*waits)

@@ -40,13 +40,15 @@ def _adapt(scheduler: Any, vllm_config: Any) -> AdapterSettings:
     return settings
 
 
-class AdapterScheduler(NixlPullConnectorScheduler):
+class _WorkersServeHandshakes:
+    def set_xfer_handshake_metadata(self, metadata: Any) -> None:
+        """Workers serve their own handshakes; nothing to publish from the scheduler."""
+
+
+class AdapterScheduler(_WorkersServeHandshakes, NixlPullConnectorScheduler):
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, engine_id, kv_cache_config)
         self.settings = _adapt(self, vllm_config)
-
-    def set_xfer_handshake_metadata(self, metadata: Any) -> None:
-        """Workers serve their own handshakes; nothing to publish from the scheduler."""
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         delay, params = super().request_finished(request, block_ids)
@@ -56,13 +58,10 @@ class AdapterScheduler(NixlPullConnectorScheduler):
         return delay, params
 
 
-class AdapterPushScheduler(NixlPushConnectorScheduler):
+class AdapterPushScheduler(_WorkersServeHandshakes, NixlPushConnectorScheduler):
     """vLLM's push scheduler as is: decode stages registrations, prefill hands over finished blocks."""
 
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, engine_id, kv_cache_config)
         self.settings = _adapt(self, vllm_config)
         self._push_registration_timeout = self.settings.push_registration_timeout_s
-
-    def set_xfer_handshake_metadata(self, metadata: Any) -> None:
-        """Workers serve their own handshakes; nothing to publish from the scheduler."""

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import msgspec
+import pytest
+
+if os.environ.get("NIXL_ASYNC_REQUIRE_VLLM") != "1":
+    pytest.importorskip("vllm", reason="vLLM not installed (bash scripts/setup-vllm.sh)")
 
 from nixl_async import ViewSpec
 from nixl_async_vllm.push_book import (
