@@ -13,7 +13,9 @@ express the cases vLLM needs without per-block Python loops:
 
 - heterogeneous TP, reader has more ranks: the remote view takes this rank's head window;
 - heterogeneous TP, reader has fewer ranks: the local view takes the window a remote rank fills;
-- smaller remote blocks: the local view is split into `ratio` pieces, one per remote block.
+- smaller remote blocks: the local view is split into `ratio` pieces, one per remote block;
+- some layers only (a layer pushed as soon as it is computed): `regions` picks a range of
+  regions; the view's descriptor list still covers every region (prepared once for all ranges).
 
 Descriptor *i* of a view is ordered (region, part, piece, block), which lets NIXL prepare the
 whole view from one strided row per (region, part, piece) instead of one row per block.
@@ -122,9 +124,16 @@ class BlockLayout(msgspec.Struct, frozen=True, kw_only=True):
         out[:, 2] = self.device_id
         return out
 
-    def view(self, chunk_offset: int = 0, chunk_len: int | None = None, split: int = 1) -> BlockView:
-        """A view of this layout (see the module docstring); the default is whole blocks."""
-        return BlockView(self, chunk_offset, self.part_len - chunk_offset if chunk_len is None else chunk_len, split)
+    def view(
+        self,
+        chunk_offset: int = 0,
+        chunk_len: int | None = None,
+        split: int = 1,
+        regions: tuple[int, int] | None = None,
+    ) -> BlockView:
+        """A view of this layout (see the module docstring); the default is whole blocks of every region."""
+        length = self.part_len - chunk_offset if chunk_len is None else chunk_len
+        return BlockView(self, chunk_offset, length, split, regions)
 
     @classmethod
     def from_regions(
@@ -159,11 +168,27 @@ class BlockLayout(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class BlockView:
-    """A byte window of every part of every block of a layout, cut into `split` pieces."""
+    """A byte window of every part of every block of a layout, cut into `split` pieces.
 
-    __slots__ = ("_row_offsets", "chunk_len", "chunk_offset", "layout", "split")
+    `regions` (start, stop) limits the blocks' ids to those regions; `descriptors()` and the
+    prepared list (`key`) still cover all of them, so every region range shares one list.
+    """
 
-    def __init__(self, layout: BlockLayout, chunk_offset: int, chunk_len: int, split: int) -> None:
+    __slots__ = ("_row_offsets", "chunk_len", "chunk_offset", "layout", "regions", "split")
+
+    def __init__(
+        self,
+        layout: BlockLayout,
+        chunk_offset: int,
+        chunk_len: int,
+        split: int,
+        regions: tuple[int, int] | None = None,
+    ) -> None:
+        first, stop = (0, layout.num_regions) if regions is None else regions
+        if not 0 <= first < stop <= layout.num_regions:
+            raise LayoutError(
+                f"regions [{first}, {stop}) are not a range of layout {layout.name!r}'s {layout.num_regions} regions"
+            )
         if split <= 0:
             raise LayoutError(f"split must be > 0, got {split}")
         if chunk_offset < 0 or chunk_len <= 0 or chunk_offset + chunk_len > layout.part_len:
@@ -177,9 +202,16 @@ class BlockView:
         self.chunk_offset = chunk_offset
         self.chunk_len = chunk_len
         self.split = split
-        # Index of each (region, part) group's first descriptor, for piece 0.
-        rp = layout.num_regions * layout.num_parts
-        self._row_offsets = (np.arange(rp, dtype=np.int64) * (split * layout.num_blocks))[:, None]
+        self.regions = (first, stop)
+        # Index of each selected (region, part) group's first descriptor, for piece 0.
+        parts = layout.num_parts
+        groups = np.arange(first * parts, stop * parts, dtype=np.int64)
+        self._row_offsets = (groups * (split * layout.num_blocks))[:, None]
+
+    @property
+    def num_groups(self) -> int:
+        """(region, part) groups the view's ids cover: each unit of a transfer is one descriptor per group."""
+        return len(self._row_offsets)
 
     @property
     def key(self) -> tuple[str, int, int, int]:
@@ -227,7 +259,7 @@ class BlockView:
         return out.reshape(-1, 3)
 
     def descriptor_ids(self, block_ids: IdArray, pieces: IdArray | None = None) -> IdArray:
-        """Descriptor indices for `block_ids`, grouped by (region, part).
+        """Descriptor indices for `block_ids`, grouped by (region, part), in the view's regions only.
 
         Without `pieces`, every piece of each block is taken (unit order: block, then piece);
         with `pieces` (same length as `block_ids`) unit *u* takes piece ``pieces[u]``.
@@ -251,9 +283,10 @@ class ViewSpec(msgspec.Struct, frozen=True, kw_only=True):
     chunk_offset: int = 0
     chunk_len: int | None = None
     split: int = 1
+    regions: tuple[int, int] | None = None  # (start, stop): only these regions; None: all
 
     def resolve(self, layout: BlockLayout) -> BlockView:
-        return layout.view(self.chunk_offset, self.chunk_len, self.split)
+        return layout.view(self.chunk_offset, self.chunk_len, self.split, self.regions)
 
 
 def as_block_ids(
@@ -312,10 +345,9 @@ def pair_descriptor_ids(
         raise LayoutError(
             f"descriptor sizes differ: local pieces are {local.piece_len} bytes, remote {remote.piece_len}"
         )
-    lrp = local.layout.num_regions * local.layout.num_parts
-    rrp = remote.layout.num_regions * remote.layout.num_parts
+    lrp, rrp = local.num_groups, remote.num_groups
     if lrp != rrp:
-        raise LayoutError(f"layouts differ in regions x parts: local {lrp}, remote {rrp}")
+        raise LayoutError(f"views differ in regions x parts: local {lrp}, remote {rrp}")
     units = len(local_ids) * local.split
     if units != len(remote_ids) * remote.split:
         raise LayoutError(

@@ -84,6 +84,35 @@ def test_descriptor_ids_select_the_blocks(view, data):
         assert start <= int(addr) and int(addr) + int(length) <= start + lay.block_len
 
 
+@settings(max_examples=200, deadline=None)
+@given(views(), st.data())
+def test_a_region_range_selects_exactly_those_regions_blocks(view, data):
+    """A view of some regions (a layer pushed alone) takes the same descriptors as the whole view, in them only."""
+    lay = view.layout
+    start = data.draw(st.integers(0, lay.num_regions - 1))
+    stop = data.draw(st.integers(start + 1, lay.num_regions))
+    ids = np.array(data.draw(st.lists(st.integers(0, lay.num_blocks - 1), max_size=12)), dtype=np.int64)
+    some = lay.view(view.chunk_offset, view.chunk_len, view.split, (start, stop))
+    assert some.key == view.key and np.array_equal(some.descriptors(), view.descriptors())  # one prepared list
+    per_group = len(ids) * view.split
+    whole = view.descriptor_ids(ids)
+    want = whole[start * lay.num_parts * per_group : stop * lay.num_parts * per_group]
+    assert np.array_equal(some.descriptor_ids(ids), want)
+    assert some.num_groups == (stop - start) * lay.num_parts
+
+
+def test_region_ranges_pair_only_with_as_many_regions():
+    lay = BlockLayout.from_regions("kv", [0, 1 << 20, 2 << 20], num_blocks=8, block_len=64)
+    one = ViewSpec(regions=(1, 2)).resolve(lay)
+    lidx, ridx = pair_descriptor_ids(one, np.array([3]), ViewSpec(regions=(2, 3)).resolve(lay), np.array([5]))
+    assert lidx.tolist() == [8 + 3] and ridx.tolist() == [16 + 5]
+    with pytest.raises(LayoutError, match="regions x parts"):
+        pair_descriptor_ids(one, np.array([3]), lay.view(), np.array([5]))
+    for bad in [(0, 0), (2, 1), (0, 4), (-1, 1)]:
+        with pytest.raises(LayoutError, match="not a range"):
+            lay.view(regions=bad)
+
+
 @settings(max_examples=150, deadline=None)
 @given(st.integers(1, 4), st.integers(1, 6), st.sampled_from([1, 2, 4]), st.data())
 def test_pairing_with_block_size_ratio(regions, n_local, ratio, data):

@@ -46,6 +46,25 @@ async def _tcp_peer(engine, factory, blocks, block_len):
     return proc, await engine.connect(*proc.address)
 
 
+async def test_a_region_range_moves_those_regions_only(nixl_engine, nixl_peer):
+    """One layer at a time (progressive push): a view of some regions pairs them with the peer's, nothing else moves."""
+    regions = _regions()
+    nixl_engine.register("kv", regions, block_len=BLOCK)
+    peer = await nixl_engine.connect(*nixl_peer.address)
+    result = await nixl_engine.read(
+        peer, [3, 9], [7, 60], local=ViewSpec(regions=(1, 2)), remote=ViewSpec(regions=(0, 1))
+    )
+    assert result.nbytes == 2 * BLOCK
+    assert not regions[0].any(), "region 0 was not asked for"
+    for local, remote in [(3, 7), (9, 60)]:
+        assert np.array_equal(regions[1][local * BLOCK : (local + 1) * BLOCK], pattern_block(1, 0, remote, BLOCK))
+    assert np.count_nonzero(regions[1]) == np.count_nonzero(regions[1][3 * BLOCK : 4 * BLOCK]) + np.count_nonzero(
+        regions[1][9 * BLOCK : 10 * BLOCK]
+    )
+    with pytest.raises(LayoutError, match="regions x parts"):
+        await nixl_engine.read(peer, [3], [7], local=ViewSpec(regions=(1, 2)))
+
+
 async def test_read_round_trip_and_notification(nixl_engine, nixl_peer):
     regions = _regions()
     nixl_engine.register("kv", regions, block_len=BLOCK)
