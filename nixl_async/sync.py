@@ -250,6 +250,16 @@ class SyncEngine:
 
         self._loop.call_soon_threadsafe(start)
 
+    def call_soon(self, func: Callable[..., object], *args: Any) -> None:
+        """Run the plain callable ``func(*args)`` on the loop thread soon; returns at once.
+
+        For handing small facts to coroutines already running there (e.g. put on their queue)
+        from a thread that must not wait: no task, no future, one wake-up of the loop.
+        """
+        if self._closed:
+            raise EngineClosedError("the sync engine is closed")
+        self._loop.call_soon_threadsafe(func, *args)
+
     def poke(self) -> None:
         """Have the loop progress NIXL and drain notifications soon (`TransferEngine.poll_soon`).
 

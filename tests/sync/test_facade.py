@@ -148,6 +148,21 @@ def test_pokes_the_loop_has_not_taken_yet_are_one_wake_up(sync_engine):
     assert len(woken) == 2
 
 
+def test_call_soon_runs_on_the_loop_thread_in_order_without_waiting(sync_engine):
+    seen: list[tuple[int, str]] = []
+    blocker = threading.Thread(target=sync_engine.call, args=(lambda: time.sleep(0.3),))
+    blocker.start()
+    time.sleep(0.05)  # the loop is busy: call_soon must not wait for it
+    started = time.monotonic()
+    for i in range(3):
+        sync_engine.call_soon(lambda i: seen.append((i, threading.current_thread().name)), i)
+    assert time.monotonic() - started < 0.05 and seen == []
+    blocker.join()
+    sync_engine.call(lambda: None)
+    assert [i for i, _ in seen] == [0, 1, 2]
+    assert {name for _, name in seen} == {sync_engine.call(lambda: threading.current_thread().name)}
+
+
 def test_caller_thread_never_touches_the_agent(sync_engine):
     with pytest.raises(WrongThreadError):
         sync_engine.engine.register("kv", [np.zeros(BLOCK, np.uint8)], block_len=BLOCK)
