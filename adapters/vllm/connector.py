@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 if TYPE_CHECKING:
+    from .push_worker import PushConnectorWorker
     from .scheduler import AdapterScheduler
     from .worker import ConnectorWorker
 
@@ -181,6 +182,13 @@ class NixlAsyncPushConnector(NixlAsyncConnector):
         from .push_worker import PushConnectorWorker
 
         return PushConnectorWorker
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        """With ``push_progressive``: the layer is computed for this step; its finished blocks may go now."""
+        self._push_worker().save_kv_layer(layer_name, self._connector_metadata)
+
+    def _push_worker(self) -> PushConnectorWorker:
+        return self._work()  # type: ignore[return-value]
 
     def has_pending_push_work(self) -> bool:
         """Keep vLLM's engine stepping while pushes are pending (its scheduler knows which)."""

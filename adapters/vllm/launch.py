@@ -47,6 +47,7 @@ CONNECTORS = {
     "nixl_async": ("NixlAsyncConnector", "nixl_async_vllm.connector"),
     "vllm": ("NixlConnector", "nixl_async_benchmarks.stock_nixl"),
     "nixl_async_push": ("NixlAsyncPushConnector", "nixl_async_vllm.connector"),
+    "vllm_push": ("NixlPushConnector", "nixl_async_benchmarks.stock_nixl"),
 }
 
 
@@ -91,6 +92,7 @@ class VllmServer:
     max_model_len: int = 512
     max_num_seqs: int = 8
     kv_cache_bytes: int = 64 << 20
+    max_num_batched_tokens: int | None = None  # default: max(512, max_model_len), one chunk per prompt
     extra_env: dict[str, str] = field(default_factory=dict)
     log_path: Path | None = None
     # Another host: the server's address (HTTP, side channel, UCX device) and a command prefix
@@ -110,7 +112,8 @@ class VllmServer:
             *self.command_prefix, sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
             "--host", self.host, "--port", str(self.port), "--dtype", "bfloat16",
             "--max-model-len", str(self.max_model_len), "--max-num-seqs", str(self.max_num_seqs),
-            "--max-num-batched-tokens", str(max(512, self.max_model_len)), "--enforce-eager", "--seed", "0",
+            "--max-num-batched-tokens", str(self.max_num_batched_tokens or max(512, self.max_model_len)),
+            "--enforce-eager", "--seed", "0",
             "--kv-cache-memory-bytes", str(self.kv_cache_bytes),
         ]  # fmt: skip
         if self.kv_config is not None:

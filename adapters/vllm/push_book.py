@@ -60,6 +60,11 @@ class PushRegistration(msgspec.Struct, frozen=True, kw_only=True):
     prefix hit): it only lets prefill free the request. `write_by` is decode's wall clock:
     prefill never starts a WRITE after it and cancels one still running then, and decode
     gives up on the request only once it has passed (no byte lands in blocks decode reused).
+
+    The views are byte windows of one block on each side (a TP rank's heads). When prefill's
+    blocks hold `decode_block_size` times k tokens (k > 1, vLLM's one block-size ratio in push),
+    prefill cuts each of its blocks into k pieces by token runs, one per decode block
+    (`push_worker.write_parts`); the views still say which bytes of a block each side holds.
     """
 
     request_id: str  # prefill's, as the proxy named it (maybe without vLLM's suffix)
@@ -74,6 +79,7 @@ class PushRegistration(msgspec.Struct, frozen=True, kw_only=True):
     decode_view: ViewSpec = ViewSpec()  # which bytes of decode's blocks this prefill rank fills
     prefill_view: ViewSpec = ViewSpec()  # ... from which bytes of its own
     write_by: float = 0.0
+    decode_block_size: int = 0  # tokens per decode kernel page; 0: as many as prefill's (no ratio)
 
 
 encode_registration = msgspec.msgpack.Encoder().encode
@@ -81,86 +87,106 @@ decode_registration = msgspec.msgpack.Decoder(PushRegistration).decode
 
 
 @dataclass
-class _Finished:
-    blocks: tuple[list[int], ...]
+class _Entry:
+    blocks: tuple[list[int], ...] | None  # None while prefill still computes the request (progressive push)
     running: int = 0  # pushes started and not yet ended
     closing: bool = False  # to be freed: matches no more registrations
 
 
 @dataclass
 class PushBook:
-    """Prefill side: finished requests and decode registrations, matched as they meet.
+    """Prefill side: requests and decode registrations, matched as they meet.
 
     `finished` and `register` return the pushes to start; each counts as running until
     `ended`. A request may take several registrations (several decode ranks read one prefill
-    rank). `release` says whether a request's blocks may be freed: not while a push of it runs
-    (the push reads them); it then matches nothing more. A registration for a request already
-    released is answered `GONE`, so decode fails it at once instead of waiting. Registrations
-    nobody claims are dropped once their `write_by` has passed (`expire`).
+    rank). With progressive push, `claim` takes the registrations of a request prefill is still
+    computing (its layers are pushed as they are computed); later ones wait for the next claim
+    or for `finished`. `release` says whether a request's blocks may be freed: not while a push
+    of it runs (the push reads them); it then matches nothing more. A registration for a
+    request already released is answered `GONE`, so decode fails it at once instead of waiting.
+    Registrations nobody claims are dropped once their `write_by` has passed (`expire`).
     """
 
-    _finished: dict[str, _Finished] = field(default_factory=dict)
-    _by_base: dict[str, str] = field(default_factory=dict)  # base id -> finished request
+    _entries: dict[str, _Entry] = field(default_factory=dict)
+    _by_base: dict[str, str] = field(default_factory=dict)  # base id -> request
     _waiting: dict[str, list[PushRegistration]] = field(default_factory=dict)  # by base id
     _gone: dict[str, None] = field(default_factory=dict)  # base ids of released requests, oldest first
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
+    def _take_waiting(self, request_id: str, blocks: tuple[list[int], ...] | None) -> list[PushRegistration]:
+        base = base_request_id(request_id)
+        entry = self._entries.setdefault(request_id, _Entry(blocks))
+        if blocks is not None:
+            entry.blocks = blocks
+        self._by_base[base] = request_id
+        if entry.closing:
+            return []
+        matched = self._waiting.pop(base, [])
+        entry.running += len(matched)
+        return matched
+
+    def claim(self, request_id: str) -> list[PushRegistration]:
+        """Prefill computes `request_id` now: the registrations waiting for it (now running)."""
+        with self._lock:
+            return self._take_waiting(request_id, None)
+
     def finished(self, request_id: str, blocks: tuple[list[int], ...]) -> list[PushRegistration]:
         """Prefill finished `request_id`: the registrations that were waiting for it (now running)."""
-        base = base_request_id(request_id)
         with self._lock:
-            matched = self._waiting.pop(base, [])
-            self._finished[request_id] = _Finished(blocks, running=len(matched))
-            self._by_base[base] = request_id
-            return matched
+            return self._take_waiting(request_id, blocks)
 
     def register(self, registration: PushRegistration) -> tuple[str, tuple[list[int], ...]] | str | None:
         """A decode rank registered: (prefill request, its blocks) to push now, None if it waits, or `GONE`."""
         base = base_request_id(registration.request_id)
         with self._lock:
             request_id = registration.request_id
-            if request_id not in self._finished:
+            if request_id not in self._entries:
                 request_id = self._by_base.get(base, "")
-            entry = self._finished.get(request_id)
-            if entry is None:
-                if base in self._gone:
-                    return GONE
+            entry = self._entries.get(request_id)
+            if entry is not None and entry.closing:
+                return GONE
+            if entry is None and base in self._gone:
+                return GONE
+            if entry is None or entry.blocks is None:  # not computed yet: the next claim or `finished` takes it
                 self._waiting.setdefault(base, []).append(registration)
                 return None
-            if entry.closing:
-                return GONE
             entry.running += 1
             return request_id, entry.blocks
 
     def ended(self, request_id: str) -> None:
         """One push of `request_id` ended (its transfers are quiet)."""
         with self._lock:
-            entry = self._finished.get(request_id)
+            entry = self._entries.get(request_id)
             if entry is not None:
                 entry.running -= 1
+                if entry.closing and entry.running <= 0:
+                    self._forget(request_id)
 
     def release(self, request_id: str) -> bool:
         """May `request_id`'s blocks be freed? Not while a push reads them (it then matches nothing more)."""
         with self._lock:
-            entry = self._finished.get(request_id)
+            entry = self._entries.get(request_id)
             if entry is None:
                 return True
             if entry.running > 0:
                 entry.closing = True
                 return False
-            del self._finished[request_id]
-            base = base_request_id(request_id)
-            if self._by_base.get(base) == request_id:
-                del self._by_base[base]
-            self._gone[base] = None
-            if len(self._gone) > GONE_REMEMBERED:
-                del self._gone[next(iter(self._gone))]
+            self._forget(request_id)
             return True
+
+    def _forget(self, request_id: str) -> None:
+        del self._entries[request_id]
+        base = base_request_id(request_id)
+        if self._by_base.get(base) == request_id:
+            del self._by_base[base]
+        self._gone[base] = None
+        if len(self._gone) > GONE_REMEMBERED:
+            del self._gone[next(iter(self._gone))]
 
     def closing(self) -> list[str]:
         """Requests to be freed once their running pushes end."""
         with self._lock:
-            return [r for r, entry in self._finished.items() if entry.closing]
+            return [r for r, entry in self._entries.items() if entry.closing]
 
     def expire(self, wall_now: float) -> list[PushRegistration]:
         """Drop (and return) waiting registrations whose `write_by` has passed."""

@@ -11,38 +11,59 @@ notification, which NIXL delivers after the WRITE's data. Registrations carry ``
 Decode gives up only at ``write_by`` plus a margin, so when vLLM hears a request failed and
 reuses its blocks, no WRITE can still land in them.
 
+Block sizes: as with vLLM's push connector, prefill's blocks may hold k times decode's tokens
+(never fewer). Each prefill block is then cut into k pieces, one per decode block: by token runs
+in a head-major block, so one WRITE per run and block group (`write_parts`, with
+`tp_mapping.split_for_block_ratio`'s cut, pull's roles swapped). Decode hears from a prefill
+rank once, after all of its WRITEs' data.
+
 Prefill: registrations (answered on the loop) and finished requests (from vLLM's metadata)
 meet in a `PushBook`; each match runs `push` as a request of the sync facade, so its result is
 reported only once NIXL holds none of its transfers. A request's blocks go back to vLLM when
 every decode rank's push ended, or its lease ran out and no push still reads them.
+
+Progressive push (``push_progressive``): a registration that arrives while prefill still
+computes the request is claimed at the next step, and `push_progressively` WRITEs each layer's
+completed blocks as vLLM reports the layer computed (`save_kv_layer`), then commits the request
+at its end (see `progressive`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
 from typing import Any
 
-from nixl_async import FinishedRequests, LayoutError, LeaseExpired, TransferEngine, TransferResult, ViewSpec
+import msgspec
 
-from .block_pairs import GroupBlocks, in_kernel_pages, pair_blocks
+from nixl_async import (
+    FinishedRequests,
+    LayoutError,
+    LeaseExpired,
+    Transfer,
+    TransferEngine,
+    TransferResult,
+)
+
+from .progressive import LayerCoverage, LayerReady, PrefillStep, ProgressiveFeed, RequestDone
 from .push_book import (
     GONE,
     PUSH_TOPIC,
     PushBook,
-    PushGroup,
     PushRegistration,
     decode_registration,
     encode_registration,
     push_notification,
 )
-from .settings import connect_rank
+from .push_plan import WHOLE, WritePart, layer_parts, make_registration, registrations_for, write_parts
+from .settings import UnsupportedSetting, connect_rank
 from .tp_mapping import expected_consumers, remote_ranks
-from .worker import ConnectorWorker, KVGeometry, RecvJob, connect_job_rank, plan_request
+from .worker import LAYOUT, ConnectorWorker, KVGeometry, RecvJob, connect_job_rank
 
-__all__ = ["PushConnectorWorker", "push", "receive_pushed"]
+__all__ = ["PushConnectorWorker", "PushRefused", "push", "push_progressively", "receive_pushed"]
 
 log = logging.getLogger(f"vllm.{__name__}")
 
@@ -63,6 +84,11 @@ class PushConnectorWorker(ConnectorWorker):
         self._push_ids: dict[str, tuple[str, int]] = {}
         self._push_lock = threading.Lock()
         self._cancelled: set[str] = set()  # pushes cancelled because their request's lease ran out
+        # progressive push (model thread): each request's pushes, this step's hand-over, layer -> region
+        self._feeds: dict[str, list[ProgressiveFeed]] = {}
+        self._layer_jobs: list[tuple[ProgressiveFeed, LayerReady]] = []
+        self._jobs_metadata: Any = None  # the step `_layer_jobs` were set up for
+        self._layer_regions: dict[str, int] = {}
         self.sync.handle_calls(PUSH_TOPIC, self._answer_registration)
 
     # -- decode ----------------------------------------------------------------------------
@@ -85,14 +111,85 @@ class PushConnectorWorker(ConnectorWorker):
                              margin_s=engine.config.release_grace_s + WRITE_MARGIN_S)  # fmt: skip
 
     # -- prefill ---------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        super().register_kv_caches(kv_caches)
+        if self.settings.push_progressive:
+            self._layer_regions = self._progressive_regions(kv_caches)
+
+    def _progressive_regions(self, kv_caches: dict[str, Any]) -> dict[str, int]:
+        """Which registered region each attention layer's KV lives in (refusing what cannot go layer by layer)."""
+        why = None
+        if self.group_kinds != ("full",):
+            why = f"KV cache groups {self.group_kinds} (one full-attention group needed)"
+        elif self._host_caches or self._regions[0].device.type != "cpu":
+            why = ("CUDA caches: vLLM reports a layer computed while its kernel may still be queued "
+                   "(not handled yet)")  # fmt: skip
+        if why is not None:
+            raise UnsupportedSetting(f"kv_connector_extra_config['push_progressive'] is not supported here: {why}")
+        region_of = {int(t.data_ptr()): i for i, t in enumerate(self._regions)}
+        return {name: region_of[int(t.data_ptr())] for name, t in kv_caches.items()}
+
     def start_load_kv(self, metadata: Any) -> None:
         super().start_load_kv(metadata)
         if metadata is None:
             return
+        for request_id in metadata.reqs_not_processed:  # prefill dropped it: stop pushing its layers
+            self._abandon(request_id)
         for request_id, blocks in getattr(metadata, "push_finished_blocks", {}).items():
             grouped = tuple(list(map(int, g)) for g in blocks)
+            for feed in self._feeds.pop(request_id, []):
+                self.sync.call_soon(feed.give, RequestDone(grouped))
             for registration in self._book.finished(request_id, grouped):
                 self._start_push(request_id, grouped, registration)
+
+    def _step_jobs(self, steps: dict[str, PrefillStep]) -> list[tuple[ProgressiveFeed, LayerReady]]:
+        """This step's hand-over to each progressive push: the blocks it completes (a layer's region set later)."""
+        jobs = []
+        for request_id, step in steps.items():
+            for registration in self._book.claim(request_id):
+                self._start_progressive(request_id, step, registration)
+            done = step.done_blocks(self.block_size)
+            for feed in self._feeds.get(request_id, []):
+                if done > feed.next_block:
+                    jobs.append((feed, LayerReady(-1, feed.next_block, done, step.blocks[0], step.resumed)))
+                    feed.next_block = done
+        return jobs
+
+    def save_kv_layer(self, layer_name: str, metadata: Any) -> None:
+        """vLLM computed `layer_name` for this step: hand its completed blocks to the progressive pushes.
+
+        vLLM 0.32 calls `start_load_kv` after the forward pass (unless a load must precede it), so
+        the step's hand-over is set up here, at its first layer.
+        """
+        if metadata is not self._jobs_metadata:
+            self._jobs_metadata = metadata
+            self._layer_jobs = self._step_jobs(getattr(metadata, "push_steps", None) or {})
+        jobs = self._layer_jobs
+        if not jobs:
+            return
+        region = self._layer_regions.get(layer_name)
+        if region is not None:
+            self.sync.call_soon(_give_layer, region, jobs)
+
+    def _start_progressive(self, request_id: str, step: PrefillStep, registration: PushRegistration) -> None:
+        push_id = self._claim_push_id(request_id, registration)
+        if push_id is None:
+            return
+        feed = ProgressiveFeed(push_id, step.prompt_blocks(self.block_size))
+        self._feeds.setdefault(request_id, []).append(feed)
+        self.sync.submit(push_id, self._push_progressively, registration, feed)
+
+    async def _push_progressively(self, engine: TransferEngine, reg: PushRegistration, feed: ProgressiveFeed) -> None:
+        if self.geometry is None:
+            raise LayoutError("register_kv_caches() has not run")
+        for result in await push_progressively(engine, self.geometry, reg, feed, len(self._regions)):
+            self._results.put(result)
+
+    def _abandon(self, request_id: str) -> None:
+        """Prefill will not finish `request_id` (aborted): end its progressive pushes, forget it."""
+        for feed in self._feeds.pop(request_id, []):
+            self.sync.cancel(feed.push_id)
+        self._book.release(request_id)
 
     def _answer_registration(self, _sender: str, payload: bytes) -> bytes:
         registration = decode_registration(payload)  # a malformed one raises ValueError: refused
@@ -104,9 +201,15 @@ class PushConnectorWorker(ConnectorWorker):
         return b"ok"
 
     def _start_push(self, request_id: str, blocks: tuple[list[int], ...], registration: PushRegistration) -> None:
+        push_id = self._claim_push_id(request_id, registration)
+        if push_id is not None:
+            self.sync.submit(push_id, self._push, blocks, registration)
+
+    def _claim_push_id(self, request_id: str, registration: PushRegistration) -> str | None:
+        """The facade id of the push `registration` asks for; None if there is nothing to push (book updated)."""
         if not registration.write:  # decode reads nothing from this rank: it only lets it free
             self._served(request_id, self._readers(registration))
-            return
+            return None
         push_id = f"{PUSH_ID}{request_id}>{registration.decode_engine_id}"
         with self._push_lock:
             repeat = push_id in self._push_ids
@@ -114,8 +217,8 @@ class PushConnectorWorker(ConnectorWorker):
                 self._push_ids[push_id] = (request_id, self._readers(registration))
         if repeat:  # the same decode rank registered twice: the push under way serves it
             self._book.ended(request_id)
-            return
-        self.sync.submit(push_id, self._push, blocks, registration)
+            return None
+        return push_id
 
     async def _push(self, engine: TransferEngine, blocks: tuple[list[int], ...], reg: PushRegistration) -> None:
         if self.geometry is None:
@@ -167,7 +270,6 @@ class PushConnectorWorker(ConnectorWorker):
         return super()._finished_sending()
 
 
-WHOLE = ViewSpec()  # every byte of a block
 WRITE_MARGIN_S = 2.0  # decode waits this long past `write_by` (plus the engine's release grace)
 
 
@@ -183,46 +285,37 @@ async def receive_pushed(
     """Decode: register `job`'s blocks with every prefill rank it needs and wait for their WRITEs.
 
     `deadline` is this host's wall clock. Raises `PushRefused` when prefill freed the request
-    already, `LayoutError` for what push cannot place, and `NotificationTimeout` at `deadline`
-    (never earlier once a registration was sent: a prefill rank may write until
-    ``deadline - margin_s``).
+    already, `LayoutError` for what push cannot place (before any registration is sent), and
+    `NotificationTimeout` at `deadline` (never earlier once a registration was sent: a prefill
+    rank may write until ``deadline - margin_s``).
     """
-    ranks = remote_ranks(local_tp=geometry.tp_size, local_rank=geometry.tp_rank, remote_tp=job.remote_tp)
-    groups = [PushGroup(g.kind, list(g.local), g.local_hit) for g in job.groups]
     write_by = deadline - margin_s
-
-    def registration(write: bool, decode_view: ViewSpec = WHOLE, prefill_view: ViewSpec = WHOLE) -> bytes:
-        return encode_registration(PushRegistration(
-            request_id=job.remote_request_id, decode_request_id=job.request_id, decode_engine_id=engine.engine_id,
-            decode_host=address[0], decode_port=address[1], decode_tp=geometry.tp_size,
-            decode_pages=geometry.pages_per_block, groups=groups, write=write, write_by=write_by,
-            decode_view=decode_view, prefill_view=prefill_view,
-        ))  # fmt: skip
-
+    ranks = remote_ranks(local_tp=geometry.tp_size, local_rank=geometry.tp_rank, remote_tp=job.remote_tp)
     if not job.local_blocks:  # nothing to receive: only let prefill free the request
         peers = await asyncio.gather(*(connect_job_rank(engine, job, rank) for rank in ranks))
-        await asyncio.gather(*(engine.call(peer, PUSH_TOPIC, registration(False)) for peer in peers))
+        registration = make_registration(geometry, job, decode_engine_id=engine.engine_id, decode_address=address,
+                                     write_by=write_by, write=False)  # fmt: skip
+        payload = encode_registration(registration)
+        await asyncio.gather(*(engine.call(peer, PUSH_TOPIC, payload) for peer in peers))
         return
     first = await connect_job_rank(engine, job, ranks[0])
-    plan = plan_request(geometry, job, first)
-    if plan.ratio != 1:
-        raise LayoutError(f"push mode: prefill blocks {plan.ratio}x smaller than decode's are not supported "
-                          "(pull mode reads them)")  # fmt: skip
-    peers = await asyncio.gather(*(connect_job_rank(engine, job, step.remote_rank) for step in plan.steps))
+    registrations = registrations_for(geometry, job, first, decode_engine_id=engine.engine_id, decode_address=address,
+                                      write_by=write_by)  # fmt: skip
+    peers = await asyncio.gather(*(connect_job_rank(engine, job, rank) for rank, _ in registrations))
     # Wait first: a fast WRITE's notification may arrive before the registration's reply.
     waits = [
-        asyncio.ensure_future(engine.wait_notifications(push_notification(job.request_id, step.remote_rank), 1,
+        asyncio.ensure_future(engine.wait_notifications(push_notification(job.request_id, rank), 1,
                                                         timeout=max(0.0, deadline - time.time())))
-        for step in plan.steps if step.read
+        for rank, registration in registrations if registration.write
     ]  # fmt: skip
     await asyncio.sleep(0)  # the waiters are registered before anything can be written
     maybe_writing = False  # some prefill rank may have taken a registration to write
     try:
-        for i, (step, peer) in enumerate(zip(plan.steps, peers, strict=True)):
-            maybe_writing |= step.read  # even if the reply is lost, the registration may have arrived
-            reply = await engine.call(peer, PUSH_TOPIC, registration(step.read, step.local, step.remote))
+        for i, ((_rank, registration), peer) in enumerate(zip(registrations, peers, strict=True)):
+            maybe_writing |= registration.write  # even if the reply is lost, the registration may have arrived
+            reply = await engine.call(peer, PUSH_TOPIC, encode_registration(registration))
             if reply == GONE.encode():
-                maybe_writing = any(s.read for s in plan.steps[:i])
+                maybe_writing = any(r.write for _, r in registrations[:i])
                 raise PushRefused(f"prefill {peer.engine_id} no longer holds request {job.remote_request_id}",
                                   peer=peer.engine_id)  # fmt: skip
         await asyncio.gather(*waits)
@@ -238,21 +331,105 @@ async def receive_pushed(
 async def push(
     engine: TransferEngine, geometry: KVGeometry, blocks: tuple[list[int], ...], reg: PushRegistration
 ) -> TransferResult:
-    """Prefill: WRITE one request's `blocks` into what decode rank `reg` registered, with its notification."""
+    """Prefill: WRITE one request's `blocks` into what decode rank `reg` registered, then notify it.
+
+    Every part of `write_parts` is written (none starts after ``reg.write_by``); the
+    notification rides on the smallest part, started once all others completed, so decode
+    hears it only after every byte. If a part fails, the others are cancelled and settled (NIXL
+    holds none of their handles) before the error is raised, and decode is not notified. The
+    result sums the parts (bytes, descriptors, slices).
+    """
+    parts = write_parts(geometry, blocks, reg)  # refused here, before anything is written
     peer = await connect_rank(engine, reg.decode_host, reg.decode_port, reg.decode_engine_id)
-    if len(blocks) != len(reg.groups):
-        raise LayoutError(f"decode registered {len(reg.groups)} KV cache groups, prefill holds {len(blocks)}")
-    paged = geometry.pages_per_block > 1 or reg.decode_pages > 1
-    decode_ids: list[int] = []
-    prefill_ids: list[int] = []
-    for group, mine in zip(reg.groups, blocks, strict=True):
-        pair = GroupBlocks(group.kind, list(group.blocks), list(mine), group.hit)  # as decode sees it
-        if paged:
-            pair = in_kernel_pages(pair, reg.decode_pages, geometry.pages_per_block)
-        theirs, ours = pair_blocks(pair, 1, paged=paged)
-        decode_ids += theirs
-        prefill_ids += ours
-    return await engine.write(
-        peer, prefill_ids, decode_ids, local=reg.prefill_view, remote=reg.decode_view,
-        notify=push_notification(reg.decode_request_id, geometry.tp_rank), lease_expires_at=reg.write_by,
+    notify = push_notification(reg.decode_request_id, geometry.tp_rank)
+    if len(parts) <= 1:  # one WRITE (or only the notification: nothing to write)
+        part = parts[0] if parts else WritePart([], [], WHOLE, WHOLE)
+        return await engine.write(peer, part.prefill_blocks, part.decode_blocks, local=part.prefill_view,
+                                  remote=part.decode_view, notify=notify, lease_expires_at=reg.write_by)  # fmt: skip
+    last = min(range(len(parts)), key=lambda i: len(parts[i].decode_blocks))
+    began = time.perf_counter()
+    started: list[Transfer] = []
+    try:
+        for part in parts[:last] + parts[last + 1 :]:
+            started.append(await engine.start_write(peer, part.prefill_blocks, part.decode_blocks,
+                                                    local=part.prefill_view, remote=part.decode_view,
+                                                    lease_expires_at=reg.write_by))  # fmt: skip
+        await asyncio.wait([t.future for t in started], return_when=asyncio.FIRST_EXCEPTION)
+        for transfer in started:
+            error = transfer.exception() if transfer.done() else None
+            if error is not None:
+                raise error
+        results = [t.result() for t in started]
+        part = parts[last]
+        final = await engine.start_write(peer, part.prefill_blocks, part.decode_blocks, local=part.prefill_view,
+                                         remote=part.decode_view, notify=notify,
+                                         lease_expires_at=reg.write_by)  # fmt: skip
+        started.append(final)
+        results.append(await final)
+    except BaseException:
+        if not await engine.settle(started, timeout=engine.config.release_grace_s + 0.5):
+            log.error("push of %s to %s: NIXL still holds WRITEs after cancelling them", reg.request_id,
+                      reg.decode_engine_id)  # fmt: skip
+        raise
+    return msgspec.structs.replace(
+        results[-1], nbytes=sum(r.nbytes for r in results), descriptors=sum(r.descriptors for r in results),
+        slices=sum(r.slices for r in results), seconds=time.perf_counter() - began,
+        post_seconds=sum(r.post_seconds for r in results),
+        wire_seconds=max(r.wire_seconds for r in results[:-1]) + results[-1].wire_seconds,
     )  # fmt: skip
+
+
+# -- prefill: progressive push ----------------------------------------------------------------
+def _give_layer(region: int, jobs: list[tuple[ProgressiveFeed, LayerReady]]) -> None:
+    """Loop thread: layer `region` of this step is computed; queue it for each progressive push."""
+    for feed, job in jobs:
+        feed.give(dataclasses.replace(job, region=region))
+
+
+async def push_progressively(
+    engine: TransferEngine, geometry: KVGeometry, reg: PushRegistration, feed: ProgressiveFeed, regions: int
+) -> list[TransferResult]:
+    """Prefill: WRITE each layer of a request as the feed reports it computed, then commit it.
+
+    Every layer's WRITEs stop at ``reg.write_by``, as a whole push does. At `RequestDone`, once
+    every WRITE has landed: if each block's every layer was written from the block the request
+    ends with, decode is notified (the commit); otherwise (claimed late, a layer unreported, the
+    request moved to other blocks, block sizes that differ) the whole request is written again
+    with the notification. A WRITE that fails fails the push (the facade settles the others).
+    """
+    try:
+        peer = await connect_rank(engine, reg.decode_host, reg.decode_port, reg.decode_engine_id)
+        parts = write_parts(geometry, (list(range(feed.prompt_blocks)),), reg)  # planned on positions
+        layered = peer.layout(LAYOUT).num_regions == regions and all(
+            p.prefill_view.split == p.decode_view.split == 1 and len(p.prefill_blocks) == len(p.decode_blocks)
+            for p in parts
+        )
+        coverage = LayerCoverage(regions)
+        started: list[Transfer] = []
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + (reg.write_by - time.time())
+        while True:
+            try:
+                async with asyncio.timeout_at(give_up):
+                    item = await feed.queue.get()
+            except TimeoutError:
+                raise LeaseExpired(f"decode gives up on {reg.decode_request_id} before prefill finished it",
+                                   peer=reg.decode_engine_id) from None  # fmt: skip
+            if isinstance(item, RequestDone):
+                break
+            if not layered or not coverage.accepts(item):
+                continue
+            for part in layer_parts(parts, item, geometry.pages_per_block):
+                started.append(await engine.start_write(peer, part.prefill_blocks, part.decode_blocks,
+                                                        local=part.prefill_view, remote=part.decode_view,
+                                                        lease_expires_at=reg.write_by))  # fmt: skip
+            coverage.wrote(item)
+        results = [await transfer for transfer in started]
+        if layered and len(item.blocks) == 1 and coverage.whole(item.blocks[0]):
+            await engine.notify(peer, push_notification(reg.decode_request_id, geometry.tp_rank))
+            return results
+        log.info("progressive push of %s to %s: not every layer of every block went as computed; writing the whole "
+                 "request", reg.request_id, reg.decode_engine_id)  # fmt: skip
+        return [*results, await push(engine, geometry, item.blocks, reg)]
+    finally:
+        feed.over = True

@@ -10,7 +10,10 @@ leases on blocks held for a reader), so it is reused as is. What differs:
   acknowledged calls, see `leases`);
 - the producer tells the reader when its blocks expire (``remote_blocks_expiry_time``, wall
   clock), and the reader refuses a read that would land after it instead of reading blocks
-  that may already belong to another request.
+  that may already belong to another request;
+- push mode with ``push_progressive``: prefill's scheduler also tells its workers, every step,
+  which requests for decode it computes, in which blocks and up to which token
+  (``push_steps``), so they can push each layer as soon as it is computed.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import NixlPushConnectorScheduler
 
+from .progressive import PrefillStep
 from .settings import AdapterSettings
 
 __all__ = ["AdapterPushScheduler", "AdapterScheduler"]
@@ -59,9 +63,65 @@ class AdapterScheduler(_WorkersServeHandshakes, NixlPullConnectorScheduler):
 
 
 class AdapterPushScheduler(_WorkersServeHandshakes, NixlPushConnectorScheduler):
-    """vLLM's push scheduler as is: decode stages registrations, prefill hands over finished blocks."""
+    """vLLM's push scheduler: decode stages registrations, prefill hands over finished blocks.
+
+    Decode's registrations also carry its prefix hit per KV cache group (vLLM's leave it out).
+
+    With progressive push, prefill's requests for decode are followed while they compute: each
+    step's metadata carries a `PrefillStep` per such request scheduled in it.
+    """
 
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, engine_id, kv_cache_config)
         self.settings = _adapt(self, vllm_config)
         self._push_registration_timeout = self.settings.push_registration_timeout_s
+        self._computing: dict[str, tuple[int, list[list[int]]]] = {}  # request -> (prompt tokens, blocks so far)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params or {}
+        if self.settings.push_progressive and params.get("do_remote_decode"):
+            self._computing.setdefault(request.request_id, (request.num_prompt_tokens, []))
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        staged = self._reqs_need_recv.get(request.request_id)
+        if staged is not None and staged[2] == () and num_external_tokens > 0:
+            # vLLM's push scheduler leaves decode's prefix hit out; say it, so prefill places decode's
+            # blocks exactly (with a block-size ratio their start cannot be told from their count).
+            hits = tuple(sum(b.block_hash is not None and not b.is_null for b in group) for group in blocks.blocks)
+            self._reqs_need_recv[request.request_id] = (staged[0], staged[1], hits, staged[3])
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        self._computing.pop(request.request_id, None)
+        return super().request_finished(request, block_ids)
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        meta = super().build_connector_meta(scheduler_output)
+        if self._computing:
+            meta.push_steps = self._prefill_steps(scheduler_output)  # type: ignore[attr-defined]
+        return meta
+
+    def _prefill_steps(self, out: Any) -> dict[str, PrefillStep]:
+        """What each followed request computes in this step (its blocks as the step's forward sees them)."""
+        steps: dict[str, PrefillStep] = {}
+        scheduled = out.num_scheduled_tokens
+
+        def follow(request_id: str, start: int, blocks: Any, replace: bool) -> None:
+            prompt, held = self._computing[request_id]
+            resumed = replace and bool(held)  # blocks given anew after a preemption: they may have changed
+            if replace:
+                held[:] = [list(group) for group in blocks]
+            elif blocks is not None:
+                for mine, new in zip(held, blocks, strict=True):
+                    mine.extend(new)
+            stop = min(prompt, start + scheduled.get(request_id, 0))
+            if start < prompt:
+                steps[request_id] = PrefillStep(tuple(list(g) for g in held), start, stop, prompt, resumed)
+
+        for new in out.scheduled_new_reqs:
+            if new.req_id in self._computing:
+                follow(new.req_id, new.num_computed_tokens, new.block_ids, replace=True)
+        cached = out.scheduled_cached_reqs
+        for i, request_id in enumerate(cached.req_ids):
+            if request_id in self._computing:
+                replace = request_id in cached.resumed_req_ids
+                follow(request_id, cached.num_computed_tokens[i], cached.new_block_ids[i], replace)
+        return steps

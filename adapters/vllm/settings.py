@@ -19,6 +19,9 @@ NixlConnector; our own knobs live in ``kv_connector_extra_config``:
   id there, so ``kv_transfer_params`` need no ``remote_host``/``remote_port`` (`EngineConfig.etcd`).
 - ``push_registration_timeout`` (s, default 480, as vLLM; push mode only): how long decode waits
   for prefill's WRITE of a registered request before failing it (prefill writes nothing after it).
+- ``push_progressive`` (default false; push mode only): prefill WRITEs each layer's KV of a request
+  decode already registered as soon as the layer is computed, and commits the request at its end
+  (decode never sees a partial one). DRAM caches of attention-only models (one KV cache group).
 - ``switch_interval_s`` (default 0.0005): the worker process's `sys.setswitchinterval` (lowered,
   never raised). The engine's loop thread shares the interpreter with vLLM's worker thread; at
   Python's default 5 ms, each hand-over to the loop can wait that long (measured here: decode
@@ -50,8 +53,9 @@ _KNOWN = {
     "kv_lease_duration", "auth_secret", "auth_secret_env", "auth_secret_file", "transfer_timeout",
     "handshake_timeout", "link_timeout", "switch_interval_s", "backends", "num_threads", "engine_ttl",
     "enforce_handshake_compat", "kv_recompute_threshold", "etcd_endpoint", "etcd_namespace", "etcd_lease_ttl",
-    "push_registration_timeout",
+    "push_registration_timeout", "push_progressive",
 }  # fmt: skip
+PUSH_ONLY = ("push_registration_timeout", "push_progressive")
 PUSH_CONNECTOR = "NixlAsyncPushConnector"
 # NixlConnector keys the adapter does not implement: refused when set (to anything but the default).
 REFUSED: dict[str, tuple[object, str]] = {
@@ -70,7 +74,7 @@ def _refuse_unsupported(vllm_config: Any, extra: dict[str, Any]) -> None:
             default, why = REFUSED[key]
             if value != default:
                 raise UnsupportedSetting(f"kv_connector_extra_config[{key!r}] = {value!r} is not supported: {why}")
-        elif key == "push_registration_timeout" and vllm_config.kv_transfer_config.kv_connector != PUSH_CONNECTOR:
+        elif key in PUSH_ONLY and vllm_config.kv_transfer_config.kv_connector != PUSH_CONNECTOR:
             raise UnsupportedSetting(f"kv_connector_extra_config[{key!r}] applies to push mode ({PUSH_CONNECTOR}) only")
         elif key not in _KNOWN:
             raise UnsupportedSetting(
@@ -202,6 +206,7 @@ class AdapterSettings:
     link_timeout_s: float | None = 5.0
     etcd: EtcdConfig | None = None
     push_registration_timeout_s: float = 480.0  # push mode: how long decode waits for prefill's WRITE
+    push_progressive: bool = False  # push mode: WRITE each layer as soon as prefill computed it
 
     def __repr__(self) -> str:  # the secret never appears in logs
         secret = "set" if self.auth_secret else "none"
@@ -241,6 +246,7 @@ class AdapterSettings:
             link_timeout_s=_link_timeout(extra),
             etcd=_etcd(extra),
             push_registration_timeout_s=_number(extra, "push_registration_timeout", 480),
+            push_progressive=_flag(extra, "push_progressive", False),
         )
 
     def bind_host(self) -> str:

