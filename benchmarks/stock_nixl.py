@@ -1,8 +1,8 @@
-"""vLLM's own NixlConnector, patched the way a vLLM user on a CPU-only machine has to.
+"""vLLM's own NixlConnector and NixlPushConnector, patched as a vLLM user on a CPU-only machine must.
 
-Used as ``kv_connector_module_path`` (with ``"kv_connector": "NixlConnector"``) for the
-side-by-side benchmark. Two patches, both applied at import, in each vLLM process, before any
-agent exists:
+Used as ``kv_connector_module_path`` (with ``"kv_connector": "NixlConnector"`` or
+``"NixlPushConnector"``) for the side-by-side benchmarks. Two patches, both applied at import,
+in each vLLM process, before any agent exists:
 
 - NIXL's progress thread off: with it on, every agent spins a core (two idle instances fill
   both cores of this machine) and vLLM offers no switch for it;
@@ -20,7 +20,10 @@ from nixl_async_vllm import cpu_quirks
 cpu_quirks.prepare_process()
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (  # noqa: E402
+    NixlConnector,
+    NixlPushConnector,
+)
 
 _original_config = base_worker.nixl_agent_config
 
@@ -32,4 +35,4 @@ def _config_without_progress_thread(*args: Any, **kwargs: Any) -> Any:
 
 base_worker.nixl_agent_config = _config_without_progress_thread
 
-__all__ = ["NixlConnector"]
+__all__ = ["NixlConnector", "NixlPushConnector"]

