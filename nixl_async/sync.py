@@ -27,6 +27,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -105,6 +106,7 @@ class SyncEngine:
         self._background: set[asyncio.Task[None]] = set()  # spawn(): cancelled at close
         self._closed = False
         self._poke_pending = False  # set by the caller's thread, cleared on the loop
+        self._activity = threading.Event()  # set when a request ends or a fed notification arrives
 
     # -- blocking calls -------------------------------------------------------------------
     def call(self, func: Any, *args: Any) -> Any:
@@ -199,7 +201,7 @@ class SyncEngine:
             self._cancel_asked.discard(request_id)
             with self._lock:
                 self._inflight.pop(request_id, None)
-        self._finished.put((request_id, "done" if error is None else "failed", error))
+        self._report(request_id, "done" if error is None else "failed", error)
 
     async def _quiesce(self, request_id: str, started: list[Any], error: BaseException | None) -> None:
         """Settle the request's transfers; if NIXL holds one past the grace, say fenced and keep waiting."""
@@ -214,10 +216,14 @@ class SyncEngine:
         if settled:
             return
         fenced = next((t.exception() for t in pending if isinstance(t.exception(), TransferFenced)), None)
-        self._finished.put((request_id, "fenced", fenced or error))
+        self._report(request_id, "fenced", fenced or error)
         while not all(t.quiet for t in pending):
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.gather(*(t.wait_quiet() for t in pending))
+
+    def _report(self, request_id: str, outcome: str, error: BaseException | None) -> None:
+        self._finished.put((request_id, outcome, error))
+        self._activity.set()
 
     def submit(self, request_id: str, func: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> None:
         """Run ``await func(engine, *args)`` on the loop as `request_id`; returns at once.
@@ -287,6 +293,7 @@ class SyncEngine:
         async def pump() -> None:
             async for item in self.engine.notifications(claim=True):
                 feed.put(item)
+                self._activity.set()
 
         def start() -> None:
             self._tasks.add(task := asyncio.get_running_loop().create_task(pump()))
@@ -384,6 +391,27 @@ class SyncEngine:
             self._cancel_asked.add(request_id)  # its task has not started yet
         else:
             task.cancel()
+
+    def wait_activity(self, timeout: float, *, poke_every: float | None = None) -> bool:
+        """Block this thread until a request ends or a fed notification arrives, or `timeout` passes.
+
+        For a caller with nothing to do until then (an inference engine's step with nothing
+        scheduled, which would otherwise return and be called again at once). Counts what
+        happened since the previous call, so nothing is missed between a drain and a wait.
+        `poke_every`: meanwhile have the loop progress NIXL that often (`poke`), e.g. so a peer's
+        TCP operation on our memory keeps moving. True if something happened.
+        """
+        deadline = time.monotonic() + timeout
+        happened = False
+        while not happened:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            happened = self._activity.wait(remaining if poke_every is None else min(poke_every, remaining))
+            if not happened and poke_every is not None:
+                self.poke()
+        self._activity.clear()
+        return happened
 
     def get_finished(self) -> FinishedRequests:
         """Requests finished since the last call. Never waits on the loop."""

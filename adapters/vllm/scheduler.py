@@ -11,6 +11,8 @@ leases on blocks held for a reader), so it is reused as is. What differs:
 - the producer tells the reader when its blocks expire (``remote_blocks_expiry_time``, wall
   clock), and the reader refuses a read that would land after it instead of reading blocks
   that may already belong to another request;
+- each step's metadata says whether it schedules anything (``idle_step``): a worker may then
+  wait for its transfers instead of returning to a loop that calls it again at once;
 - push mode with ``push_progressive``: prefill's scheduler also tells its workers, every step,
   which requests for decode it computes, in which blocks and up to which token
   (``push_steps``), so they can push each layer as soon as it is computed.
@@ -49,7 +51,17 @@ class _WorkersServeHandshakes:
         """Workers serve their own handshakes; nothing to publish from the scheduler."""
 
 
-class AdapterScheduler(_WorkersServeHandshakes, NixlPullConnectorScheduler):
+class _MarksIdleSteps:
+    """Tell the workers when a step schedules nothing: vLLM steps back to back while KV is in
+    flight, and such a step may wait for the transfer instead (`idle_step_wait_s`)."""
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        meta = super().build_connector_meta(scheduler_output)  # type: ignore[misc]
+        meta.idle_step = scheduler_output.total_num_scheduled_tokens == 0
+        return meta
+
+
+class AdapterScheduler(_MarksIdleSteps, _WorkersServeHandshakes, NixlPullConnectorScheduler):
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, engine_id, kv_cache_config)
         self.settings = _adapt(self, vllm_config)
@@ -62,7 +74,7 @@ class AdapterScheduler(_WorkersServeHandshakes, NixlPullConnectorScheduler):
         return delay, params
 
 
-class AdapterPushScheduler(_WorkersServeHandshakes, NixlPushConnectorScheduler):
+class AdapterPushScheduler(_MarksIdleSteps, _WorkersServeHandshakes, NixlPushConnectorScheduler):
     """vLLM's push scheduler: decode stages registrations, prefill hands over finished blocks.
 
     Decode's registrations also carry its prefix hit per KV cache group (vLLM's leave it out).

@@ -22,6 +22,11 @@ NixlConnector; our own knobs live in ``kv_connector_extra_config``:
 - ``push_progressive`` (default false; push mode only): prefill WRITEs each layer's KV of a request
   decode already registered as soon as the layer is computed, and commits the request at its end
   (decode never sees a partial one). DRAM caches of attention-only models (one KV cache group).
+- ``idle_step_wait_s`` (default 0.002; 0 turns it off): a vLLM step that schedules nothing while
+  transfers are under way waits up to this long for one to end (or for a reader's notification)
+  instead of returning at once. vLLM steps such an engine back to back (a decode waiting for pushed
+  KV, a producer whose readers read), which takes a core; a request that arrives meanwhile waits
+  at most this long to be scheduled.
 - ``switch_interval_s`` (default 0.0005): the worker process's `sys.setswitchinterval` (lowered,
   never raised). The engine's loop thread shares the interpreter with vLLM's worker thread; at
   Python's default 5 ms, each hand-over to the loop can wait that long (measured here: decode
@@ -53,7 +58,7 @@ _KNOWN = {
     "kv_lease_duration", "auth_secret", "auth_secret_env", "auth_secret_file", "transfer_timeout",
     "handshake_timeout", "link_timeout", "switch_interval_s", "backends", "num_threads", "engine_ttl",
     "enforce_handshake_compat", "kv_recompute_threshold", "etcd_endpoint", "etcd_namespace", "etcd_lease_ttl",
-    "push_registration_timeout", "push_progressive",
+    "push_registration_timeout", "push_progressive", "idle_step_wait_s",
 }  # fmt: skip
 PUSH_ONLY = ("push_registration_timeout", "push_progressive")
 PUSH_CONNECTOR = "NixlAsyncPushConnector"
@@ -160,6 +165,15 @@ def _number(extra: dict[str, Any], key: str, default: float) -> float:
     return number
 
 
+def _idle_wait(extra: dict[str, Any]) -> float:
+    if extra.get("idle_step_wait_s", 0.002) == 0:
+        return 0.0
+    wait = _number(extra, "idle_step_wait_s", 0.002)
+    if wait > 0.1:
+        raise ValueError(f"kv_connector_extra_config['idle_step_wait_s'] must be <= 0.1 (seconds), got {wait}")
+    return wait
+
+
 def _link_timeout(extra: dict[str, Any]) -> float | None:
     if extra.get("link_timeout", 5.0) is None:
         return None
@@ -207,6 +221,7 @@ class AdapterSettings:
     etcd: EtcdConfig | None = None
     push_registration_timeout_s: float = 480.0  # push mode: how long decode waits for prefill's WRITE
     push_progressive: bool = False  # push mode: WRITE each layer as soon as prefill computed it
+    idle_step_wait_s: float = 0.002  # a step that scheduled nothing waits this long for a transfer to end
 
     def __repr__(self) -> str:  # the secret never appears in logs
         secret = "set" if self.auth_secret else "none"
@@ -247,6 +262,7 @@ class AdapterSettings:
             etcd=_etcd(extra),
             push_registration_timeout_s=_number(extra, "push_registration_timeout", 480),
             push_progressive=_flag(extra, "push_progressive", False),
+            idle_step_wait_s=_idle_wait(extra),
         )
 
     def bind_host(self) -> str:

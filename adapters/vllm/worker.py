@@ -252,6 +252,7 @@ class ConnectorWorker:
         self._heartbeating: set[str] = set()  # producer engines with a renewal round under way
         self.sync.handle_calls(LEASE_TOPIC, self._answer_renewal)
         self._stats: Any = None
+        self._step_idle = False  # the step being run scheduled nothing (see _wait_if_idle)
 
     # -- registration ----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -303,6 +304,7 @@ class ConnectorWorker:
     # -- per step ---------------------------------------------------------------------------
     def start_load_kv(self, metadata: Any) -> None:
         """Hand this step's work to the loop; returns without waiting for any of it."""
+        self._step_idle = metadata is not None and bool(getattr(metadata, "idle_step", False))
         if metadata is None:
             return
         self._track_sends(metadata)
@@ -412,6 +414,7 @@ class ConnectorWorker:
     def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) since the last step."""
         recving, failed = set(), set()
+        self._wait_if_idle()
         finished = self._own_finished(self.sync.get_finished())
         for request_id in finished.done:
             blocks = self._awaiting.pop(request_id, None)
@@ -437,6 +440,18 @@ class ConnectorWorker:
                 recving.add(request_id)
                 failed.add(request_id)
         return self._finished_sending(), recving, failed
+
+    def _wait_if_idle(self) -> None:
+        """A step that scheduled nothing, while transfers are under way: wait for one to end (or a reader's
+        notification) instead of returning at once. vLLM steps such an engine back to back; on a machine
+        whose cores are shared, that spinning takes the CPU the transfer or the other server needs."""
+        wait = self.settings.idle_step_wait_s
+        if not (wait and self._step_idle):
+            return
+        serving = self._sends.expecting_readers
+        if serving or self.sync.in_flight:
+            # Readers' operations may need our UCX worker progressed (see _finished_sending): keep poking it.
+            self.sync.wait_activity(wait, poke_every=IDLE_POKE_S if serving else None)
 
     def _own_finished(self, finished: FinishedRequests) -> FinishedRequests:
         """The requests this worker receives (a subclass takes out work of its own)."""
@@ -500,6 +515,7 @@ class ConnectorWorker:
 
 
 LEASE_MARGIN_S = 2.0  # at most: a read must be done this long before the producer's lease ends
+IDLE_POKE_S = 0.001  # while an idle step waits and readers may read: progress our UCX worker this often
 
 
 def _failure_kind(error: BaseException) -> str:

@@ -163,6 +163,34 @@ def test_call_soon_runs_on_the_loop_thread_in_order_without_waiting(sync_engine)
     assert {name for _, name in seen} == {sync_engine.call(lambda: threading.current_thread().name)}
 
 
+def test_wait_activity_returns_when_a_request_ends_and_not_before(sync_engine):
+    """An idle vLLM step waits here for its transfers instead of spinning: woken by the end, never late."""
+
+    async def ends_later(engine, delay):
+        await asyncio.sleep(delay)
+
+    started = time.monotonic()
+    assert not sync_engine.wait_activity(0.05), "nothing happened"
+    assert 0.05 <= time.monotonic() - started < 0.5
+    sync_engine.submit("r", ends_later, 0.1)
+    started = time.monotonic()
+    assert sync_engine.wait_activity(5.0)
+    assert 0.09 <= time.monotonic() - started < 1.0, "woken when the request ended"
+    assert sync_engine.get_finished().done == {"r"}
+    sync_engine.submit("s", ends_later, 0.0)
+    time.sleep(0.2)  # it ended while nobody waited: the next wait returns at once
+    started = time.monotonic()
+    assert sync_engine.wait_activity(5.0) and time.monotonic() - started < 0.05
+
+
+def test_wait_activity_pokes_the_loop_while_it_waits(sync_engine):
+    woken = []
+    sync_engine.call(lambda: setattr(sync_engine.engine, "poll_soon", lambda: woken.append(time.monotonic())))
+    sync_engine.wait_activity(0.05, poke_every=0.005)
+    sync_engine.call(lambda: None)
+    assert 4 <= len(woken) <= 11
+
+
 def test_caller_thread_never_touches_the_agent(sync_engine):
     with pytest.raises(WrongThreadError):
         sync_engine.engine.register("kv", [np.zeros(BLOCK, np.uint8)], block_len=BLOCK)

@@ -61,6 +61,7 @@ def _output(new=(), cached=(), scheduled=None, resumed=()) -> SimpleNamespace:
         scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=b, num_computed_tokens=n) for r, b, n in new],
         scheduled_cached_reqs=steps,
         num_scheduled_tokens=scheduled or {},
+        total_num_scheduled_tokens=sum((scheduled or {}).values()),
     )
 
 
@@ -73,7 +74,7 @@ def test_decode_registrations_carry_the_prefix_hit(scheduler):
 def test_each_step_of_a_request_for_decode_is_followed_chunk_by_chunk(scheduler):
     scheduler.update_state_after_alloc(_request("p", do_remote_decode=True), SimpleNamespace(blocks=([],)), 0)
     first = scheduler.build_connector_meta(_output(new=[("p", ([3, 4],), 0)], scheduled={"p": 192}))
-    assert first.push_steps == {"p": PrefillStep(([3, 4],), 0, 192, PROMPT)}
+    assert first.push_steps == {"p": PrefillStep(([3, 4],), 0, 192, PROMPT)} and not first.idle_step
     assert first.push_steps["p"].done_blocks(128) == 1, "the second block is only half computed"
     second = scheduler.build_connector_meta(_output(cached=[("p", ([9],), 192)], scheduled={"p": 108}))
     assert second.push_steps == {"p": PrefillStep(([3, 4, 9],), 192, PROMPT, PROMPT)}
@@ -82,7 +83,8 @@ def test_each_step_of_a_request_for_decode_is_followed_chunk_by_chunk(scheduler)
                                                      resumed=["p"]))  # fmt: skip
     assert resumed.push_steps["p"] == PrefillStep(([1, 2, 8],), 0, PROMPT, PROMPT, resumed=True)
     scheduler.request_finished(_request("p", do_remote_decode=True), ([1, 2, 8],))
-    assert not hasattr(scheduler.build_connector_meta(_output(cached=[("p", None, 300)])), "push_steps")
+    idle = scheduler.build_connector_meta(_output(cached=[("p", None, 300)]))
+    assert not hasattr(idle, "push_steps") and idle.idle_step, "nothing scheduled: the workers may wait"
 
 
 def test_requests_not_for_decode_are_not_followed(scheduler):

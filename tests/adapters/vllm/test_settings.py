@@ -156,3 +156,12 @@ def test_push_mode_takes_progressive_push_as_a_flag():
     assert AdapterSettings.from_vllm(_config({"push_progressive": True}, **push)).push_progressive
     with pytest.raises(ValueError, match=r"push_progressive.*true or false"):
         AdapterSettings.from_vllm(_config({"push_progressive": "yes"}, **push))
+
+
+def test_idle_step_wait_is_bounded_and_can_be_turned_off():
+    assert AdapterSettings.from_vllm(_config({})).idle_step_wait_s == 0.002
+    assert AdapterSettings.from_vllm(_config({"idle_step_wait_s": 0})).idle_step_wait_s == 0
+    assert AdapterSettings.from_vllm(_config({"idle_step_wait_s": 0.01})).idle_step_wait_s == 0.01
+    for bad in (0.5, -1, "soon"):
+        with pytest.raises(ValueError, match="idle_step_wait_s"):
+            AdapterSettings.from_vllm(_config({"idle_step_wait_s": bad}))
