@@ -27,6 +27,7 @@ SCENARIOS: dict[str, tuple[str, bool]] = {
     "vllm_hybrid": ("vllm_hybrid", False),  # the same on hybrid models
     "vllm_hosts": ("vllm_hosts", False),  # P and D on two hosts (network namespaces, root): minutes
     "vllm_push": ("vllm_push", False),  # push, progressive push and pull on the larger model: minutes
+    "vllm_handoff": ("vllm_handoff", False),  # prefill done -> decode's first token, per mode (root): minutes
 }
 
 
