@@ -121,26 +121,37 @@ def summarize(loads: dict[int, Load]) -> dict[str, float]:
     return out
 
 
+def pd_servers(connector: str, spec: ModelSpec, model: str, logs: Path, tag: str, *,
+               extra: dict[str, Any] | None = None, env: dict[str, str] | None = None, placement: Any = None,
+               push: bool = False) -> list[Any]:  # fmt: skip
+    """Prefill and decode servers (not started) with `connector`; `placement(role)` gives `VllmServer`
+    fields placing a role on a host; `push`: engine ids the push proxy names to decode."""
+    from nixl_async_vllm.launch import VllmServer, kv_transfer_config
+
+    return [
+        VllmServer(model, port, side, kv_transfer_config(connector, role, extra or {},
+                                                         engine_id=f"bench-{role}" if push else None),
+                   cpu=cpu, log_path=logs / f"{tag}-{role}.log", max_model_len=spec.max_model_len,
+                   kv_cache_bytes=spec.kv_cache_bytes, extra_env=env or {}, **(placement(role) if placement else {}))
+        for port, side, role, cpu in ((18510, 15910, "kv_producer", 0), (18520, 15920, "kv_consumer", 1))
+    ]  # fmt: skip
+
+
 def measure(connector: str | None, spec: ModelSpec, model: str, prompts: dict[int, list[str]], logs: Path, tag: str,
             *, extra: dict[str, Any] | None = None, env: dict[str, str] | None = None,
             placement: Any = None, push: bool = False) -> dict[int, Load]:  # fmt: skip
     """Fresh servers (P/D through the proxy with `connector`, or one instance for None), a warm-up request,
-    then each concurrency's prompts. `placement(role)` gives `VllmServer` fields placing a role on a host.
+    then each concurrency's prompts (`pd_servers` says what the other arguments do).
     `push`: a push-mode connector, driven by the proxy as vLLM's push proxies drive NixlPushConnector."""
-    from nixl_async_vllm.launch import ProxyProcess, PushTarget, VllmServer, kv_transfer_config, running
+    from nixl_async_vllm.launch import ProxyProcess, PushTarget, VllmServer, running
 
-    common = {"max_model_len": spec.max_model_len, "kv_cache_bytes": spec.kv_cache_bytes, "extra_env": env or {}}
     if connector is None:
-        servers = [VllmServer(model, 18530, 15930, None, cpu=0, log_path=logs / f"{tag}.log", **common)]
+        servers = [VllmServer(model, 18530, 15930, None, cpu=0, log_path=logs / f"{tag}.log",
+                              max_model_len=spec.max_model_len, kv_cache_bytes=spec.kv_cache_bytes,
+                              extra_env=env or {})]  # fmt: skip
         url, proxy = servers[0].url, None
     else:
-        servers = [
-            VllmServer(model, port, side, kv_transfer_config(connector, role, extra or {},
-                                                             engine_id=f"bench-{role}" if push else None),
-                       cpu=cpu, log_path=logs / f"{tag}-{role}.log", **common,
-                       **(placement(role) if placement else {}))
-            for port, side, role, cpu in ((18510, 15910, "kv_producer", 0), (18520, 15920, "kv_consumer", 1))
-        ]  # fmt: skip
+        servers = pd_servers(connector, spec, model, logs, tag, extra=extra, env=env, placement=placement, push=push)
         target = PushTarget("bench-kv_producer", servers[0].host, servers[0].side_channel_port) if push else None
         proxy = ProxyProcess(18540, servers[0].url, servers[1].url, push=target)
         url = proxy.url

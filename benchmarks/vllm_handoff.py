@@ -18,10 +18,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from nixl_async_vllm.launch import make_prompt
+from nixl_async_vllm.launch import PushTarget, make_prompt
 
 from .common import Result
-from .vllm import LARGE, _progress, _require_vllm, make_model
+from .vllm import LARGE, _progress, _require_vllm, make_model, pd_servers
 from .vllm_push import RATE_MBIT, ROLES, SETUPS, _placement
 
 ORDER = ["pull", "push", "progressive", "progressive", "push", "pull"]
@@ -55,10 +55,8 @@ async def _one(session: Any, prefill: Any, decode: Any, model: str, prompt: str,
                     marks.setdefault("token", time.perf_counter())
 
     if push:
-        params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "bench-kv_producer",
-                  "remote_host": prefill.host, "remote_port": prefill.side_channel_port, "tp_size": 1,
-                  "remote_request_id": f"cmpl-{request_id}-0", "remote_block_ids": []}  # fmt: skip
-        await asyncio.gather(prefill_leg(), decode_leg(params))
+        target = PushTarget("bench-kv_producer", prefill.host, prefill.side_channel_port)
+        await asyncio.gather(prefill_leg(), decode_leg(target.decode_params(request_id)))
     else:
         await decode_leg((await prefill_leg())["kv_transfer_params"])
     return marks["token"] - started, marks["token"] - marks["prefill"]
@@ -67,19 +65,12 @@ async def _one(session: Any, prefill: Any, decode: Any, model: str, prompt: str,
 def _run_setup(setup: str, model: str, net: Any, work: Path, tag: str, prompts: list[str]) -> list[tuple[float, float]]:
     import aiohttp
 
-    from nixl_async_vllm.launch import VllmServer, kv_transfer_config, running
+    from nixl_async_vllm.launch import running
 
     connector, extra, push = SETUPS[setup]
     assert connector is not None
-    hosts = dict(zip(ROLES, net.hosts, strict=True))
-    place = _placement(hosts)
-    prefill, decode = (
-        VllmServer(model, port, side, kv_transfer_config(connector, role, extra,
-                                                         engine_id=f"bench-{role}" if push else None),
-                   cpu=cpu, log_path=work / f"{tag}-{role}.log", max_model_len=LARGE.max_model_len,
-                   kv_cache_bytes=LARGE.kv_cache_bytes, extra_env={"UCX_TLS": "tcp"}, **place(role))
-        for port, side, role, cpu in ((18510, 15910, ROLES[0], 0), (18520, 15920, ROLES[1], 1))
-    )  # fmt: skip
+    prefill, decode = pd_servers(connector, LARGE, model, work, tag, extra=extra, env={"UCX_TLS": "tcp"},
+                                 placement=_placement(dict(zip(ROLES, net.hosts, strict=True))), push=push)  # fmt: skip
 
     async def drive() -> list[tuple[float, float]]:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:

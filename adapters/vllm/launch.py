@@ -247,6 +247,12 @@ class PushTarget:
     tp_size: int = 1
     order: str = "together"  # or "decode_first" / "prefill_first": when each leg is sent (for tests)
 
+    def decode_params(self, request_id: str) -> dict[str, Any]:
+        """Decode's ``kv_transfer_params`` for the request sent under ``X-Request-Id: request_id``."""
+        return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
+                "remote_host": self.host, "remote_port": self.port, "tp_size": self.tp_size,
+                "remote_request_id": f"cmpl-{request_id}-0", "remote_block_ids": []}  # fmt: skip
+
 
 async def pd_push_complete(session: Any, prefill_url: str, decode_url: str, body: dict[str, Any],
                            target: PushTarget) -> Any:  # fmt: skip
@@ -259,9 +265,7 @@ async def pd_push_complete(session: Any, prefill_url: str, decode_url: str, body
     headers = {"X-Request-Id": request_id}
     first = dict(body, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
     first.pop("stream_options", None)
-    params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": target.engine_id,
-              "remote_host": target.host, "remote_port": target.port, "tp_size": target.tp_size,
-              "remote_request_id": f"cmpl-{request_id}-0", "remote_block_ids": []}  # fmt: skip
+    params = target.decode_params(request_id)
 
     async def prefill() -> None:
         async with session.post(f"{prefill_url}/v1/completions", json=first, headers=headers) as reply:

@@ -76,12 +76,12 @@ class LayerCoverage:
         self.next = [0] * self.regions
 
     def accepts(self, item: LayerReady) -> bool:
-        """Whether `item` continues its region where the last one ended (else it is left to the final write)."""
-        if item.resumed:
-            self.broken = True  # writes in flight may have read blocks freed by the preemption
-        ok = not self.broken and 0 <= item.region < self.regions and self.next[item.region] == item.lo
-        if not ok:
-            self.broken = True
+        """Whether `item` continues its region where the last one ended (else the final write covers all).
+
+        A resumed request breaks the coverage: writes in flight may have read blocks the preemption freed.
+        """
+        ok = not (self.broken or item.resumed) and 0 <= item.region < self.regions and self.next[item.region] == item.lo
+        self.broken = not ok
         return ok
 
     def wrote(self, item: LayerReady) -> None:
