@@ -93,9 +93,17 @@ class RawReader:
         self.local = self.agent.prep_view("", self.local_view)
         self.remote = self.agent.prep_view(self.remote_name, self.remote_layout.view())
 
+    # The transfers go through NIXL's public Python API (`nixl_agent`), as vLLM's connector calls it.
     def post(self, local_idx: np.ndarray, remote_idx: np.ndarray) -> tuple[Any, str]:
-        handle = self.agent.make_xfer("READ", self.local, local_idx, self.remote, remote_idx)
-        return handle, self.agent.post(handle)
+        nixl = self.agent.public
+        handle = nixl.make_prepped_xfer("READ", self.local, local_idx, self.remote, remote_idx)
+        return handle, nixl.transfer(handle)
+
+    def state(self, handle: Any) -> str:
+        return str(self.agent.public.check_xfer_state(handle))
+
+    def release(self, handle: Any) -> None:
+        self.agent.public.release_xfer_handle(handle)
 
     def read(self, local_idx: np.ndarray, remote_idx: np.ndarray, check_every_s: float = 0.0) -> None:
         """One READ as one post, its state checked every `check_every_s` (0: without pause) until DONE."""
@@ -103,8 +111,8 @@ class RawReader:
         while state == "PROC":
             if check_every_s:
                 time.sleep(check_every_s)
-            state = self.agent.state(handle)
-        self.agent.release_xfer(handle)
+            state = self.state(handle)
+        self.release(handle)
         assert state == "DONE", state
 
     def close(self) -> None:

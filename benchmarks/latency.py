@@ -70,13 +70,13 @@ def _raw_latency(address: tuple[str, int], reads: int, step_s: float | None) -> 
                 while state == "PROC":
                     if step_s:
                         time.sleep(step_s)
-                    state = raw.agent.state(handle)
+                    state = raw.state(handle)
                     now = time.perf_counter()
                     if state == "PROC":
                         last = now
                     elif state == "DONE":
                         samples.append((now - last) / 2)
-                raw.agent.release_xfer(handle)
+                raw.release(handle)
     finally:
         raw.close()
     del regions

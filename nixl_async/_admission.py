@@ -6,8 +6,9 @@ while small transfers keep arriving the large one loses every race and can wait 
 every retire woke the whole herd to find that out). Here the queue decides, not the race:
 
 - A waiter is admitted only at the head of the queue and only when it fits:
-  ``count < max_count and bytes + nbytes <= max_bytes``. A transfer larger than ``max_bytes``
-  fits once nothing is in flight (an oversized transfer alone still goes).
+  ``count + 1 <= max_count and bytes + nbytes <= max_bytes``. A transfer larger than ``max_bytes``
+  fits once nothing is in flight (an oversized transfer alone still goes). A batch of transfers
+  waits as one waiter, for room for all of them (an oversized batch, too, goes alone).
 - No barging: `acquire` queues whenever anyone is waiting, even if it would fit right now.
   The head's room is therefore never eaten by newcomers, so every waiter is admitted once
   the transfers ahead of it (in flight and queued) finish.
@@ -37,10 +38,11 @@ _COMPACT_AT = 64
 
 
 class _Waiter:
-    __slots__ = ("future", "nbytes")
+    __slots__ = ("count", "future", "nbytes")
 
-    def __init__(self, nbytes: int, future: asyncio.Future[None]) -> None:
-        self.nbytes = nbytes
+    def __init__(self, count: int, nbytes: int, future: asyncio.Future[None]) -> None:
+        self.count = count  # transfers admitted together (a batch)
+        self.nbytes = nbytes  # their bytes, all together
         self.future = future
 
 
@@ -88,8 +90,11 @@ class Admission:
         return self._closed
 
     # -- operations -----------------------------------------------------------------------
-    async def acquire(self, nbytes: int, deadline: float | None = None) -> None:
+    async def acquire(self, nbytes: int, deadline: float | None = None, *, count: int = 1) -> None:
         """Wait for room for a transfer of `nbytes`, in arrival order; the caller must `release` it later.
+
+        `count` > 1 admits a batch of transfers together (`nbytes` is all of theirs): room for all
+        of them at once, or none; each is `release`d on its own.
 
         `deadline` is in loop time (`loop.time()`); None waits for as long as it takes. With room
         and nobody queued, this returns at once, whatever the deadline.
@@ -97,12 +102,12 @@ class Admission:
         Raises `TimeoutError` when the deadline passes first, and `CancelledError` when the
         caller is cancelled; either way nothing stays reserved. After `close` it returns at once.
         """
-        if nbytes < 0:
-            raise ValueError("nbytes must be >= 0")
-        if self._closed or (self._waiting == 0 and self._fits(nbytes)):
-            self._reserve(nbytes)
+        if nbytes < 0 or count < 1:
+            raise ValueError("nbytes must be >= 0 and count >= 1")
+        if self._closed or (self._waiting == 0 and self._fits(count, nbytes)):
+            self._reserve(count, nbytes)
             return
-        waiter = _Waiter(nbytes, asyncio.get_running_loop().create_future())
+        waiter = _Waiter(count, nbytes, asyncio.get_running_loop().create_future())
         self._queue.append(waiter)
         self._waiting += 1
         self.waits += 1
@@ -131,13 +136,13 @@ class Admission:
         self._grant()
 
     # -- internals ------------------------------------------------------------------------
-    def _fits(self, nbytes: int) -> bool:
+    def _fits(self, count: int, nbytes: int) -> bool:
         if self._count == 0:
-            return True  # an oversized transfer alone still goes
-        return self._count < self.max_count and self._bytes + nbytes <= self.max_bytes
+            return True  # an oversized transfer (or batch) alone still goes
+        return self._count + count <= self.max_count and self._bytes + nbytes <= self.max_bytes
 
-    def _reserve(self, nbytes: int) -> None:
-        self._count += 1
+    def _reserve(self, count: int, nbytes: int) -> None:
+        self._count += count
         self._bytes += nbytes
 
     def _grant(self) -> None:
@@ -148,11 +153,11 @@ class Admission:
             if head.future.done():  # cancelled while queued
                 queue.popleft()
                 continue
-            if not (self._closed or self._fits(head.nbytes)):
+            if not (self._closed or self._fits(head.count, head.nbytes)):
                 return
             queue.popleft()
             self._waiting -= 1
-            self._reserve(head.nbytes)
+            self._reserve(head.count, head.nbytes)
             head.future.set_result(None)
 
     def _leave(self, waiter: _Waiter) -> None:
@@ -160,7 +165,9 @@ class Admission:
         future = waiter.future
         if future.done() and not future.cancelled():
             # Granted, but cancelled before it resumed: it is out of the queue already.
-            self.release(waiter.nbytes)
+            self._count -= waiter.count - 1  # `release` gives back the last one and admits the next heads
+            self._bytes -= waiter.nbytes
+            self.release(0)
             return
         if not future.done():  # not expected (cancelling the task cancels the future), but be sure
             future.cancel()

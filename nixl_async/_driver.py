@@ -18,7 +18,7 @@ import contextvars
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -110,50 +110,69 @@ class TransferDriver:
         lease_deadline: float | None,
     ) -> Transfer:
         """Start an admitted transfer: `local`/`remote` are (prepared descriptor list, descriptor ids)."""
-        agent, loop = self.agent, self.loop
+        rows = ((local[1], remote[1], notify),)
+        return self.submit_many(op, peer, local[0], remote[0], piece_len, rows, deadline, lease_deadline)[0]
+
+    def submit_many(
+        self,
+        op: str,
+        peer: Peer,
+        local_dlist: Any,
+        remote_dlist: Any,
+        piece_len: int,
+        rows: Iterable[tuple[IdArray, IdArray, bytes | None]],
+        deadline: float | None,
+        lease_deadline: float | None,
+    ) -> list[Transfer]:
+        """Start admitted transfers over the same descriptor lists, one per (local ids, remote ids, notify) row.
+
+        What the transfers share (slice size, deadline, peer bookkeeping) is worked out once.
+        """
+        agent, loop, config = self.agent, self.loop, self._config
         assert agent is not None and loop is not None
-        local_dlist, lidx = local
-        remote_dlist, ridx = remote
-        transfer_id = next(self._ids)
         now = loop.time()
-        transfer = Transfer(
-            transfer_id=transfer_id,
-            op=op,
-            peer=peer.engine_id,
-            remote_agent=peer.agent_name,
-            local_dlist=local_dlist,
-            remote_dlist=remote_dlist,
-            local_ids=lidx,
-            remote_ids=ridx,
-            per_slice=descriptors_per_slice(
-                piece_len, slice_bytes(self._config, self._copy_rate, peer.link), self._config.max_post_descriptors
-            ),
-            notify=notify,
-            nbytes=len(lidx) * piece_len,
-            deadline=deadline,
-            submitted_at=now,
-            future=TransferFuture(loop=loop, transfer_id=transfer_id, on_cancel=self._awaiter_cancelled_cb),
-            cancel_cb=self._end_cb,
-            link=peer.link,
-            slices_in_flight=self._config.slices_in_flight,
-            release_grace_s=self._config.release_grace_s,
-        )
-        transfer.lease_deadline = lease_deadline
-        if (collected := COLLECTOR.get()) is not None:
-            collected.append(transfer)
-        self.active[transfer_id] = transfer  # from here on `_retire` gives the admitted room back
-        if deadline is not None and deadline < self._next_deadline:
-            self._next_deadline = deadline
-        self._stats.counters["transfers_submitted"] += 1
+        per_slice = descriptors_per_slice(piece_len, slice_bytes(config, self._copy_rate, peer.link),
+                                          config.max_post_descriptors)  # fmt: skip
         if peer.link.busy_hint_due(now):
             self._send_busy_hint(peer)
-        if min(transfer.per_slice, transfer.descriptors) * transfer.piece_len <= self._config.min_post_bytes:
-            self.pump(agent, transfer, max_posts=1)  # the fast path: small transfers finish here
-        # (a bigger first slice is posted by the poller, after other coroutines had a turn)
-        if transfer.state is TransferState.POSTING:
+        started: list[Transfer] = []
+        for lidx, ridx, notify in rows:
+            transfer_id = next(self._ids)
+            transfer = Transfer(
+                transfer_id=transfer_id,
+                op=op,
+                peer=peer.engine_id,
+                remote_agent=peer.agent_name,
+                local_dlist=local_dlist,
+                remote_dlist=remote_dlist,
+                local_ids=lidx,
+                remote_ids=ridx,
+                per_slice=per_slice,
+                notify=notify,
+                nbytes=len(lidx) * piece_len,
+                deadline=deadline,
+                submitted_at=now,
+                future=TransferFuture(loop=loop, transfer_id=transfer_id, on_cancel=self._awaiter_cancelled_cb),
+                cancel_cb=self._end_cb,
+                link=peer.link,
+                slices_in_flight=config.slices_in_flight,
+                release_grace_s=config.release_grace_s,
+            )
+            transfer.lease_deadline = lease_deadline
+            self.active[transfer_id] = transfer  # from here on `_retire` gives the admitted room back
+            started.append(transfer)
+            if min(per_slice, transfer.descriptors) * piece_len <= config.min_post_bytes:
+                self.pump(agent, transfer, max_posts=1)  # the fast path: small transfers finish here
+            # (a bigger first slice is posted by the poller, after other coroutines had a turn)
+        if (collected := COLLECTOR.get()) is not None:
+            collected.extend(started)
+        if deadline is not None and deadline < self._next_deadline:
+            self._next_deadline = deadline
+        self._stats.counters["transfers_submitted"] += len(started)
+        if any(t.state is TransferState.POSTING for t in started):
             self._pacer.activity(loop.time())
             self._wakeup()
-        return transfer
+        return started
 
     def notify_only(self, op: str, peer: Peer, notify: bytes | None) -> Transfer:
         """A transfer with no blocks (a full prefix-cache hit): only the notification goes out."""

@@ -65,7 +65,15 @@ from .exceptions import (
     TransferTimeout,
 )
 from .handshake import HandshakeServer, Refusal, call_peer, fetch_metadata
-from .layout import BlockLayout, LayoutKind, as_block_ids, pair_descriptor_ids
+from .layout import (
+    BlockLayout,
+    BlockView,
+    LayoutKind,
+    as_block_id_rows,
+    as_block_ids,
+    pair_descriptor_id_rows,
+    pair_descriptor_ids,
+)
 from .notifications import Lease, Notification, NotificationBox
 from .stats import EngineStats, StatsSnapshot
 from .transfer import Transfer, TransferResult
@@ -75,6 +83,7 @@ __all__ = ["Peer", "TransferEngine"]
 log = logging.getLogger(__name__)
 
 BlockIds = Sequence[int] | npt.ArrayLike
+BlockIdRows = Sequence[Sequence[int]] | npt.ArrayLike  # one row of block ids per transfer
 _CLOSE_GRACE_S = 0.2  # progress this long at close when a notification went out recently
 # Agents (and the memory their handles use) that closed with handles NIXL never let go of: never
 # destroyed, so no byte can land in freed memory. Empty unless a close ran into a fenced transfer.
@@ -756,6 +765,49 @@ class TransferEngine:
         """`start_write` and wait for it."""
         return await (await self.start_write(peer, local_blocks, remote_blocks, **kwargs))
 
+    async def start_reads(
+        self,
+        peer: Peer,
+        local_blocks: BlockIdRows,
+        remote_blocks: BlockIdRows,
+        *,
+        local: ViewLike = None,
+        remote: ViewLike = None,
+        notify: Sequence[bytes | None] | None = None,
+        timeout: float | None = None,
+        lease_expires_at: float | None = None,
+    ) -> list[Transfer]:
+        """`start_read` for many transfers at once: transfer i reads `remote_blocks[i]` into `local_blocks[i]`.
+
+        Each side is one row of block ids per transfer, all rows of one length (an (n, k) array).
+        Every row is validated before anything is posted, and the peer, views, descriptor lists
+        and deadline are resolved once for all, so each transfer costs less than its own
+        `start_read`. `notify` holds one message (or None) per transfer. Admission is all or
+        nothing: the batch waits for room for every one of its transfers (a batch beyond the
+        engine's limits goes alone, as an oversized transfer does), and if the deadline passes
+        first (`TransferTimeout`) or the caller is cancelled, nothing was posted.
+        """
+        return await self._submit_rows(
+            "READ", peer, local_blocks, remote_blocks, local, remote, notify, timeout, lease_expires_at
+        )
+
+    async def start_writes(
+        self,
+        peer: Peer,
+        local_blocks: BlockIdRows,
+        remote_blocks: BlockIdRows,
+        *,
+        local: ViewLike = None,
+        remote: ViewLike = None,
+        notify: Sequence[bytes | None] | None = None,
+        timeout: float | None = None,
+        lease_expires_at: float | None = None,
+    ) -> list[Transfer]:
+        """`start_write` for many transfers at once (see `start_reads`)."""
+        return await self._submit_rows(
+            "WRITE", peer, local_blocks, remote_blocks, local, remote, notify, timeout, lease_expires_at
+        )
+
     async def _submit(
         self,
         op: str,
@@ -768,52 +820,112 @@ class TransferEngine:
         timeout: float | None,
         lease_expires_at: float | None = None,
     ) -> Transfer:
-        self._require_agent()
-        assert self._loop is not None
-        if not peer.connected or peer not in self._peers.table:
-            raise PeerUnknownError(f"peer {peer.engine_id!r} is not connected (connect again)")
+        local_view, remote_view = self._submit_views(peer, local, remote)
         if notify is not None and not isinstance(notify, bytes):
             raise TypeError("notify must be bytes")
-        local_view = self._memory.view(local, self._memory.layouts, "this engine")
-        remote_view = self._memory.view(remote, peer.layouts, f"peer {peer.engine_id}")
         lids = as_block_ids(local_blocks, local_view.layout.num_blocks, what="local", unique=op == "READ")
         rids = as_block_ids(remote_blocks, remote_view.layout.num_blocks, what="remote", unique=op == "WRITE")
-        now = self._loop.time()
         if len(lids) == 0 and len(rids) == 0:
             return self._driver.notify_only(op, peer, notify)
         lidx, ridx = pair_descriptor_ids(local_view, lids, remote_view, rids)
         nbytes = len(lidx) * local_view.piece_len
+        deadline, lease_deadline = self._deadlines(peer, timeout, lease_expires_at)
+        local_dlist, remote_dlist = await self._admit(peer, nbytes, deadline, local_view, remote_view)
+        return self._driver.submit(
+            op, peer, (local_dlist, lidx), (remote_dlist, ridx), local_view.piece_len, notify, deadline, lease_deadline
+        )
+
+    async def _submit_rows(
+        self,
+        op: str,
+        peer: Peer,
+        local_blocks: BlockIdRows,
+        remote_blocks: BlockIdRows,
+        local: ViewLike,
+        remote: ViewLike,
+        notify: Sequence[bytes | None] | None,
+        timeout: float | None,
+        lease_expires_at: float | None,
+    ) -> list[Transfer]:
+        local_view, remote_view = self._submit_views(peer, local, remote)
+        lrows = as_block_id_rows(local_blocks, local_view.layout.num_blocks, what="local", unique=op == "READ")
+        rrows = as_block_id_rows(remote_blocks, remote_view.layout.num_blocks, what="remote", unique=op == "WRITE")
+        n = len(lrows)
+        notes = [None] * n if notify is None else list(notify)
+        if len(notes) != n:
+            raise ValueError(f"notify has {len(notes)} messages for {n} transfers")
+        if not all(m is None or isinstance(m, bytes) for m in notes):
+            raise TypeError("each notify message must be bytes or None")
+        if n == 0:
+            return []
+        if lrows.shape[1] == 0 and rrows.shape[1] == 0 and len(rrows) == n:
+            return [self._driver.notify_only(op, peer, m) for m in notes]
+        lidx, ridx = pair_descriptor_id_rows(local_view, lrows, remote_view, rrows)
+        nbytes = lidx.shape[1] * local_view.piece_len
+        deadline, lease_deadline = self._deadlines(peer, timeout, lease_expires_at)
+        try:
+            await self._admission.acquire(n * nbytes, deadline, count=n)  # room for all, or nothing is posted
+        except TimeoutError:
+            raise TransferTimeout("deadline passed while waiting for room to submit") from None
+        try:
+            local_dlist, remote_dlist = self._dlists(peer, local_view, remote_view)
+        except BaseException:
+            for _ in range(n):
+                self._admission.release(nbytes)
+            raise
+        rows = zip(lidx, ridx, notes, strict=True)
+        return self._driver.submit_many(op, peer, local_dlist, remote_dlist, local_view.piece_len, rows, deadline,
+                                        lease_deadline)  # fmt: skip
+
+    def _submit_views(self, peer: Peer, local: ViewLike, remote: ViewLike) -> tuple[BlockView, BlockView]:
+        """Check the engine and peer, and resolve both sides' views."""
+        self._require_agent()
+        if not peer.connected or peer not in self._peers.table:
+            raise PeerUnknownError(f"peer {peer.engine_id!r} is not connected (connect again)")
+        local_view = self._memory.view(local, self._memory.layouts, "this engine")
+        return local_view, self._memory.view(remote, peer.layouts, f"peer {peer.engine_id}")
+
+    def _deadlines(self, peer: Peer, timeout: float | None, lease_expires_at: float | None
+                   ) -> tuple[float | None, float | None]:  # fmt: skip
+        """A submit's (deadline, lease deadline) in loop time; `LeaseExpired` if the lease already ran out."""
+        assert self._loop is not None
+        now = self._loop.time()
         if timeout is None:
             timeout = self.config.transfer_timeout_s
-        if lease_expires_at is not None:
-            remaining = lease_expires_at - (time.time() + peer.clock_offset_s)
-            if remaining <= 0:
-                self.stats.counters["lease_refusals"] += 1
-                raise LeaseExpired(
-                    f"the lease from {peer.engine_id} expired {-remaining:.3f}s ago: its blocks may hold other data",
-                    peer=peer.engine_id,
-                )
-            timeout = remaining if timeout is None else min(timeout, remaining)
-        deadline = None if timeout is None else now + timeout
-        lease_deadline = None if lease_expires_at is None else now + remaining
+        if lease_expires_at is None:
+            return (None if timeout is None else now + timeout), None
+        remaining = lease_expires_at - (time.time() + peer.clock_offset_s)
+        if remaining <= 0:
+            self.stats.counters["lease_refusals"] += 1
+            raise LeaseExpired(
+                f"the lease from {peer.engine_id} expired {-remaining:.3f}s ago: its blocks may hold other data",
+                peer=peer.engine_id,
+            )
+        timeout = remaining if timeout is None else min(timeout, remaining)
+        return now + timeout, now + remaining
 
+    async def _admit(self, peer: Peer, nbytes: int, deadline: float | None, local_view: BlockView,
+                     remote_view: BlockView) -> tuple[Any, Any]:  # fmt: skip
+        """Wait for room for one transfer; then its (local, remote) prepared descriptor lists."""
         try:
             await self._admission.acquire(nbytes, deadline)
         except TimeoutError:
             raise TransferTimeout("deadline passed while waiting for room to submit") from None
         try:
-            agent = self._require_agent()  # the engine may have closed while we waited
-            if not peer.connected or peer not in self._peers.table:
-                raise PeerUnknownError(f"peer {peer.engine_id!r} was disconnected while waiting for room")
-            self._peers.table.touch(peer, self._loop.time())
-            local_dlist = self._memory.local_dlist(agent, local_view)
-            remote_dlist = self._memory.remote_dlist(agent, peer.agent_name, remote_view)
+            return self._dlists(peer, local_view, remote_view)
         except BaseException:
             self._admission.release(nbytes)
             raise
-        return self._driver.submit(
-            op, peer, (local_dlist, lidx), (remote_dlist, ridx), local_view.piece_len, notify, deadline, lease_deadline
-        )
+
+    def _dlists(self, peer: Peer, local_view: BlockView, remote_view: BlockView) -> tuple[Any, Any]:
+        """The prepared (local, remote) descriptor lists for admitted transfers (the engine and peer checked again)."""
+        assert self._loop is not None
+        agent = self._require_agent()  # the engine may have closed while we waited
+        if not peer.connected or peer not in self._peers.table:
+            raise PeerUnknownError(f"peer {peer.engine_id!r} was disconnected while waiting for room")
+        self._peers.table.touch(peer, self._loop.time())
+        return self._memory.local_dlist(agent, local_view), self._memory.remote_dlist(agent, peer.agent_name,
+                                                                                     remote_view)  # fmt: skip
 
     # -- notifications --------------------------------------------------------------------
     async def notify(self, peer: Peer, message: bytes) -> None:

@@ -40,7 +40,9 @@ __all__ = [
     "LayoutKind",
     "MemType",
     "ViewSpec",
+    "as_block_id_rows",
     "as_block_ids",
+    "pair_descriptor_id_rows",
     "pair_descriptor_ids",
 ]
 
@@ -174,7 +176,7 @@ class BlockView:
     prepared list (`key`) still cover all of them, so every region range shares one list.
     """
 
-    __slots__ = ("_row_offsets", "chunk_len", "chunk_offset", "layout", "regions", "split")
+    __slots__ = ("_only_offset", "_row_offsets", "chunk_len", "chunk_offset", "layout", "regions", "split")
 
     def __init__(
         self,
@@ -207,6 +209,8 @@ class BlockView:
         parts = layout.num_parts
         groups = np.arange(first * parts, stop * parts, dtype=np.int64)
         self._row_offsets = (groups * (split * layout.num_blocks))[:, None]
+        # One group (one region, one part): ids are the block ids plus this, no broadcast needed.
+        self._only_offset = int(self._row_offsets[0, 0]) if len(groups) == 1 else None
 
     @property
     def num_groups(self) -> int:
@@ -267,10 +271,18 @@ class BlockView:
         nb = self.layout.num_blocks
         if pieces is None:
             if self.split == 1:
+                if self._only_offset is not None:
+                    return block_ids + self._only_offset
                 return (self._row_offsets + block_ids[None, :]).reshape(-1)
             pieces = np.tile(np.arange(self.split, dtype=np.int64), len(block_ids))
             block_ids = np.repeat(block_ids, self.split)
         return (self._row_offsets + (pieces * nb + block_ids)[None, :]).reshape(-1)
+
+    def descriptor_id_rows(self, block_ids: IdArray) -> IdArray:
+        """`descriptor_ids` of each row of the (n, k) `block_ids` at once (whole blocks: split 1 only)."""
+        if self.split != 1:
+            raise ValueError("descriptor_id_rows takes whole blocks (split 1)")
+        return (self._row_offsets[None] + block_ids[:, None, :]).reshape(len(block_ids), -1)
 
 
 class ViewSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -313,16 +325,45 @@ def as_block_ids(
         return np.zeros(0, dtype=np.int64)
     if arr.ndim != 1:
         raise LayoutError(f"{what} block ids must be a flat sequence, got shape {arr.shape}")
-    if not np.issubdtype(arr.dtype, np.integer):
-        raise LayoutError(f"{what} block ids must be integers, got dtype {arr.dtype}")
-    arr = arr.astype(np.int64, copy=False)
-    lo, hi = int(arr.min()), int(arr.max())
-    if lo < 0 or hi >= num_blocks:
-        bad = lo if lo < 0 else hi
-        raise LayoutError(f"{what} block id {bad} is out of range: the layout has {num_blocks} blocks")
+    arr = _ids_in_range(arr, num_blocks, what)
     if unique and _has_repeats(arr, num_blocks):
         raise LayoutError(f"{what} block ids name a destination block more than once")
     return arr
+
+
+def as_block_id_rows(rows: Sequence[Sequence[int]] | npt.ArrayLike, num_blocks: int, *, what: str,
+                     unique: bool = False) -> IdArray:  # fmt: skip
+    """`as_block_ids` for many transfers at once: one row of ids per transfer, all of one length.
+
+    Returns an (n, k) int64 array. Raises `LayoutError` as `as_block_ids` does (`unique` checks
+    each row on its own: two transfers may name the same block), and for rows of unequal length.
+    """
+    try:
+        arr = np.asarray(rows)
+    except ValueError:  # numpy refuses ragged nesting
+        raise LayoutError(f"{what} block id rows must all have the same length") from None
+    if arr.ndim != 2:
+        raise LayoutError(f"{what} block ids must be one row per transfer (2-D), got shape {arr.shape}")
+    if arr.size == 0:
+        return np.zeros(arr.shape, dtype=np.int64)
+    arr = _ids_in_range(arr, num_blocks, what)
+    if unique and arr.shape[1] > 1:
+        ordered = np.sort(arr, axis=1)
+        if bool((ordered[:, 1:] == ordered[:, :-1]).any()):
+            raise LayoutError(f"{what} block ids name a destination block more than once")
+    return arr
+
+
+def _ids_in_range(arr: npt.NDArray[np.generic], num_blocks: int, what: str) -> IdArray:
+    """`arr` (not empty) as int64, refusing non-integers and ids outside the layout's blocks."""
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise LayoutError(f"{what} block ids must be integers, got dtype {arr.dtype}")
+    ids = arr.astype(np.int64, copy=False)
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= num_blocks:
+        bad = lo if lo < 0 else hi
+        raise LayoutError(f"{what} block id {bad} is out of range: the layout has {num_blocks} blocks")
+    return ids
 
 
 def _has_repeats(ids: IdArray, num_blocks: int) -> bool:
@@ -360,3 +401,23 @@ def pair_descriptor_ids(
     local_idx = local.descriptor_ids(local_ids[u // local.split], u % local.split)
     remote_idx = remote.descriptor_ids(remote_ids[u // remote.split], u % remote.split)
     return local_idx, remote_idx
+
+
+def pair_descriptor_id_rows(
+    local: BlockView, local_rows: IdArray, remote: BlockView, remote_rows: IdArray
+) -> tuple[IdArray, IdArray]:
+    """`pair_descriptor_ids` for each row of the (n, k) id arrays: (n, d) descriptor ids per side.
+
+    Whole blocks on both sides are done in one numpy pass; split views row by row.
+    """
+    if len(local_rows) != len(remote_rows):
+        raise LayoutError(f"{len(local_rows)} local rows against {len(remote_rows)} remote rows: one each per transfer")
+    if len(local_rows) == 0:
+        return np.zeros((0, 0), dtype=np.int64), np.zeros((0, 0), dtype=np.int64)
+    # The checks depend on the shapes only: the first row stands for all.
+    first = pair_descriptor_ids(local, local_rows[0], remote, remote_rows[0])
+    if local.split == 1 and remote.split == 1:
+        return local.descriptor_id_rows(local_rows), remote.descriptor_id_rows(remote_rows)
+    rest = zip(local_rows[1:], remote_rows[1:], strict=True)
+    pairs = [first, *(pair_descriptor_ids(local, lr, remote, rr) for lr, rr in rest)]
+    return np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs])

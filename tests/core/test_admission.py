@@ -387,3 +387,56 @@ async def run_ops(steps: list[tuple[str, int]]) -> None:
 @given(ops)
 def test_random_sequences_keep_the_invariants(steps):
     asyncio.run(run_ops(steps))
+
+
+async def test_a_batch_waits_for_room_for_all_of_it_and_keeps_its_place():
+    adm = Admission(max_count=4, max_bytes=100)
+    await asyncio.wait_for(adm.acquire(30, None, count=3), 1)  # fits: admitted at once
+    consistent(adm, [10, 10, 10])
+    order: list[str] = []
+
+    async def batch(name: str, count: int, nbytes: int) -> None:
+        await adm.acquire(nbytes, None, count=count)
+        order.append(name)
+
+    pair = asyncio.create_task(batch("pair", 2, 20))  # one slot free: the pair waits for two
+    await settle()
+    single = await queued(adm, 10, order, "single")  # fits now, but queues behind the pair (no barging)
+    assert order == [] and adm.waiting == 2
+    for _ in range(2):
+        adm.release(10)
+        await settle()
+    await admitted(pair, single)  # the pair first, then the single behind it (both fit now)
+    assert order == ["pair", "single"] and adm.count == 4 and adm.bytes == 40
+    with pytest.raises(ValueError):
+        await adm.acquire(10, None, count=0)
+
+
+async def test_an_oversized_batch_goes_alone_and_a_cancelled_grant_gives_all_back():
+    adm = Admission(max_count=2, max_bytes=100)
+    await grab(adm, 10)
+    order: list[str] = []
+
+    async def batch() -> None:
+        await adm.acquire(30, None, count=3)
+        order.append("batch")
+
+    big = asyncio.create_task(batch())
+    await settle()
+    assert order == []
+    adm.release(10)  # nothing in flight: the oversized batch goes, alone
+    await admitted(big)
+    assert adm.count == 3 and adm.bytes == 30
+    for _ in range(3):
+        adm.release(10)
+    consistent(adm, [])
+    await grab(adm, 10)
+    granted = asyncio.create_task(adm.acquire(20, None, count=2))
+    await settle()
+    behind = await queued(adm, 10, order, "behind")
+    adm.release(10)  # resolves the batch's grant; it is cancelled before it resumes
+    granted.cancel()
+    await settle()
+    assert granted.cancelled()
+    await admitted(behind)
+    consistent(adm, [10])

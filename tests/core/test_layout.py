@@ -6,7 +6,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nixl_async.exceptions import LayoutError
-from nixl_async.layout import BlockLayout, LayoutKind, MemType, ViewSpec, as_block_ids, pair_descriptor_ids
+from nixl_async.layout import (
+    BlockLayout,
+    LayoutKind,
+    MemType,
+    ViewSpec,
+    as_block_id_rows,
+    as_block_ids,
+    pair_descriptor_id_rows,
+    pair_descriptor_ids,
+)
 
 
 @st.composite
@@ -178,6 +187,52 @@ def test_duplicate_destination_ids_are_refused():
     with pytest.raises(LayoutError, match="more than once"):
         as_block_ids([1, 2, 1], 8, what="local", unique=True)
     assert list(as_block_ids([1, 2, 1], 8, what="remote")) == [1, 2, 1]
+
+
+@settings(max_examples=200, deadline=None)
+@given(views(), st.sampled_from([1, 2, 4]), st.integers(0, 3), st.integers(0, 5), st.data())
+def test_rows_pair_as_each_transfer_alone(view, ratio, first, k, data):
+    """A batch (one row of block ids per transfer) gets exactly the descriptor ids each transfer would get alone:
+    whole blocks on both sides, and a local block split in `ratio` pieces against smaller remote blocks."""
+    lay = view.layout
+    bases = [(1 << 40) + (i << 24) for i in range(lay.num_regions)]
+    other = BlockLayout.from_regions("kv", bases, num_blocks=lay.num_blocks + first, block_len=lay.block_len,
+                                     kind=lay.kind)  # fmt: skip
+    cases = [(view, other.view(view.chunk_offset, view.chunk_len, view.split), k, k)]
+    local = BlockLayout.from_regions("kv", [1 << 32], num_blocks=8, block_len=64 * ratio)
+    small = BlockLayout.from_regions("kv", [1 << 40], num_blocks=8 * ratio, block_len=64)
+    cases.append((local.view(split=ratio), small.view(), k, k * ratio))
+    n = data.draw(st.integers(1, 6))
+    for lv, rv, k_local, k_remote in cases:
+        lb, rb = lv.layout.num_blocks, rv.layout.num_blocks
+        lrows = [data.draw(st.lists(st.integers(0, lb - 1), min_size=k_local, max_size=k_local)) for _ in range(n)]
+        rrows = [data.draw(st.lists(st.integers(0, rb - 1), min_size=k_remote, max_size=k_remote)) for _ in range(n)]
+        got_l, got_r = pair_descriptor_id_rows(
+            lv, as_block_id_rows(lrows, lb, what="local"), rv, as_block_id_rows(rrows, rb, what="remote")
+        )
+        assert len(got_l) == len(got_r) == n
+        for i in range(n):
+            want_l, want_r = pair_descriptor_ids(lv, np.array(lrows[i], dtype=np.int64), rv,
+                                                 np.array(rrows[i], dtype=np.int64))  # fmt: skip
+            assert got_l[i].tolist() == want_l.tolist() and got_r[i].tolist() == want_r.tolist()
+
+
+def test_bad_block_id_rows_are_refused():
+    with pytest.raises(LayoutError, match="same length"):
+        as_block_id_rows([[1, 2], [3]], 8, what="local")
+    with pytest.raises(LayoutError, match="2-D"):
+        as_block_id_rows([1, 2], 8, what="local")
+    with pytest.raises(LayoutError, match="block id 8 is out of range"):
+        as_block_id_rows([[1], [8]], 8, what="local")
+    with pytest.raises(LayoutError, match="integers"):
+        as_block_id_rows([[0.5]], 8, what="local")
+    with pytest.raises(LayoutError, match="more than once"):
+        as_block_id_rows([[1, 2], [3, 3]], 8, what="local", unique=True)
+    # each row is one transfer: two transfers may name the same block
+    assert as_block_id_rows([[1, 2], [2, 1]], 8, what="local", unique=True).tolist() == [[1, 2], [2, 1]]
+    lay = BlockLayout.from_regions("kv", [0], num_blocks=8, block_len=64)
+    with pytest.raises(LayoutError, match="one each per transfer"):
+        pair_descriptor_id_rows(lay.view(), np.zeros((2, 1), np.int64), lay.view(), np.zeros((3, 1), np.int64))
 
 
 def test_pairing_refuses_mismatched_counts_and_sizes():

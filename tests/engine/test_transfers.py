@@ -140,6 +140,80 @@ async def test_empty_block_lists_send_only_the_notification(nixl_engine, nixl_pe
     assert await nixl_peer.request(WaitNotifications(message=b"prefix-hit", timeout=10)) == [nixl_engine.engine_id]
 
 
+async def test_a_batch_moves_each_row_as_its_own_transfer(nixl_engine, nixl_peer):
+    """`start_reads` / `start_writes`: transfer i moves row i, with its own notification and result."""
+    regions = _regions()
+    nixl_engine.register("kv", regions, block_len=BLOCK)
+    peer = await nixl_engine.connect(*nixl_peer.address)
+    local, remote = [[0, 1], [2, 3], [40, 41]], [[5, 6], [7, 5], [63, 62]]
+    reads = await nixl_engine.start_reads(peer, local, remote, notify=[b"r-0", None, b"r-2"])
+    results = await asyncio.gather(*reads)
+    assert [r.nbytes for r in results] == [2 * 2 * BLOCK] * 3
+    assert [r.notified for r in results] == [True, False, True]
+    assert len({r.transfer_id for r in results}) == 3
+    assert verify_blocks(regions, BLOCK, [b for row in local for b in row], [b for row in remote for b in row],
+                         seed=1) == []  # fmt: skip
+    assert not regions[0][4 * BLOCK : 40 * BLOCK].any(), "blocks not asked for must stay untouched"
+    for message in (b"r-0", b"r-2"):
+        assert await nixl_peer.request(WaitNotifications(message=message, timeout=10)) == [nixl_engine.engine_id]
+    fill_pattern(regions, seed=7)
+    writes = await nixl_engine.start_writes(peer, np.array([[10], [11], [12]]), np.array([[0], [33], [2]]),
+                                            notify=[None, None, b"w-2"])  # fmt: skip
+    await asyncio.gather(*writes)
+    assert await nixl_peer.request(Verify(blocks=[0, 33, 2], source_blocks=[10, 11, 12], seed=7)) == []
+    assert await nixl_peer.request(WaitNotifications(message=b"w-2", timeout=10))
+    # empty rows: each transfer only notifies (a full prefix hit per request)
+    hits = await nixl_engine.start_reads(peer, [[], []], [[], []], notify=[b"hit-0", b"hit-1"])
+    assert [(await t).nbytes for t in hits] == [0, 0]
+    assert await nixl_peer.request(WaitNotifications(message=b"hit-1", timeout=10))
+    assert await transfers_settled(nixl_engine) == 0
+
+
+async def test_a_bad_row_refuses_the_whole_batch_before_anything_is_posted(nixl_engine, nixl_peer):
+    nixl_engine.register("kv", _regions(), block_len=BLOCK)
+    peer = await nixl_engine.connect(*nixl_peer.address)
+    cases = [
+        ([[0], [64]], [[0], [1]], LayoutError, "out of range"),
+        ([[0, 1], [2]], [[0, 1], [2, 3]], LayoutError, "same length"),
+        ([[0, 0]], [[1, 2]], LayoutError, "more than once"),
+        ([[0], [1]], [[0]], LayoutError, "per transfer"),
+        ([[0], [1]], [[0], [1]], ValueError, "2 transfers"),
+    ]
+    for local, remote, error, match in cases:
+        with pytest.raises(error, match=match):
+            await nixl_engine.start_reads(peer, local, remote, notify=[b"x"] if error is ValueError else None)
+    with pytest.raises(TypeError, match="bytes"):
+        await nixl_engine.start_writes(peer, [[0]], [[0]], notify=["text"])
+    snap = nixl_engine.snapshot()
+    assert snap.counters.get("transfers_submitted", 0) == 0
+    assert snap.live_handles.get("xfers", 0) == 0
+
+
+@pytest.mark.nixl_engine_config(max_inflight_transfers=2)
+async def test_a_batch_waits_for_room_for_all_of_it_or_posts_nothing(nixl_engine, nixl_peer_factory):
+    """A batch is admitted whole: it waits for room for every transfer; past its deadline nothing was posted."""
+    block_len, blocks = 1 << 20, 16
+    peer_proc, peer = await _tcp_peer(nixl_engine, nixl_peer_factory, blocks, block_len)
+    rows = [[i] for i in range(6)]  # beyond the limit of 2: goes alone, as an oversized transfer does
+    await asyncio.gather(*await asyncio.wait_for(nixl_engine.start_reads(peer, rows, rows), 30))
+    peer_proc.pause()  # the read below stays in flight while the peer is stopped
+    try:
+        held = await nixl_engine.start_read(peer, range(8, 16), range(8, 16))
+        with pytest.raises(TransferTimeout, match="room"):  # one slot is free, the batch needs two
+            await nixl_engine.start_reads(peer, [[0], [1]], [[0], [1]], timeout=0.2)
+        counters = nixl_engine.snapshot().counters
+        assert counters["transfers_submitted"] == 6 + 1, "no transfer of the refused batch may have been posted"
+        assert counters["backpressure_waits"] == 1
+        later = asyncio.ensure_future(nixl_engine.start_reads(peer, [[0], [1]], [[0], [1]]))
+        await asyncio.sleep(0.05)
+        assert not later.done(), "the batch must wait while the held read fills the room"
+    finally:
+        peer_proc.resume()
+    assert (await held).nbytes == 8 * block_len
+    assert [r.nbytes for r in await asyncio.gather(*await asyncio.wait_for(later, 30))] == [block_len] * 2
+    assert await transfers_settled(nixl_engine) == 0
+
+
 async def test_bad_block_ids_are_refused_before_anything_is_posted(nixl_engine, nixl_peer):
     nixl_engine.register("kv", _regions(), block_len=BLOCK)
     peer = await nixl_engine.connect(*nixl_peer.address)
