@@ -137,6 +137,9 @@ class TransferDriver:
             self._send_busy_hint(peer)
         started: list[Transfer] = []
         for lidx, ridx, notify in rows:
+            if not len(lidx):  # no blocks: only the notification (a full prefix-cache hit); holds no room
+                started.append(self.notify_only(op, peer, notify))
+                continue
             transfer_id = next(self._ids)
             transfer = Transfer(
                 transfer_id=transfer_id,
@@ -168,7 +171,7 @@ class TransferDriver:
             collected.extend(started)
         if deadline is not None and deadline < self._next_deadline:
             self._next_deadline = deadline
-        self._stats.counters["transfers_submitted"] += len(started)
+        self._stats.counters["transfers_submitted"] += sum(1 for t in started if t.descriptors)
         if any(t.state is TransferState.POSTING for t in started):
             self._pacer.activity(loop.time())
             self._wakeup()

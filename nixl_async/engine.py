@@ -779,13 +779,14 @@ class TransferEngine:
     ) -> list[Transfer]:
         """`start_read` for many transfers at once: transfer i reads `remote_blocks[i]` into `local_blocks[i]`.
 
-        Each side is one row of block ids per transfer, all rows of one length (an (n, k) array).
-        Every row is validated before anything is posted, and the peer, views, descriptor lists
-        and deadline are resolved once for all, so each transfer costs less than its own
-        `start_read`. `notify` holds one message (or None) per transfer. Admission is all or
-        nothing: the batch waits for room for every one of its transfers (a batch beyond the
-        engine's limits goes alone, as an oversized transfer does), and if the deadline passes
-        first (`TransferTimeout`) or the caller is cancelled, nothing was posted.
+        Each side is one row of block ids per transfer (rows of one length, e.g. an (n, k) array,
+        are checked in one numpy pass). Every row is validated before anything is posted, and the
+        peer, views, descriptor lists and deadline are resolved once for all, so each transfer
+        costs less than its own `start_read`. A row with no blocks on either side only notifies.
+        `notify` holds one message (or None) per transfer. Admission is all or nothing: the batch
+        waits for room for every one of its transfers (a batch beyond the engine's limits goes
+        alone, as an oversized transfer does), and if the deadline passes first
+        (`TransferTimeout`) or the caller is cancelled, nothing was posted.
         """
         return await self._submit_rows(
             "READ", peer, local_blocks, remote_blocks, local, remote, notify, timeout, lease_expires_at
@@ -856,22 +857,21 @@ class TransferEngine:
             raise ValueError(f"notify has {len(notes)} messages for {n} transfers")
         if not all(m is None or isinstance(m, bytes) for m in notes):
             raise TypeError("each notify message must be bytes or None")
-        if n == 0:
-            return []
-        if lrows.shape[1] == 0 and rrows.shape[1] == 0 and len(rrows) == n:
-            return [self._driver.notify_only(op, peer, m) for m in notes]
         lidx, ridx = pair_descriptor_id_rows(local_view, lrows, remote_view, rrows)
-        nbytes = lidx.shape[1] * local_view.piece_len
+        moving = sum(1 for row in lidx if len(row))  # rows without blocks only notify: no room needed
+        nbytes = sum(len(row) for row in lidx) * local_view.piece_len
         deadline, lease_deadline = self._deadlines(peer, timeout, lease_expires_at)
-        try:
-            await self._admission.acquire(n * nbytes, deadline, count=n)  # room for all, or nothing is posted
-        except TimeoutError:
-            raise TransferTimeout("deadline passed while waiting for room to submit") from None
+        if moving:
+            try:  # room for all, or nothing is posted
+                await self._admission.acquire(nbytes, deadline, count=moving)
+            except TimeoutError:
+                raise TransferTimeout("deadline passed while waiting for room to submit") from None
         try:
             local_dlist, remote_dlist = self._dlists(peer, local_view, remote_view)
         except BaseException:
-            for _ in range(n):
-                self._admission.release(nbytes)
+            for row in lidx:
+                if len(row):
+                    self._admission.release(len(row) * local_view.piece_len)
             raise
         rows = zip(lidx, ridx, notes, strict=True)
         return self._driver.submit_many(op, peer, local_dlist, remote_dlist, local_view.piece_len, rows, deadline,

@@ -332,18 +332,21 @@ def as_block_ids(
 
 
 def as_block_id_rows(rows: Sequence[Sequence[int]] | npt.ArrayLike, num_blocks: int, *, what: str,
-                     unique: bool = False) -> IdArray:  # fmt: skip
-    """`as_block_ids` for many transfers at once: one row of ids per transfer, all of one length.
+                     unique: bool = False) -> IdArray | list[IdArray]:  # fmt: skip
+    """`as_block_ids` for many transfers at once: one row of ids per transfer.
 
-    Returns an (n, k) int64 array. Raises `LayoutError` as `as_block_ids` does (`unique` checks
-    each row on its own: two transfers may name the same block), and for rows of unequal length.
+    Rows of one length come back as an (n, k) int64 array, checked in one numpy pass; rows of
+    different lengths as one array per row, checked row by row. Raises `LayoutError` as
+    `as_block_ids` does (`unique` checks each row on its own: two transfers may name one block).
     """
     try:
         arr = np.asarray(rows)
-    except ValueError:  # numpy refuses ragged nesting
-        raise LayoutError(f"{what} block id rows must all have the same length") from None
+    except ValueError:  # numpy refuses ragged nesting: rows of different lengths
+        return [as_block_ids(row, num_blocks, what=what, unique=unique) for row in rows]  # type: ignore[union-attr]
+    if arr.ndim == 1 and arr.size == 0:
+        return np.zeros((0, 0), dtype=np.int64)  # no transfers
     if arr.ndim != 2:
-        raise LayoutError(f"{what} block ids must be one row per transfer (2-D), got shape {arr.shape}")
+        raise LayoutError(f"{what} block ids must be one row per transfer, got shape {arr.shape}")
     if arr.size == 0:
         return np.zeros(arr.shape, dtype=np.int64)
     arr = _ids_in_range(arr, num_blocks, what)
@@ -404,20 +407,20 @@ def pair_descriptor_ids(
 
 
 def pair_descriptor_id_rows(
-    local: BlockView, local_rows: IdArray, remote: BlockView, remote_rows: IdArray
-) -> tuple[IdArray, IdArray]:
-    """`pair_descriptor_ids` for each row of the (n, k) id arrays: (n, d) descriptor ids per side.
+    local: BlockView, local_rows: IdArray | list[IdArray], remote: BlockView, remote_rows: IdArray | list[IdArray]
+) -> tuple[IdArray | list[IdArray], IdArray | list[IdArray]]:
+    """`pair_descriptor_ids` for each row (transfer) of `as_block_id_rows` results: descriptor ids per row.
 
-    Whole blocks on both sides are done in one numpy pass; split views row by row.
+    Rows of one length over whole blocks on both sides are done in one numpy pass ((n, d) arrays);
+    otherwise row by row (lists of arrays).
     """
     if len(local_rows) != len(remote_rows):
         raise LayoutError(f"{len(local_rows)} local rows against {len(remote_rows)} remote rows: one each per transfer")
     if len(local_rows) == 0:
         return np.zeros((0, 0), dtype=np.int64), np.zeros((0, 0), dtype=np.int64)
-    # The checks depend on the shapes only: the first row stands for all.
-    first = pair_descriptor_ids(local, local_rows[0], remote, remote_rows[0])
-    if local.split == 1 and remote.split == 1:
+    whole = local.split == 1 and remote.split == 1
+    if whole and isinstance(local_rows, np.ndarray) and isinstance(remote_rows, np.ndarray):
+        pair_descriptor_ids(local, local_rows[0], remote, remote_rows[0])  # the checks see shapes only: one row
         return local.descriptor_id_rows(local_rows), remote.descriptor_id_rows(remote_rows)
-    rest = zip(local_rows[1:], remote_rows[1:], strict=True)
-    pairs = [first, *(pair_descriptor_ids(local, lr, remote, rr) for lr, rr in rest)]
-    return np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs])
+    pairs = [pair_descriptor_ids(local, lr, remote, rr) for lr, rr in zip(local_rows, remote_rows, strict=True)]
+    return [p[0] for p in pairs], [p[1] for p in pairs]

@@ -217,10 +217,24 @@ def test_rows_pair_as_each_transfer_alone(view, ratio, first, k, data):
             assert got_l[i].tolist() == want_l.tolist() and got_r[i].tolist() == want_r.tolist()
 
 
+def test_rows_of_different_lengths_pair_row_by_row():
+    lay = BlockLayout.from_regions("kv", [0, 1 << 20], num_blocks=8, block_len=64)
+    rows = as_block_id_rows([[1, 2], [3], []], 8, what="local", unique=True)
+    assert [r.tolist() for r in rows] == [[1, 2], [3], []]
+    lidx, ridx = pair_descriptor_id_rows(lay.view(), rows, lay.view(), as_block_id_rows([[5, 6], [7], []], 8, what="r"))
+    for got_l, got_r, (lb, rb) in zip(lidx, ridx, [([1, 2], [5, 6]), ([3], [7]), ([], [])], strict=True):
+        want_l, want_r = pair_descriptor_ids(lay.view(), np.array(lb, np.int64), lay.view(), np.array(rb, np.int64))
+        assert got_l.tolist() == want_l.tolist() and got_r.tolist() == want_r.tolist()
+    with pytest.raises(LayoutError, match="more than once"):
+        as_block_id_rows([[1, 1], [2]], 8, what="local", unique=True)
+    with pytest.raises(LayoutError, match="out of range"):
+        as_block_id_rows([[1, 2], [9]], 8, what="local")
+    with pytest.raises(LayoutError, match="do not pair"):
+        pair_descriptor_id_rows(lay.view(), [np.array([1, 2])], lay.view(), [np.array([3])])
+
+
 def test_bad_block_id_rows_are_refused():
-    with pytest.raises(LayoutError, match="same length"):
-        as_block_id_rows([[1, 2], [3]], 8, what="local")
-    with pytest.raises(LayoutError, match="2-D"):
+    with pytest.raises(LayoutError, match="one row per transfer"):
         as_block_id_rows([1, 2], 8, what="local")
     with pytest.raises(LayoutError, match="block id 8 is out of range"):
         as_block_id_rows([[1], [8]], 8, what="local")

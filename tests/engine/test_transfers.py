@@ -162,10 +162,14 @@ async def test_a_batch_moves_each_row_as_its_own_transfer(nixl_engine, nixl_peer
     await asyncio.gather(*writes)
     assert await nixl_peer.request(Verify(blocks=[0, 33, 2], source_blocks=[10, 11, 12], seed=7)) == []
     assert await nixl_peer.request(WaitNotifications(message=b"w-2", timeout=10))
-    # empty rows: each transfer only notifies (a full prefix hit per request)
-    hits = await nixl_engine.start_reads(peer, [[], []], [[], []], notify=[b"hit-0", b"hit-1"])
-    assert [(await t).nbytes for t in hits] == [0, 0]
+    # requests of different lengths; one with no blocks only notifies (a full prefix hit)
+    regions[0][:] = 0
+    mixed = await nixl_engine.start_reads(peer, [[20, 21, 22], [], [23]], [[8, 9, 10], [], [11]],
+                                          notify=[None, b"hit-1", None])  # fmt: skip
+    assert [(await t).nbytes for t in mixed] == [3 * 2 * BLOCK, 0, 2 * BLOCK]
+    assert verify_blocks(regions, BLOCK, [20, 21, 22, 23], [8, 9, 10, 11], seed=1) == []
     assert await nixl_peer.request(WaitNotifications(message=b"hit-1", timeout=10))
+    assert nixl_engine.snapshot().counters["transfers_submitted"] == 3 + 3 + 2  # a notify-only row is not one
     assert await transfers_settled(nixl_engine) == 0
 
 
@@ -174,7 +178,7 @@ async def test_a_bad_row_refuses_the_whole_batch_before_anything_is_posted(nixl_
     peer = await nixl_engine.connect(*nixl_peer.address)
     cases = [
         ([[0], [64]], [[0], [1]], LayoutError, "out of range"),
-        ([[0, 1], [2]], [[0, 1], [2, 3]], LayoutError, "same length"),
+        ([[0, 1], [2]], [[0, 1], [2, 3]], LayoutError, "do not pair"),
         ([[0, 0]], [[1, 2]], LayoutError, "more than once"),
         ([[0], [1]], [[0]], LayoutError, "per transfer"),
         ([[0], [1]], [[0], [1]], ValueError, "2 transfers"),
