@@ -136,9 +136,11 @@ class TransferDriver:
         if peer.link.busy_hint_due(now):
             self._send_busy_hint(peer)
         started: list[Transfer] = []
+        posting, notify_only = False, 0
         for lidx, ridx, notify in rows:
             if not len(lidx):  # no blocks: only the notification (a full prefix-cache hit); holds no room
                 started.append(self.notify_only(op, peer, notify))
+                notify_only += 1
                 continue
             transfer_id = next(self._ids)
             transfer = Transfer(
@@ -167,12 +169,13 @@ class TransferDriver:
             if min(per_slice, transfer.descriptors) * piece_len <= config.min_post_bytes:
                 self.pump(agent, transfer, max_posts=1)  # the fast path: small transfers finish here
             # (a bigger first slice is posted by the poller, after other coroutines had a turn)
+            posting = posting or transfer.core.state is TransferState.POSTING
         if (collected := COLLECTOR.get()) is not None:
             collected.extend(started)
         if deadline is not None and deadline < self._next_deadline:
             self._next_deadline = deadline
-        self._stats.counters["transfers_submitted"] += sum(1 for t in started if t.descriptors)
-        if any(t.state is TransferState.POSTING for t in started):
+        self._stats.counters["transfers_submitted"] += len(started) - notify_only
+        if posting:
             self._pacer.activity(loop.time())
             self._wakeup()
         return started
