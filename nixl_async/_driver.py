@@ -6,8 +6,8 @@ only once NIXL holds none of its handles, or with `TransferFenced` past the grac
 goes into the transfer's `TransferCore`; the actions that come out are carried out by `_apply`.
 The engine validates and admits a submit, then hands it here; its poller calls `sweep`.
 
-Per-transfer cost matters at 10 k transfers in flight: one submit keeps four objects the garbage
-collector tracks (transfer, core, future, NIXL handle), handles live in one driver-wide dict,
+Per-transfer cost matters at 10 k transfers in flight: one submit keeps three objects the garbage
+collector tracks (transfer, core, future; NIXL's handles are plain ints), handles live in one driver-wide dict,
 and every transfer shares one bound method for its callbacks.
 """
 
@@ -137,47 +137,66 @@ class TransferDriver:
             self._send_busy_hint(peer)
         started: list[Transfer] = []
         posting, notify_only = False, 0
-        for lidx, ridx, notify in rows:
-            if not len(lidx):  # no blocks: only the notification (a full prefix-cache hit); holds no room
-                started.append(self.notify_only(op, peer, notify))
-                notify_only += 1
-                continue
-            transfer_id = next(self._ids)
-            transfer = Transfer(
-                transfer_id=transfer_id,
-                op=op,
-                peer=peer.engine_id,
-                remote_agent=peer.agent_name,
-                local_dlist=local_dlist,
-                remote_dlist=remote_dlist,
-                local_ids=lidx,
-                remote_ids=ridx,
-                per_slice=per_slice,
-                notify=notify,
-                nbytes=len(lidx) * piece_len,
-                deadline=deadline,
-                submitted_at=now,
-                future=TransferFuture(loop=loop, transfer_id=transfer_id, on_cancel=self._awaiter_cancelled_cb),
-                cancel_cb=self._end_cb,
-                link=peer.link,
-                slices_in_flight=config.slices_in_flight,
-                release_grace_s=config.release_grace_s,
-            )
-            transfer.lease_deadline = lease_deadline
-            self.active[transfer_id] = transfer  # from here on `_retire` gives the admitted room back
-            started.append(transfer)
-            if min(per_slice, transfer.descriptors) * piece_len <= config.min_post_bytes:
-                self.pump(agent, transfer, max_posts=1)  # the fast path: small transfers finish here
-            # (a bigger first slice is posted by the poller, after other coroutines had a turn)
-            posting = posting or transfer.core.state is TransferState.POSTING
-        if (collected := COLLECTOR.get()) is not None:
-            collected.extend(started)
+        collected = COLLECTOR.get()
         if deadline is not None and deadline < self._next_deadline:
             self._next_deadline = deadline
-        self._stats.counters["transfers_submitted"] += len(started) - notify_only
-        if posting:
-            self._pacer.activity(loop.time())
-            self._wakeup()
+        # Small transfers are posted here, for as long as one sweep's budget lasts; the poller posts
+        # the rest of a large batch, yielding as it goes, so a batch never stalls the loop for long.
+        inline_until = time.perf_counter() + _SWEEP_BUDGET_S
+        rows = iter(rows)
+        unheld: IdArray | None = None  # a row's admitted room not yet held by its transfer
+        try:
+            for lidx, ridx, notify in rows:
+                if not len(lidx):  # no blocks: only the notification (a full prefix-cache hit); holds no room
+                    started.append(self.notify_only(op, peer, notify))
+                    notify_only += 1
+                    continue
+                unheld = lidx
+                transfer_id = next(self._ids)
+                transfer = Transfer(
+                    transfer_id=transfer_id,
+                    op=op,
+                    peer=peer.engine_id,
+                    remote_agent=peer.agent_name,
+                    local_dlist=local_dlist,
+                    remote_dlist=remote_dlist,
+                    local_ids=lidx,
+                    remote_ids=ridx,
+                    per_slice=per_slice,
+                    notify=notify,
+                    nbytes=len(lidx) * piece_len,
+                    deadline=deadline,
+                    submitted_at=now,
+                    future=TransferFuture(loop=loop, transfer_id=transfer_id, on_cancel=self._awaiter_cancelled_cb),
+                    cancel_cb=self._end_cb,
+                    link=peer.link,
+                    slices_in_flight=config.slices_in_flight,
+                    release_grace_s=config.release_grace_s,
+                )
+                transfer.lease_deadline = lease_deadline
+                self.active[transfer_id] = transfer  # from here on `_retire` gives the admitted room back
+                unheld = None
+                started.append(transfer)
+                if collected is not None:
+                    collected.append(transfer)
+                if min(per_slice, transfer.descriptors) * piece_len <= config.min_post_bytes and (
+                    len(started) == 1 or time.perf_counter() < inline_until
+                ):
+                    self.pump(agent, transfer, max_posts=1)  # the fast path: small transfers finish here
+                # (a bigger first slice, or a late one of a batch, is posted by the poller)
+                posting = posting or transfer.core.state is TransferState.POSTING
+        except BaseException:
+            # Give back the room admitted for rows that never became transfers (those that did
+            # give theirs back when they end, as usual).
+            for ids in ([unheld] if unheld is not None else []) + [row[0] for row in rows]:
+                if len(ids):
+                    self._admission.release(len(ids) * piece_len)
+            raise
+        finally:
+            self._stats.counters["transfers_submitted"] += len(started) - notify_only
+            if posting:
+                self._pacer.activity(loop.time())
+                self._wakeup()
         return started
 
     def notify_only(self, op: str, peer: Peer, notify: bytes | None) -> Transfer:

@@ -860,12 +860,13 @@ class TransferEngine:
         lidx, ridx = pair_descriptor_id_rows(local_view, lrows, remote_view, rrows)
         moving = sum(1 for row in lidx if len(row))  # rows without blocks only notify: no room needed
         nbytes = sum(len(row) for row in lidx) * local_view.piece_len
+        if not moving:  # nothing to read or write: notifications only
+            return [self._driver.notify_only(op, peer, m) for m in notes]
         deadline, lease_deadline = self._deadlines(peer, timeout, lease_expires_at)
-        if moving:
-            try:  # room for all, or nothing is posted
-                await self._admission.acquire(nbytes, deadline, count=moving)
-            except TimeoutError:
-                raise TransferTimeout("deadline passed while waiting for room to submit") from None
+        try:  # room for all, or nothing is posted
+            await self._admission.acquire(nbytes, deadline, count=moving)
+        except TimeoutError:
+            raise TransferTimeout("deadline passed while waiting for room to submit") from None
         try:
             local_dlist, remote_dlist = self._dlists(peer, local_view, remote_view)
         except BaseException:

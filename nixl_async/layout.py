@@ -272,7 +272,7 @@ class BlockView:
         if pieces is None:
             if self.split == 1:
                 if self._only_offset is not None:
-                    return block_ids + self._only_offset
+                    return block_ids.astype(np.int64, copy=False) + self._only_offset
                 return (self._row_offsets + block_ids[None, :]).reshape(-1)
             pieces = np.tile(np.arange(self.split, dtype=np.int64), len(block_ids))
             block_ids = np.repeat(block_ids, self.split)
@@ -342,6 +342,8 @@ def as_block_id_rows(rows: Sequence[Sequence[int]] | npt.ArrayLike, num_blocks: 
     try:
         arr = np.asarray(rows)
     except ValueError:  # numpy refuses ragged nesting: rows of different lengths
+        arr = None
+    if arr is None or (arr.ndim == 1 and arr.dtype == object):  # rows of different lengths
         return [as_block_ids(row, num_blocks, what=what, unique=unique) for row in rows]  # type: ignore[union-attr]
     if arr.ndim == 1 and arr.size == 0:
         return np.zeros((0, 0), dtype=np.int64)  # no transfers

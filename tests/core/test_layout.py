@@ -225,12 +225,22 @@ def test_rows_of_different_lengths_pair_row_by_row():
     for got_l, got_r, (lb, rb) in zip(lidx, ridx, [([1, 2], [5, 6]), ([3], [7]), ([], [])], strict=True):
         want_l, want_r = pair_descriptor_ids(lay.view(), np.array(lb, np.int64), lay.view(), np.array(rb, np.int64))
         assert got_l.tolist() == want_l.tolist() and got_r.tolist() == want_r.tolist()
+    ragged = np.empty(2, dtype=object)
+    ragged[:] = [np.array([1, 2]), np.array([3])]
+    assert [r.tolist() for r in as_block_id_rows(ragged, 8, what="local")] == [[1, 2], [3]]
     with pytest.raises(LayoutError, match="more than once"):
         as_block_id_rows([[1, 1], [2]], 8, what="local", unique=True)
     with pytest.raises(LayoutError, match="out of range"):
         as_block_id_rows([[1, 2], [9]], 8, what="local")
     with pytest.raises(LayoutError, match="do not pair"):
         pair_descriptor_id_rows(lay.view(), [np.array([1, 2])], lay.view(), [np.array([3])])
+
+
+def test_descriptor_ids_are_int64_whatever_the_ids_dtype():
+    """A large offset (a late region of a big layout) must not overflow the caller's narrower ids."""
+    lay = BlockLayout.from_regions("kv", [0, 1 << 40, 2 << 40], num_blocks=1 << 30, block_len=64)
+    ids = lay.view(regions=(2, 3)).descriptor_ids(np.array([5], dtype=np.int32))
+    assert ids.dtype == np.int64 and ids.tolist() == [2 * (1 << 30) + 5]
 
 
 def test_bad_block_id_rows_are_refused():

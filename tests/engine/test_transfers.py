@@ -170,6 +170,8 @@ async def test_a_batch_moves_each_row_as_its_own_transfer(nixl_engine, nixl_peer
     assert verify_blocks(regions, BLOCK, [20, 21, 22, 23], [8, 9, 10, 11], seed=1) == []
     assert await nixl_peer.request(WaitNotifications(message=b"hit-1", timeout=10))
     assert nixl_engine.snapshot().counters["transfers_submitted"] == 3 + 3 + 2  # a notify-only row is not one
+    counters = nixl_engine.snapshot().counters
+    assert counters["inflight_transfers"] == 0 and counters["inflight_bytes"] == 0, "admitted room not given back"
     assert await transfers_settled(nixl_engine) == 0
 
 
@@ -180,7 +182,7 @@ async def test_a_bad_row_refuses_the_whole_batch_before_anything_is_posted(nixl_
         ([[0], [64]], [[0], [1]], LayoutError, "out of range"),
         ([[0, 1], [2]], [[0, 1], [2, 3]], LayoutError, "do not pair"),
         ([[0, 0]], [[1, 2]], LayoutError, "more than once"),
-        ([[0], [1]], [[0]], LayoutError, "per transfer"),
+        ([[0], [1]], [[0]], LayoutError, "2 local rows against 1 remote rows"),
         ([[0], [1]], [[0], [1]], ValueError, "2 transfers"),
     ]
     for local, remote, error, match in cases:
@@ -215,6 +217,25 @@ async def test_a_batch_waits_for_room_for_all_of_it_or_posts_nothing(nixl_engine
         peer_proc.resume()
     assert (await held).nbytes == 8 * block_len
     assert [r.nbytes for r in await asyncio.gather(*await asyncio.wait_for(later, 30))] == [block_len] * 2
+    assert await transfers_settled(nixl_engine) == 0
+    counters = nixl_engine.snapshot().counters
+    assert counters["inflight_transfers"] == 0 and counters["inflight_bytes"] == 0, "admitted room not given back"
+
+
+async def test_a_large_batch_does_not_stall_the_loop_and_every_row_lands(nixl_engine, nixl_peer):
+    """Small rows are posted inside `start_reads` only for about one sweep's budget; the poller posts the rest."""
+    regions = _regions(blocks=64)
+    nixl_engine.register("kv", regions, block_len=BLOCK)
+    peer = await nixl_engine.connect(*nixl_peer.address)
+    n = 3000
+    local = [[i % 64] for i in range(n)]  # rows may share a destination block: each writes the same bytes there
+    batch = await nixl_engine.start_reads(peer, local, local)
+    assert any(not t.first_post_at for t in batch), "every row was posted inside the call: the loop stalled"
+    results = await asyncio.wait_for(asyncio.gather(*batch), 60)
+    assert len(results) == n and all(r.nbytes == 2 * BLOCK for r in results)
+    assert verify_blocks(regions, BLOCK, list(range(64)), list(range(64)), seed=1) == []
+    counters = nixl_engine.snapshot().counters
+    assert counters["transfers_done"] == n and counters["inflight_transfers"] == 0
     assert await transfers_settled(nixl_engine) == 0
 
 
