@@ -268,10 +268,12 @@ class TransferDriver:
             self._hints_checked_at = started
         finished = False
         hot_from = _NEVER
+        small_post = self._config.min_post_bytes
         for n, transfer in enumerate(self.live(), 1):
-            if finished and transfer.core.wants_post:
+            if finished and transfer.core.wants_post and transfer.per_slice * transfer.piece_len > small_post:
                 # Let the awaiters of finished transfers run (and submit their next) before a post,
-                # which can be a copy of a few ms. With nothing to post, one sweep ends them all.
+                # which can be a copy of a few ms. With nothing to post, one sweep ends them all;
+                # small posts (a batch's rows the submit left to us) wait for the sweep's budget.
                 await asyncio.sleep(0)
                 finished = False
                 swept = time.perf_counter()
