@@ -165,9 +165,9 @@ class Admission:
         future = waiter.future
         if future.done() and not future.cancelled():
             # Granted, but cancelled before it resumed: it is out of the queue already.
-            self._count -= waiter.count - 1  # `release` gives back the last one and admits the next heads
+            self._count -= waiter.count
             self._bytes -= waiter.nbytes
-            self.release(0)
+            self._grant()
             return
         if not future.done():  # not expected (cancelling the task cancels the future), but be sure
             future.cancel()

@@ -179,7 +179,7 @@ class TransferDriver:
                 started.append(transfer)
                 if collected is not None:
                     collected.append(transfer)
-                if min(per_slice, transfer.descriptors) * piece_len <= config.min_post_bytes and (
+                if transfer.post_bytes <= config.min_post_bytes and (
                     len(started) == 1 or time.perf_counter() < inline_until
                 ):
                     self.pump(agent, transfer, max_posts=1)  # the fast path: small transfers finish here
@@ -270,7 +270,7 @@ class TransferDriver:
         hot_from = _NEVER
         small_post = self._config.min_post_bytes
         for n, transfer in enumerate(self.live(), 1):
-            if finished and transfer.core.wants_post and transfer.per_slice * transfer.piece_len > small_post:
+            if finished and transfer.core.wants_post and transfer.post_bytes > small_post:
                 # Let the awaiters of finished transfers run (and submit their next) before a post,
                 # which can be a copy of a few ms. With nothing to post, one sweep ends them all;
                 # small posts (a batch's rows the submit left to us) wait for the sweep's budget.

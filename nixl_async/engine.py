@@ -35,6 +35,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequen
 from typing import Any, Self
 
 import msgspec
+import numpy as np
 import numpy.typing as npt
 import zmq.asyncio
 
@@ -831,7 +832,7 @@ class TransferEngine:
         lidx, ridx = pair_descriptor_ids(local_view, lids, remote_view, rids)
         nbytes = len(lidx) * local_view.piece_len
         deadline, lease_deadline = self._deadlines(peer, timeout, lease_expires_at)
-        local_dlist, remote_dlist = await self._admit(peer, nbytes, deadline, local_view, remote_view)
+        local_dlist, remote_dlist = await self._admit(peer, (nbytes,), deadline, local_view, remote_view)
         return self._driver.submit(
             op, peer, (local_dlist, lidx), (remote_dlist, ridx), local_view.piece_len, notify, deadline, lease_deadline
         )
@@ -858,24 +859,17 @@ class TransferEngine:
         if not all(m is None or isinstance(m, bytes) for m in notes):
             raise TypeError("each notify message must be bytes or None")
         lidx, ridx = pair_descriptor_id_rows(local_view, lrows, remote_view, rrows)
-        moving = sum(1 for row in lidx if len(row))  # rows without blocks only notify: no room needed
-        nbytes = sum(len(row) for row in lidx) * local_view.piece_len
-        if not moving:  # nothing to read or write: notifications only
+        piece_len = local_view.piece_len
+        if isinstance(lidx, np.ndarray):  # rows of one length
+            sizes = [lidx.shape[1] * piece_len] * len(lidx) if lidx.shape[1] else []
+        else:  # rows without blocks only notify: they need no room
+            sizes = [len(row) * piece_len for row in lidx if len(row)]
+        if not sizes:  # nothing to read or write: notifications only
             return [self._driver.notify_only(op, peer, m) for m in notes]
         deadline, lease_deadline = self._deadlines(peer, timeout, lease_expires_at)
-        try:  # room for all, or nothing is posted
-            await self._admission.acquire(nbytes, deadline, count=moving)
-        except TimeoutError:
-            raise TransferTimeout("deadline passed while waiting for room to submit") from None
-        try:
-            local_dlist, remote_dlist = self._dlists(peer, local_view, remote_view)
-        except BaseException:
-            for row in lidx:
-                if len(row):
-                    self._admission.release(len(row) * local_view.piece_len)
-            raise
+        local_dlist, remote_dlist = await self._admit(peer, sizes, deadline, local_view, remote_view)
         rows = zip(lidx, ridx, notes, strict=True)
-        return self._driver.submit_many(op, peer, local_dlist, remote_dlist, local_view.piece_len, rows, deadline,
+        return self._driver.submit_many(op, peer, local_dlist, remote_dlist, piece_len, rows, deadline,
                                         lease_deadline)  # fmt: skip
 
     def _submit_views(self, peer: Peer, local: ViewLike, remote: ViewLike) -> tuple[BlockView, BlockView]:
@@ -905,28 +899,26 @@ class TransferEngine:
         timeout = remaining if timeout is None else min(timeout, remaining)
         return now + timeout, now + remaining
 
-    async def _admit(self, peer: Peer, nbytes: int, deadline: float | None, local_view: BlockView,
+    async def _admit(self, peer: Peer, sizes: Sequence[int], deadline: float | None, local_view: BlockView,
                      remote_view: BlockView) -> tuple[Any, Any]:  # fmt: skip
-        """Wait for room for one transfer; then its (local, remote) prepared descriptor lists."""
+        """Wait for room for transfers of `sizes` bytes, all of them together (nothing is posted before);
+        then their (local, remote) prepared descriptor lists. Each transfer gives its room back as it ends."""
+        assert self._loop is not None
         try:
-            await self._admission.acquire(nbytes, deadline)
+            await self._admission.acquire(sum(sizes), deadline, count=len(sizes))
         except TimeoutError:
             raise TransferTimeout("deadline passed while waiting for room to submit") from None
         try:
-            return self._dlists(peer, local_view, remote_view)
+            agent = self._require_agent()  # the engine may have closed while we waited
+            if not peer.connected or peer not in self._peers.table:
+                raise PeerUnknownError(f"peer {peer.engine_id!r} was disconnected while waiting for room")
+            self._peers.table.touch(peer, self._loop.time())
+            return self._memory.local_dlist(agent, local_view), self._memory.remote_dlist(agent, peer.agent_name,
+                                                                                         remote_view)  # fmt: skip
         except BaseException:
-            self._admission.release(nbytes)
+            for size in sizes:
+                self._admission.release(size)
             raise
-
-    def _dlists(self, peer: Peer, local_view: BlockView, remote_view: BlockView) -> tuple[Any, Any]:
-        """The prepared (local, remote) descriptor lists for admitted transfers (the engine and peer checked again)."""
-        assert self._loop is not None
-        agent = self._require_agent()  # the engine may have closed while we waited
-        if not peer.connected or peer not in self._peers.table:
-            raise PeerUnknownError(f"peer {peer.engine_id!r} was disconnected while waiting for room")
-        self._peers.table.touch(peer, self._loop.time())
-        return self._memory.local_dlist(agent, local_view), self._memory.remote_dlist(agent, peer.agent_name,
-                                                                                     remote_view)  # fmt: skip
 
     # -- notifications --------------------------------------------------------------------
     async def notify(self, peer: Peer, message: bytes) -> None:

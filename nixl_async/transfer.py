@@ -190,6 +190,11 @@ class Transfer:
             f"{self.core.slices_done}/{self.num_slices} slices {self.state}>"
         )
 
+    @property
+    def post_bytes(self) -> int:
+        """Bytes one post of this transfer moves at most (its first slice)."""
+        return min(self.per_slice, self.descriptors) * self.piece_len
+
     def slice_ids(self, index: int) -> tuple[IdArray, IdArray]:
         """Slice `index`'s (local, remote) descriptor ids."""
         if self.num_slices == 1:

@@ -222,17 +222,19 @@ async def test_a_batch_waits_for_room_for_all_of_it_or_posts_nothing(nixl_engine
     assert counters["inflight_transfers"] == 0 and counters["inflight_bytes"] == 0, "admitted room not given back"
 
 
-async def test_a_large_batch_does_not_stall_the_loop_and_every_row_lands(nixl_engine, nixl_peer):
-    """Small rows are posted inside `start_reads` only for about one sweep's budget; the poller posts the rest."""
-    regions = _regions(blocks=64)
+async def test_a_large_batch_does_not_stall_the_loop_and_every_row_lands(nixl_engine, nixl_peer_factory):
+    """Small rows are posted inside `start_reads` only for about one sweep's budget; the poller posts the rest
+    while earlier rows are in flight (UCX/TCP) and completing."""
+    proc = nixl_peer_factory(num_regions=1, num_blocks=64, block_len=BLOCK, tcp=True)
+    regions = _regions(1, 64)
     nixl_engine.register("kv", regions, block_len=BLOCK)
-    peer = await nixl_engine.connect(*nixl_peer.address)
+    peer = await nixl_engine.connect(*proc.address)
     n = 3000
     local = [[i % 64] for i in range(n)]  # rows may share a destination block: each writes the same bytes there
     batch = await nixl_engine.start_reads(peer, local, local)
     assert any(not t.first_post_at for t in batch), "every row was posted inside the call: the loop stalled"
     results = await asyncio.wait_for(asyncio.gather(*batch), 60)
-    assert len(results) == n and all(r.nbytes == 2 * BLOCK for r in results)
+    assert len(results) == n and all(r.nbytes == BLOCK for r in results)
     assert verify_blocks(regions, BLOCK, list(range(64)), list(range(64)), seed=1) == []
     counters = nixl_engine.snapshot().counters
     assert counters["transfers_done"] == n and counters["inflight_transfers"] == 0
