@@ -102,10 +102,7 @@ class Admission:
         Raises `TimeoutError` when the deadline passes first, and `CancelledError` when the
         caller is cancelled; either way nothing stays reserved. After `close` it returns at once.
         """
-        if nbytes < 0 or count < 1:
-            raise ValueError("nbytes must be >= 0 and count >= 1")
-        if self._closed or (self._waiting == 0 and self._fits(count, nbytes)):
-            self._reserve(count, nbytes)
+        if self.try_acquire(nbytes, count=count):
             return
         waiter = _Waiter(count, nbytes, asyncio.get_running_loop().create_future())
         self._queue.append(waiter)
@@ -121,6 +118,15 @@ class Admission:
                 self.cancels += 1
             self._leave(waiter)
             raise
+
+    def try_acquire(self, nbytes: int, *, count: int = 1) -> bool:
+        """Take the room at once if `acquire` would not wait (room, nobody queued); False leaves all as it was."""
+        if nbytes < 0 or count < 1:
+            raise ValueError("nbytes must be >= 0 and count >= 1")
+        if self._closed or (self._waiting == 0 and self._fits(count, nbytes)):
+            self._reserve(count, nbytes)
+            return True
+        return False
 
     def release(self, nbytes: int) -> None:
         """Give back what one `acquire(nbytes)` took, and admit the next waiters that fit."""

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from .exceptions import WrongThreadError
-from .layout import BlockView, DescArray, IdArray, MemType
+from .layout import BlockView, DescArray, DescIds, MemType
 
 __all__ = ["NIXL_ERRORS", "OwnedAgent", "RegisteredMemory"]
 
@@ -138,9 +138,9 @@ class OwnedAgent:
         self,
         op: str,
         local: DlistHandle,
-        local_ids: IdArray,
+        local_ids: DescIds,
         remote: DlistHandle,
-        remote_ids: IdArray,
+        remote_ids: DescIds,
         notif: bytes = b"",
     ) -> XferHandle:
         self._check()

@@ -32,7 +32,7 @@ from ._slicing import CopyRate, LinkRates, slice_bytes
 from ._state import Action, Complete, Fenced, Finish, Quiet, Release, TransferState
 from .config import EngineConfig
 from .exceptions import LeaseExpired, NotificationFailed, TransferError, TransferFailed, TransferTimeout
-from .layout import IdArray
+from .layout import DescIds, IdArray
 from .stats import EngineStats
 from .transfer import Transfer, TransferFuture, TransferResult, descriptors_per_slice
 
@@ -102,8 +102,8 @@ class TransferDriver:
         self,
         op: str,
         peer: Peer,
-        local: tuple[Any, IdArray],
-        remote: tuple[Any, IdArray],
+        local: tuple[Any, DescIds],
+        remote: tuple[Any, DescIds],
         piece_len: int,
         notify: bytes | None,
         deadline: float | None,
@@ -120,7 +120,7 @@ class TransferDriver:
         local_dlist: Any,
         remote_dlist: Any,
         piece_len: int,
-        rows: Iterable[tuple[IdArray, IdArray, bytes | None]],
+        rows: Iterable[tuple[DescIds, DescIds, bytes | None]],
         deadline: float | None,
         lease_deadline: float | None,
     ) -> list[Transfer]:
@@ -144,7 +144,7 @@ class TransferDriver:
         # the rest of a large batch, yielding as it goes, so a batch never stalls the loop for long.
         inline_until = time.perf_counter() + _SWEEP_BUDGET_S
         rows = iter(rows)
-        unheld: IdArray | None = None  # a row's admitted room not yet held by its transfer
+        unheld: DescIds | None = None  # a row's admitted room not yet held by its transfer
         try:
             for lidx, ridx, notify in rows:
                 if not len(lidx):  # no blocks: only the notification (a full prefix-cache hit); holds no room

@@ -69,11 +69,13 @@ from .handshake import HandshakeServer, Refusal, call_peer, fetch_metadata
 from .layout import (
     BlockLayout,
     BlockView,
+    DescIds,
     LayoutKind,
     as_block_id_rows,
     as_block_ids,
     pair_descriptor_id_rows,
     pair_descriptor_ids,
+    pair_short_ids,
 )
 from .notifications import Lease, Notification, NotificationBox
 from .stats import EngineStats, StatsSnapshot
@@ -825,14 +827,23 @@ class TransferEngine:
         local_view, remote_view = self._submit_views(peer, local, remote)
         if notify is not None and not isinstance(notify, bytes):
             raise TypeError("notify must be bytes")
-        lids = as_block_ids(local_blocks, local_view.layout.num_blocks, what="local", unique=op == "READ")
-        rids = as_block_ids(remote_blocks, remote_view.layout.num_blocks, what="remote", unique=op == "WRITE")
-        if len(lids) == 0 and len(rids) == 0:
-            return self._driver.notify_only(op, peer, notify)
-        lidx, ridx = pair_descriptor_ids(local_view, lids, remote_view, rids)
+        lidx: DescIds
+        ridx: DescIds
+        short = pair_short_ids(local_view, local_blocks, remote_view, remote_blocks, op=op)
+        if short is not None:  # a few blocks (one request's): plain tuples, no numpy
+            lidx, ridx = short
+        else:
+            lids = as_block_ids(local_blocks, local_view.layout.num_blocks, what="local", unique=op == "READ")
+            rids = as_block_ids(remote_blocks, remote_view.layout.num_blocks, what="remote", unique=op == "WRITE")
+            if len(lids) == 0 and len(rids) == 0:
+                return self._driver.notify_only(op, peer, notify)
+            lidx, ridx = pair_descriptor_ids(local_view, lids, remote_view, rids)
         nbytes = len(lidx) * local_view.piece_len
         deadline, lease_deadline = self._deadlines(peer, timeout, lease_expires_at)
-        local_dlist, remote_dlist = await self._admit(peer, (nbytes,), deadline, local_view, remote_view)
+        if self._admission.try_acquire(nbytes):  # room now: no coroutine to wait in
+            local_dlist, remote_dlist = self._admitted(peer, (nbytes,), local_view, remote_view)
+        else:
+            local_dlist, remote_dlist = await self._admit(peer, (nbytes,), deadline, local_view, remote_view)
         return self._driver.submit(
             op, peer, (local_dlist, lidx), (remote_dlist, ridx), local_view.piece_len, notify, deadline, lease_deadline
         )
@@ -903,11 +914,16 @@ class TransferEngine:
                      remote_view: BlockView) -> tuple[Any, Any]:  # fmt: skip
         """Wait for room for transfers of `sizes` bytes, all of them together (nothing is posted before);
         then their (local, remote) prepared descriptor lists. Each transfer gives its room back as it ends."""
-        assert self._loop is not None
         try:
             await self._admission.acquire(sum(sizes), deadline, count=len(sizes))
         except TimeoutError:
             raise TransferTimeout("deadline passed while waiting for room to submit") from None
+        return self._admitted(peer, sizes, local_view, remote_view)
+
+    def _admitted(self, peer: Peer, sizes: Sequence[int], local_view: BlockView, remote_view: BlockView
+                  ) -> tuple[Any, Any]:  # fmt: skip
+        """Room for `sizes` was taken: the descriptor lists, or the room back if the engine or peer went meanwhile."""
+        assert self._loop is not None
         try:
             agent = self._require_agent()  # the engine may have closed while we waited
             if not peer.connected or peer not in self._peers.table:

@@ -44,10 +44,15 @@ __all__ = [
     "as_block_ids",
     "pair_descriptor_id_rows",
     "pair_descriptor_ids",
+    "pair_short_ids",
 ]
 
 IdArray = npt.NDArray[np.int64]
+# Descriptor ids as NIXL takes them: an array, or (for a short transfer) a tuple of ints.
+DescIds = IdArray | tuple[int, ...]
 _SMALL = 256
+# Up to this many blocks, `pair_short_ids` computes a transfer's descriptor ids in plain Python.
+_SHORT = 32
 DescArray = npt.NDArray[np.uint64]
 
 
@@ -406,6 +411,34 @@ def pair_descriptor_ids(
     local_idx = local.descriptor_ids(local_ids[u // local.split], u % local.split)
     remote_idx = remote.descriptor_ids(remote_ids[u // remote.split], u % remote.split)
     return local_idx, remote_idx
+
+
+def pair_short_ids(
+    local: BlockView, local_blocks: object, remote: BlockView, remote_blocks: object, *, op: str
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """`as_block_ids` and `pair_descriptor_ids` for a short transfer, as tuples of ints; None if not one.
+
+    The fast path of a single submit (one request's few blocks): lists of at most `_SHORT`
+    valid ids over whole blocks of one-group views. There numpy's per-call cost (and two
+    allocations per array, alive while the transfer is in flight) exceeds the work. NIXL takes
+    tuples, which the garbage collector stops tracking (lists it would walk on every pass).
+    None sends the caller down the general path, which also raises the errors.
+    """
+    lo, ro = local._only_offset, remote._only_offset
+    if lo is None or ro is None or local.split != 1 or remote.split != 1 or local.piece_len != remote.piece_len:
+        return None
+    if type(local_blocks) is not list or type(remote_blocks) is not list:
+        return None
+    n = len(local_blocks)
+    if not 0 < n <= _SHORT or len(remote_blocks) != n:
+        return None
+    lnb, rnb = local.layout.num_blocks, remote.layout.num_blocks
+    for lb, rb in zip(local_blocks, remote_blocks, strict=True):
+        if type(lb) is not int or type(rb) is not int or not (0 <= lb < lnb and 0 <= rb < rnb):
+            return None
+    if n > 1 and len(set(local_blocks if op == "READ" else remote_blocks)) != n:
+        return None  # a destination block twice
+    return tuple([b + lo for b in local_blocks]), tuple([b + ro for b in remote_blocks])
 
 
 def pair_descriptor_id_rows(

@@ -24,7 +24,7 @@ import msgspec
 
 from ._state import TransferCore, TransferState
 from .exceptions import TransferCancelled, TransferError, TransferTimeout
-from .layout import IdArray
+from .layout import DescIds
 
 if TYPE_CHECKING:
     from ._slicing import LinkRates
@@ -131,8 +131,8 @@ class Transfer:
         remote_agent: str,
         local_dlist: Any,
         remote_dlist: Any,
-        local_ids: IdArray,
-        remote_ids: IdArray,
+        local_ids: DescIds,
+        remote_ids: DescIds,
         per_slice: int,
         notify: bytes | None,
         nbytes: int,
@@ -195,7 +195,7 @@ class Transfer:
         """Bytes one post of this transfer moves at most (its first slice)."""
         return min(self.per_slice, self.descriptors) * self.piece_len
 
-    def slice_ids(self, index: int) -> tuple[IdArray, IdArray]:
+    def slice_ids(self, index: int) -> tuple[DescIds, DescIds]:
         """Slice `index`'s (local, remote) descriptor ids."""
         if self.num_slices == 1:
             return self.local_ids, self.remote_ids

@@ -101,6 +101,22 @@ async def test_no_barging_a_newcomer_queues_behind_a_waiter_even_if_it_fits():
     consistent(adm, [50, 10])
 
 
+async def test_try_acquire_takes_room_only_when_acquire_would_not_wait():
+    adm = Admission(max_count=2, max_bytes=100)
+    assert adm.try_acquire(60)
+    assert not adm.try_acquire(50)  # does not fit: nothing taken
+    assert (adm.count, adm.bytes) == (1, 60)
+    order: list[str] = []
+    big = await queued(adm, 50, order, "big")
+    assert not adm.try_acquire(10)  # fits, but a waiter is queued: no barging
+    adm.release(60)
+    await admitted(big)
+    assert adm.try_acquire(10) and not adm.try_acquire(1)  # the count is full
+    with pytest.raises(ValueError):
+        adm.try_acquire(-1)
+    consistent(adm, [50, 10])
+
+
 async def test_a_large_transfer_is_not_starved_by_a_stream_of_small_ones():
     # The scenario that starved when every waiter re-raced: the budget never empties because a
     # new small transfer starts each time an old one ends, so the large one never fits.

@@ -15,6 +15,7 @@ from nixl_async.layout import (
     as_block_ids,
     pair_descriptor_id_rows,
     pair_descriptor_ids,
+    pair_short_ids,
 )
 
 
@@ -215,6 +216,41 @@ def test_rows_pair_as_each_transfer_alone(view, ratio, first, k, data):
             want_l, want_r = pair_descriptor_ids(lv, np.array(lrows[i], dtype=np.int64), rv,
                                                  np.array(rrows[i], dtype=np.int64))  # fmt: skip
             assert got_l[i].tolist() == want_l.tolist() and got_r[i].tolist() == want_r.tolist()
+
+
+@settings(max_examples=300, deadline=None)
+@given(views(), st.integers(1, 40), st.sampled_from(["READ", "WRITE"]), st.data())
+def test_a_short_transfer_pairs_as_the_general_path_or_declines(view, k, op, data):
+    """The single submit's fast path gives exactly the general path's descriptor ids, and declines
+    (None) whatever it does not cover: views of several groups or pieces, long, bad or repeated ids."""
+    lay = view.layout
+    other = BlockLayout.from_regions("kv", [(1 << 40) + (i << 24) for i in range(lay.num_regions)],
+                                     num_blocks=lay.num_blocks + 3, block_len=lay.block_len, kind=lay.kind)  # fmt: skip
+    remote = other.view(view.chunk_offset, view.chunk_len, view.split)
+    lids = data.draw(st.lists(st.integers(-1, lay.num_blocks), min_size=k, max_size=k))
+    rids = data.draw(st.lists(st.integers(-1, other.num_blocks), min_size=k, max_size=k))
+    got = pair_short_ids(view, lids, remote, rids, op=op)
+    try:
+        la = as_block_ids(lids, lay.num_blocks, what="local", unique=op == "READ")
+        ra = as_block_ids(rids, other.num_blocks, what="remote", unique=op == "WRITE")
+        want = pair_descriptor_ids(view, la, remote, ra)
+    except LayoutError:
+        assert got is None  # the general path raises the error
+        return
+    if view.num_groups != 1 or view.split != 1 or k > 32:
+        assert got is None
+    else:
+        assert got is not None and list(got[0]) == want[0].tolist() and list(got[1]) == want[1].tolist()
+        assert all(type(i) is int for i in got[0] + got[1])
+
+
+def test_a_short_transfer_takes_lists_of_ints_only():
+    view = BlockLayout.from_regions("kv", [1 << 20], num_blocks=8, block_len=64).view()
+    assert pair_short_ids(view, [1, 2], view, [3, 4], op="READ") == ((1, 2), (3, 4))
+    for lids, rids in [(np.array([1]), [1]), ((1,), [1]), ([True], [1]), ([np.int64(1)], [1]), ([1, 2], [3]), ([], [])]:
+        assert pair_short_ids(view, lids, view, rids, op="READ") is None
+    assert pair_short_ids(view, [1, 2], view, [3, 3], op="READ") == ((1, 2), (3, 3))  # repeats only at the source
+    assert pair_short_ids(view, [1, 2], view, [3, 3], op="WRITE") is None
 
 
 def test_rows_of_different_lengths_pair_row_by_row():
