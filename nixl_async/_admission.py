@@ -120,7 +120,8 @@ class Admission:
             raise
 
     def try_acquire(self, nbytes: int, *, count: int = 1) -> bool:
-        """Take the room at once if `acquire` would not wait (room, nobody queued); False leaves all as it was."""
+        """Take the room at once if `acquire` would not wait (room and nobody queued, or closed: then over the
+        limits); False leaves everything as it was."""
         if nbytes < 0 or count < 1:
             raise ValueError("nbytes must be >= 0 and count >= 1")
         if self._closed or (self._waiting == 0 and self._fits(count, nbytes)):

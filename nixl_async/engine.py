@@ -923,8 +923,8 @@ class TransferEngine:
     def _admitted(self, peer: Peer, sizes: Sequence[int], local_view: BlockView, remote_view: BlockView
                   ) -> tuple[Any, Any]:  # fmt: skip
         """Room for `sizes` was taken: the descriptor lists, or the room back if the engine or peer went meanwhile."""
-        assert self._loop is not None
         try:
+            assert self._loop is not None
             agent = self._require_agent()  # the engine may have closed while we waited
             if not peer.connected or peer not in self._peers.table:
                 raise PeerUnknownError(f"peer {peer.engine_id!r} was disconnected while waiting for room")
