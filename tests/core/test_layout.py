@@ -219,16 +219,26 @@ def test_rows_pair_as_each_transfer_alone(view, ratio, first, k, data):
 
 
 @settings(max_examples=300, deadline=None)
-@given(views(), st.integers(1, 40), st.sampled_from(["READ", "WRITE"]), st.data())
-def test_a_short_transfer_pairs_as_the_general_path_or_declines(view, k, op, data):
+@given(views(), st.integers(1, 40), st.booleans(), st.sampled_from(["READ", "WRITE"]), st.data())
+def test_a_short_transfer_pairs_as_the_general_path_or_declines(view, k, unique, op, data):
     """The single submit's fast path gives exactly the general path's descriptor ids, and declines
-    (None) whatever it does not cover: views of several groups or pieces, long, bad or repeated ids."""
+    (None) whatever it does not cover: views of several groups or pieces, long, bad or repeated ids.
+    A window of one region (as the adapter's per-layer pushes take) makes a one-group view at an offset."""
     lay = view.layout
     other = BlockLayout.from_regions("kv", [(1 << 40) + (i << 24) for i in range(lay.num_regions)],
                                      num_blocks=lay.num_blocks + 3, block_len=lay.block_len, kind=lay.kind)  # fmt: skip
-    remote = other.view(view.chunk_offset, view.chunk_len, view.split)
-    lids = data.draw(st.lists(st.integers(-1, lay.num_blocks), min_size=k, max_size=k))
-    rids = data.draw(st.lists(st.integers(-1, other.num_blocks), min_size=k, max_size=k))
+    region = data.draw(st.none() | st.integers(0, lay.num_regions - 1))
+    window = None if region is None else (region, region + 1)
+    view = lay.view(view.chunk_offset, view.chunk_len, view.split, window)
+    remote = other.view(view.chunk_offset, view.chunk_len, view.split, window)
+    n = min(k, lay.num_blocks) if unique else k  # ids mostly valid, so the fast path runs often
+    lids = data.draw(st.lists(st.integers(0, lay.num_blocks - 1), min_size=n, max_size=n, unique=unique))
+    rids = data.draw(st.lists(st.integers(0, other.num_blocks - 1), min_size=n, max_size=n, unique=unique))
+    bad = data.draw(st.sampled_from([None, -1, "local", "remote"]))
+    if bad == -1:
+        lids[-1] = -1
+    elif bad is not None:
+        (lids if bad == "local" else rids)[0] = lay.num_blocks if bad == "local" else other.num_blocks
     got = pair_short_ids(view, lids, remote, rids, op=op)
     try:
         la = as_block_ids(lids, lay.num_blocks, what="local", unique=op == "READ")
@@ -251,6 +261,8 @@ def test_a_short_transfer_takes_lists_of_ints_only():
         assert pair_short_ids(view, lids, view, rids, op="READ") is None
     assert pair_short_ids(view, [1, 2], view, [3, 3], op="READ") == ((1, 2), (3, 3))  # repeats only at the source
     assert pair_short_ids(view, [1, 2], view, [3, 3], op="WRITE") is None
+    third = BlockLayout.from_regions("kv", [1 << 20, 1 << 21, 1 << 22], num_blocks=8, block_len=64).view(regions=(2, 3))
+    assert pair_short_ids(third, [1], third, [5], op="READ") == ((17,), (21,))  # region 2's descriptors start at 16
 
 
 def test_rows_of_different_lengths_pair_row_by_row():
