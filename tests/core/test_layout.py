@@ -247,7 +247,7 @@ def test_a_short_transfer_pairs_as_the_general_path_or_declines(view, k, unique,
     except LayoutError:
         assert got is None  # the general path raises the error
         return
-    if view.num_groups != 1 or view.split != 1 or k > 32:
+    if view.num_groups != 1 or view.split != 1 or n > 32:
         assert got is None
     else:
         assert got is not None and list(got[0]) == want[0].tolist() and list(got[1]) == want[1].tolist()
