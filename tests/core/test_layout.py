@@ -254,6 +254,24 @@ def test_a_short_transfer_pairs_as_the_general_path_or_declines(view, k, unique,
         assert all(type(i) is int for i in got[0] + got[1])
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 40), st.integers(1, 32), st.sampled_from(["READ", "WRITE"]), st.data())
+def test_a_short_transfer_over_one_region_of_many_pairs_as_the_general_path(regions, num_blocks, k, op, data):
+    """Where the fast path runs (the adapter's per-layer pushes): one region of several, whole blocks, valid ids."""
+    lay = BlockLayout.from_regions("kv", [(1 << 32) + (i << 24) for i in range(regions)], num_blocks=num_blocks,
+                                   block_len=64)  # fmt: skip
+    other = BlockLayout.from_regions("kv", [(1 << 40) + (i << 24) for i in range(regions)], num_blocks=num_blocks + 5,
+                                     block_len=64)  # fmt: skip
+    region = data.draw(st.integers(0, regions - 1))
+    local, remote = lay.view(regions=(region, region + 1)), other.view(regions=(region, region + 1))
+    n = min(k, num_blocks)
+    lids = data.draw(st.lists(st.integers(0, num_blocks - 1), min_size=n, max_size=n, unique=op == "READ"))
+    rids = data.draw(st.lists(st.integers(0, num_blocks + 4), min_size=n, max_size=n, unique=op == "WRITE"))
+    want = pair_descriptor_ids(local, np.array(lids, np.int64), remote, np.array(rids, np.int64))
+    got = pair_short_ids(local, lids, remote, rids, op=op)
+    assert got is not None and list(got[0]) == want[0].tolist() and list(got[1]) == want[1].tolist()
+
+
 def test_a_short_transfer_takes_lists_of_ints_only():
     view = BlockLayout.from_regions("kv", [1 << 20], num_blocks=8, block_len=64).view()
     assert pair_short_ids(view, [1, 2], view, [3, 4], op="READ") == ((1, 2), (3, 4))
