@@ -8,11 +8,16 @@ requests, prepared descriptor lists, remote agents, registrations) so leaks show
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import logging
 import os
+import sys
 import threading
 from collections import Counter
 from collections.abc import Mapping
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -22,8 +27,50 @@ from .layout import BlockView, DescArray, DescIds, MemType
 
 __all__ = ["NIXL_ERRORS", "OwnedAgent", "RegisteredMemory"]
 
-from nixl import _bindings
-from nixl._api import nixl_agent, nixl_agent_config
+# The backend wheels the `nixl` package chooses among when it finds no CUDA version, in its order.
+_NIXL_WHEELS = ("nixl_cu13", "nixl_cu12", "nixl_rocm")
+
+
+def _torch_cuda_on_disk() -> str | None:
+    """The CUDA version the installed torch was built for (None: CPU-only, or no torch), without importing torch."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.origin:
+        return None
+    version_spec = importlib.util.spec_from_file_location("_nixl_async_torch_version",
+                                                          Path(spec.origin).parent / "version.py")  # fmt: skip
+    if version_spec is None or version_spec.loader is None:
+        return None
+    try:
+        module = importlib.util.module_from_spec(version_spec)
+        version_spec.loader.exec_module(module)
+    except (OSError, ImportError, SyntaxError):
+        return None
+    return getattr(module, "cuda", None)
+
+
+def _nixl_package() -> ModuleType:
+    """NIXL's Python package: the backend wheel `import nixl` would choose, without its slow step.
+
+    The `nixl` package picks its backend wheel by the CUDA version of the process's stack. With
+    nothing CUDA imported yet and a CPU-only torch on disk it learns nothing, imports torch to
+    ask again (~2-3 s here, in every process that imports us: each test peer, each CLI call),
+    then takes the first wheel installed. We take that wheel at once in that case only.
+    """
+    if any(name in sys.modules for name in ("nixl", "torch", "cuda.bindings", "cupy")) or _torch_cuda_on_disk():
+        return importlib.import_module("nixl")
+    for name in _NIXL_WHEELS:
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+    return importlib.import_module("nixl")  # none installed: its own error says so
+
+
+_nixl = _nixl_package()
+_bindings: Any = importlib.import_module(f"{_nixl.__name__}._bindings")
+nixl_agent: Any = _nixl.nixl_agent
+nixl_agent_config: Any = _nixl.nixl_agent_config
 
 if not os.environ.get("NIXL_LOG_LEVEL"):  # NIXL logs every agent at INFO; keep it quiet by default
     logging.getLogger("nixl").setLevel(logging.WARNING)
