@@ -32,19 +32,22 @@ _NIXL_WHEELS = ("nixl_cu13", "nixl_cu12", "nixl_rocm")
 
 
 def _torch_cuda_on_disk() -> str | None:
-    """The CUDA version the installed torch was built for (None: CPU-only, or no torch), without importing torch."""
+    """The CUDA version the installed torch was built for, read without importing torch.
+
+    None: a CPU-only torch, or none. "unknown" when its version file cannot be read.
+    """
     spec = importlib.util.find_spec("torch")
     if spec is None or not spec.origin:
         return None
     version_spec = importlib.util.spec_from_file_location("_nixl_async_torch_version",
                                                           Path(spec.origin).parent / "version.py")  # fmt: skip
     if version_spec is None or version_spec.loader is None:
-        return None
+        return "unknown"
     try:
         module = importlib.util.module_from_spec(version_spec)
         version_spec.loader.exec_module(module)
-    except (OSError, ImportError, SyntaxError):
-        return None
+    except Exception:  # whatever it is, `import nixl` then decides, as it always did
+        return "unknown"
     return getattr(module, "cuda", None)
 
 
@@ -54,7 +57,8 @@ def _nixl_package() -> ModuleType:
     The `nixl` package picks its backend wheel by the CUDA version of the process's stack. With
     nothing CUDA imported yet and a CPU-only torch on disk it learns nothing, imports torch to
     ask again (~2-3 s here, in every process that imports us: each test peer, each CLI call),
-    then takes the first wheel installed. We take that wheel at once in that case only.
+    then takes the first wheel installed. We take that wheel at once in that case only; in any
+    other (torch, CUDA or nixl already imported, a CUDA torch on disk, an unreadable one) `nixl` chooses.
     """
     if any(name in sys.modules for name in ("nixl", "torch", "cuda.bindings", "cupy")) or _torch_cuda_on_disk():
         return importlib.import_module("nixl")
