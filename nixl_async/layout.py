@@ -314,16 +314,10 @@ def as_block_ids(
     Raises `LayoutError` for non-integer, multi-dimensional or out-of-range ids, and with
     `unique` for repeated ids (a destination block written twice by one transfer is a race).
     """
-    if isinstance(block_ids, list | tuple | range) and len(block_ids) <= _SMALL:
-        # Short lists are the common case (one request's blocks): plain Python beats numpy's
-        # per-call overhead several times over.
-        for b in block_ids:
-            if type(b) is not int:
-                return as_block_ids(np.asarray(block_ids), num_blocks, what=what, unique=unique)
-            if b < 0 or b >= num_blocks:
-                raise LayoutError(f"{what} block id {b} is out of range: the layout has {num_blocks} blocks")
-        if unique and len(set(block_ids)) != len(block_ids):
-            raise LayoutError(f"{what} block ids name a destination block more than once")
+    # Short lists are the common case (one request's blocks): plain Python beats numpy's per-call
+    # overhead several times over. Bad ones go on to numpy, which names the problem.
+    if (isinstance(block_ids, list | tuple | range) and len(block_ids) <= _SMALL
+            and _plain_ids_valid(block_ids, num_blocks, unique)):  # fmt: skip
         return np.array(block_ids, dtype=np.int64)
     arr = np.asarray(block_ids)
     if arr.size == 0:
@@ -362,6 +356,14 @@ def as_block_id_rows(rows: Sequence[Sequence[int]] | npt.ArrayLike, num_blocks: 
         if bool((ordered[:, 1:] == ordered[:, :-1]).any()):
             raise LayoutError(f"{what} block ids name a destination block more than once")
     return arr
+
+
+def _plain_ids_valid(block_ids: Sequence[object], num_blocks: int, unique: bool) -> bool:
+    """Whether a short sequence holds only Python ints within the layout's blocks (and, with `unique`, no repeats)."""
+    for b in block_ids:
+        if type(b) is not int or not 0 <= b < num_blocks:
+            return False
+    return not unique or len(block_ids) < 2 or len(set(block_ids)) == len(block_ids)
 
 
 def _ids_in_range(arr: npt.NDArray[np.generic], num_blocks: int, what: str) -> IdArray:
@@ -432,12 +434,9 @@ def pair_short_ids(
     n = len(local_blocks)
     if not 0 < n <= _SHORT or len(remote_blocks) != n:
         return None
-    lnb, rnb = local.layout.num_blocks, remote.layout.num_blocks
-    for lb, rb in zip(local_blocks, remote_blocks, strict=True):
-        if type(lb) is not int or type(rb) is not int or not (0 <= lb < lnb and 0 <= rb < rnb):
-            return None
-    if n > 1 and len(set(local_blocks if op == "READ" else remote_blocks)) != n:
-        return None  # a destination block twice
+    if not (_plain_ids_valid(local_blocks, local.layout.num_blocks, op == "READ")
+            and _plain_ids_valid(remote_blocks, remote.layout.num_blocks, op == "WRITE")):  # fmt: skip
+        return None  # the general path says what is wrong
     return tuple([b + lo for b in local_blocks]), tuple([b + ro for b in remote_blocks])
 
 
