@@ -82,6 +82,22 @@ def _uvloop_available() -> bool:
     return True
 
 
+LOOP_THREAD_NAME = "nixl-async"  # what `top -H`, py-spy and /proc/<pid>/task/*/comm show for the loop thread
+
+
+def _name_os_thread(name: str) -> None:
+    """Give the calling thread `name` in the kernel too (Python 3.11 names threads only for Python).
+
+    In a vLLM worker every other thread is called ``VLLM::Worker``: without this, the loop's CPU
+    cannot be told from the model thread's. Best effort (Linux only; at most 15 bytes).
+    """
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as comm:
+            comm.write(name[:15])
+    except OSError:
+        pass
+
+
 class SyncEngine:
     """A `TransferEngine` running on a dedicated loop thread, with thread-safe calls."""
 
@@ -92,6 +108,7 @@ class SyncEngine:
         self._portal: BlockingPortal = self._portal_cm.__enter__()
         try:
             self._loop: asyncio.AbstractEventLoop = self._portal.call(asyncio.get_running_loop)
+            self._portal.call(_name_os_thread, LOOP_THREAD_NAME)
             self.engine = TransferEngine(config)
             self._portal.call(self.engine.start)
         except BaseException:

@@ -2,6 +2,7 @@
 
 import asyncio
 import socket
+import sys
 import threading
 import time
 
@@ -194,6 +195,16 @@ def test_wait_activity_pokes_the_loop_while_it_waits(sync_engine):
 def test_caller_thread_never_touches_the_agent(sync_engine):
     with pytest.raises(WrongThreadError):
         sync_engine.engine.register("kv", [np.zeros(BLOCK, np.uint8)], block_len=BLOCK)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names in /proc are Linux's")
+def test_loop_thread_has_its_own_name_in_the_kernel(sync_engine):
+    """In a vLLM worker every thread is 'VLLM::Worker': the loop's CPU must be attributable."""
+    tid = sync_engine.call(threading.get_native_id)
+    with open(f"/proc/self/task/{tid}/comm") as comm:
+        assert comm.read().strip() == "nixl-async"
+    with open(f"/proc/self/task/{threading.get_native_id()}/comm") as comm:
+        assert comm.read().strip() != "nixl-async"  # the caller's thread keeps its own name
 
 
 def test_closed_engine_refuses_work():
