@@ -11,8 +11,8 @@ in each vLLM process, before any agent exists:
   that builds it -- vLLM's model thread -- onto the last core of each NUMA node (vLLM reserves
   that core for KV transfers). With both servers on one 2-core host that put the producer's
   model thread on the decode server's core, so the two connectors ran with different
-  placements, and placement alone moved decode's inter-token latency by more than the
-  connectors differ (README, scenario 7). Both now run where the benchmark puts them.
+  placements, which made most of the c1 inter-token gap between them (README, scenario 7).
+  Both now run where the benchmark puts them.
 
 Nothing else about the connector changes.
 """

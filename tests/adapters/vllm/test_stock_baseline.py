@@ -4,6 +4,7 @@ benchmark gives it: vLLM's own connector would move its model thread onto a "res
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 CHECK = textwrap.dedent(
     """
@@ -26,4 +27,5 @@ def test_stock_connector_keeps_the_benchmarks_cpu_placement():
     assert proc.returncode == 0, proc.stderr[-3000:]
     before, after = proc.stdout.strip().splitlines()[-1].rsplit(" ", 1)
     assert after == "[]"  # no reserved core: the connector leaves its thread where the launcher bound it
-    assert before != "[]" or sys.platform != "linux"  # the unpatched call does name cores here
+    if Path("/sys/devices/system/node/node0").exists():  # vLLM finds NUMA nodes here: unpatched, it names cores
+        assert before != "[]"
