@@ -64,10 +64,10 @@ async def _engine(address, n: int, rounds: int) -> tuple[list[float], list[float
         rss = _rss_mib() - rss0
         # objects the garbage collector tracks while the transfers are live (the bench's own list aside):
         # its full collections walk them all, so each one costs time at 10 k in flight
-        tracked = (len(gc.get_objects()) - tracked - 1) / n
+        tracked_per_transfer = (len(gc.get_objects()) - tracked - 1) / n
         await asyncio.gather(*(t.future for t in transfers))
         tracemalloc.stop()
-    return single, batched, peak / n, rss, tracked
+    return single, batched, peak / n, rss, tracked_per_transfer
 
 
 def _raw(address, n: int) -> float:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import numpy as np
 
@@ -106,7 +107,7 @@ def run(quick: bool) -> Result:
         step5, step5_cpu = _raw_latency(peer.address, step_reads, 0.005)
         step20, step20_cpu = _raw_latency(peer.address, step_reads, 0.020)
         raw_idle = _raw_idle(peer.address, idle_s)
-    rows = []
+    rows: list[list[Any]] = []
     for label, samples, cpu, idle in [
         ("engine (adaptive poller)", engine, engine_busy_cpu, engine_idle),
         ("raw busy loop", busy, busy_cpu, float("nan")),

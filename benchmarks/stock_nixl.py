@@ -46,6 +46,7 @@ def _no_reserved_kv_cores() -> list[list[int]]:
     return []  # the connector then leaves its thread's CPU affinity alone
 
 
-base_worker.current_platform.discover_numa_topology = _no_reserved_kv_cores
+# (vLLM's CPU platform has this method; the Platform type it is declared as does not)
+base_worker.current_platform.discover_numa_topology = _no_reserved_kv_cores  # type: ignore[attr-defined]
 
 __all__ = ["NixlConnector", "NixlPushConnector"]

@@ -23,7 +23,7 @@ if [ "$(id -u)" -eq 0 ]; then
   fi
 fi
 .venv/bin/ruff check . || exit 1
-.venv/bin/mypy nixl_async adapters/vllm || exit 1
+.venv/bin/mypy nixl_async adapters/vllm benchmarks examples || exit 1
 .venv/bin/python -m pytest "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then

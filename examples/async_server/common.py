@@ -23,7 +23,7 @@ def checksum(kv: list[np.ndarray], block_ids: list[int]) -> int:
     crc = 0
     for region in kv:
         for b in block_ids:
-            crc = zlib.crc32(region[b * BLOCK_LEN : (b + 1) * BLOCK_LEN], crc)
+            crc = zlib.crc32(region[b * BLOCK_LEN : (b + 1) * BLOCK_LEN].data, crc)
     return crc
 
 

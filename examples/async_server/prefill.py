@@ -23,7 +23,6 @@ from nixl_async import EngineConfig, NotificationTimeout, TransferEngine
 
 log = logging.getLogger("prefill")
 ENGINE = web.AppKey("engine", TransferEngine)
-STATE = web.AppKey("state", "PrefillState")
 
 
 class PrefillState:
@@ -44,6 +43,9 @@ class PrefillState:
             log.warning("lease of %s expired: the reader never confirmed", request_id)
         finally:
             self.pool.give(block_ids)
+
+
+STATE = web.AppKey("state", PrefillState)
 
 
 async def prefill(request: web.Request) -> web.Response:

@@ -94,7 +94,7 @@ def build(
     alternating sliding / full, as Gemma and gpt-oss do), so vLLM runs two KV cache groups.
     """
     tokenizer = train_tokenizer(vocab)
-    hybrid = {}
+    hybrid: dict[str, Any] = {}
     if sliding_window is not None:
         kinds = ("sliding_attention", "full_attention")
         hybrid = {"sliding_window": sliding_window, "layer_types": [kinds[i % 2] for i in range(layers)]}
