@@ -94,20 +94,21 @@ def _child(quick: bool) -> dict[str, dict]:
 
 def _round_ratios(got: dict[str, list[float]], per_round: int) -> list[float]:
     """Engine ÷ the faster raw loop within each round (medians of its reads): drift between rounds cancels."""
-    rounds = {setup: np.median(np.reshape(got[setup], (-1, per_round)), axis=1) for setup in SETUPS}
+    rounds = {s: np.median(np.reshape(got[s], (-1, per_round)), axis=1) for s in ("engine", "raw_1ms", "raw_hot")}
     return [float(r) for r in rounds["engine"] / np.maximum(rounds["raw_1ms"], rounds["raw_hot"])]
 
 
 def run(quick: bool = False) -> Result:
     samples = run_tcp_child("throughput_tcp", quick)
     rows, metrics, ratios = [], {}, {}
+    reads_per_round = (QUICK if quick else FULL)[1]
     for block_len in SIZES:
         for order in ORDERS:
             got = samples[str(block_len)][order]
             gbps = {s: float(np.median(got[s])) for s in SETUPS}
             raw = max(gbps["raw_1ms"], gbps["raw_hot"])
             key = f"{block_len >> 10}k_{order}"
-            per_round = _round_ratios(got, (QUICK if quick else FULL)[1])
+            per_round = _round_ratios(got, reads_per_round)
             rows.append([f"{block_len >> 10} KiB {order}", gbps["engine"], gbps["engine_inline_sizing"],
                          gbps["raw_1ms"], gbps["raw_hot"], gbps["engine"] / raw,
                          f"{min(per_round):.2f}-{max(per_round):.2f}"])  # fmt: skip
