@@ -10,6 +10,7 @@ from ._peers import Peer
 from .config import EngineConfig, EtcdConfig, PollConfig
 from .engine import TransferEngine
 from .exceptions import (
+    BatchRowsFailed,
     DiscoveryUnavailable,
     EngineClosedError,
     EngineIdMismatch,
@@ -36,11 +37,12 @@ from .layout import BlockLayout, BlockView, LayoutKind, MemType, ViewSpec
 from .notifications import Lease, Notification
 from .stats import StatsSnapshot
 from .sync import FinishedRequests, PeerInfo, SyncEngine
-from .transfer import Transfer, TransferResult, TransferState
+from .transfer import Transfer, TransferBatch, TransferResult, TransferState
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchRowsFailed",
     "BlockLayout",
     "BlockView",
     "DiscoveryUnavailable",
@@ -71,6 +73,7 @@ __all__ = [
     "StatsSnapshot",
     "SyncEngine",
     "Transfer",
+    "TransferBatch",
     "TransferCancelled",
     "TransferEngine",
     "TransferError",

@@ -129,11 +129,12 @@ class Admission:
             return True
         return False
 
-    def release(self, nbytes: int) -> None:
-        """Give back what one `acquire(nbytes)` took, and admit the next waiters that fit."""
-        if self._count < 1 or nbytes < 0 or nbytes > self._bytes:
-            raise ValueError(f"release({nbytes}) without a matching acquire ({self._count} held, {self._bytes} bytes)")
-        self._count -= 1
+    def release(self, nbytes: int, *, count: int = 1) -> None:
+        """Give back what `count` transfers of `nbytes` in all took, and admit the next waiters that fit."""
+        if self._count < count or count < 1 or nbytes < 0 or nbytes > self._bytes:
+            raise ValueError(f"release({nbytes}, count={count}) without a matching acquire "
+                             f"({self._count} held, {self._bytes} bytes)")  # fmt: skip
+        self._count -= count
         self._bytes -= nbytes
         self._grant()
 

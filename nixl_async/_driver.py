@@ -34,7 +34,7 @@ from .config import EngineConfig
 from .exceptions import LeaseExpired, NotificationFailed, TransferError, TransferFailed, TransferTimeout
 from .layout import DescIds, IdArray
 from .stats import EngineStats
-from .transfer import Transfer, TransferFuture, TransferResult, descriptors_per_slice
+from .transfer import Transfer, TransferBatch, TransferFuture, TransferResult, descriptors_per_slice
 
 __all__ = ["COLLECTOR", "TransferDriver"]
 
@@ -199,6 +199,60 @@ class TransferDriver:
                 self._wakeup()
         return started
 
+    def submit_batch(
+        self,
+        op: str,
+        peer: Peer,
+        local_dlist: Any,
+        remote_dlist: Any,
+        rows: tuple[IdArray | list[IdArray], IdArray | list[IdArray]],
+        descriptors: int,
+        nbytes: int,
+        deadline: float | None,
+        lease_deadline: float | None,
+    ) -> TransferBatch:
+        """Start an admitted batch: row i of `rows` (local, remote descriptor ids) is one request.
+
+        Rows are posted here for one sweep's budget; the poller posts the rest, yielding as it goes.
+        """
+        agent, loop, config = self.agent, self.loop, self._config
+        assert agent is not None and loop is not None
+        now = loop.time()
+        if peer.link.busy_hint_due(now):
+            self._send_busy_hint(peer)
+        if deadline is not None and deadline < self._next_deadline:
+            self._next_deadline = deadline
+        transfer_id = next(self._ids)
+        batch = TransferBatch(
+            rows_local=rows[0],
+            rows_remote=rows[1],
+            descriptors=descriptors,
+            transfer_id=transfer_id,
+            op=op,
+            peer=peer.engine_id,
+            remote_agent=peer.agent_name,
+            local_dlist=local_dlist,
+            remote_dlist=remote_dlist,
+            notify=None,
+            nbytes=nbytes,
+            deadline=deadline,
+            submitted_at=now,
+            future=TransferFuture(loop=loop, transfer_id=transfer_id, on_cancel=self._awaiter_cancelled_cb),
+            cancel_cb=self._end_cb,
+            link=peer.link,
+            release_grace_s=config.release_grace_s,
+        )
+        batch.lease_deadline = lease_deadline
+        self.active[transfer_id] = batch  # from here on `_retire` gives the admitted room back
+        if (collected := COLLECTOR.get()) is not None:
+            collected.append(batch)
+        self._stats.counters["transfers_submitted"] += 1
+        self._stats.counters["batch_rows_submitted"] += batch.rows
+        self.pump(agent, batch, batch.rows, until=time.perf_counter() + _SWEEP_BUDGET_S)
+        self._pacer.activity(loop.time())
+        self._wakeup()
+        return batch
+
     def notify_only(self, op: str, peer: Peer, notify: bytes | None) -> Transfer:
         """A transfer with no blocks (a full prefix-cache hit): only the notification goes out."""
         assert self.loop is not None
@@ -279,7 +333,11 @@ class TransferDriver:
                 swept = time.perf_counter()
             if transfer.quiet:
                 continue  # ended while we yielded
-            if self.pump(agent, transfer, 1, swept):
+            if type(transfer) is TransferBatch:  # its rows, for what is left of the sweep's budget
+                pumped = self.pump(agent, transfer, transfer.rows, swept, swept + _SWEEP_BUDGET_S)
+            else:
+                pumped = self.pump(agent, transfer, 1, swept)
+            if pumped:
                 activity = True
                 finished = finished or transfer.done()
             if transfer.state is TransferState.RELEASING:  # past its grace it is reported fenced
@@ -318,15 +376,19 @@ class TransferDriver:
             default=_NEVER,
         )
 
-    def pump(self, agent: OwnedAgent, transfer: Transfer, max_posts: int, swept: float = 0.0) -> bool:
+    def pump(self, agent: OwnedAgent, transfer: Transfer, max_posts: int, swept: float = 0.0,
+             until: float = _NEVER) -> bool:  # fmt: skip
         """Advance one transfer: check its running slices, post new ones (at most `max_posts`).
 
-        `swept` is when the poller's sweep began, recorded while slices are in flight.
+        `swept` is when the poller's sweep began, recorded while slices are in flight. `until`
+        (perf_counter time) bounds a batch's checks and posts: past it, the rest wait for the
+        next sweep (a batch's core moves each checked row behind those not yet checked).
         Returns whether anything moved (a slice ended or was posted, or the transfer ended).
         """
         core = transfer.core
         base = transfer.id * _SLICE_KEY
         moved = False
+        bounded = until < _NEVER
         for index in core.running_list():
             try:
                 state = agent.state(self._handles[base + index])
@@ -335,15 +397,24 @@ class TransferDriver:
             if state != "PROC":
                 moved = True
                 self._apply(transfer, core.checked(index, state))
+            elif bounded:
+                core.checked(index, state)
+            if bounded and time.perf_counter() > until:
+                break
         if core.has_running:
             transfer.last_pending_at = swept
         for index in core.to_release():  # releases NIXL refused earlier
             self._apply(transfer, [Release(index)])
         chained = transfer.op == "WRITE" and transfer.notify is not None
         last = transfer.num_slices - 1
-        for index in core.to_post(max_posts):
-            if core.state is not TransferState.POSTING:
+        if bounded:  # posts get time of their own: checks that used the budget must not starve them
+            until = max(until, time.perf_counter() + _SWEEP_BUDGET_S / 2)
+        for posts in range(max_posts):
+            if core.state is not TransferState.POSTING or (posts and bounded and time.perf_counter() > until):
                 break
+            if not (next_slice := core.to_post(1)):
+                break
+            index = next_slice[0]
             # A WRITE's notification rides on its last slice (NIXL orders it after the data at
             # the target). A READ's is sent once the data has landed here: chained to the READ it
             # keeps the READ "PROC" until the *producer's* worker is progressed.
@@ -476,5 +547,6 @@ class TransferDriver:
         transfer.finish(error)
 
     def _retire(self, transfer: Transfer) -> None:
-        if self.active.pop(transfer.id, None) is not None:
-            self._admission.release(transfer.nbytes)
+        if self.active.pop(transfer.id, None) is not None:  # a batch was admitted as one transfer per row
+            rows = transfer.rows if type(transfer) is TransferBatch else 1
+            self._admission.release(transfer.nbytes, count=rows)

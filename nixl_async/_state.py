@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from .exceptions import TransferCancelled, TransferError, TransferFailed, TransferFenced, TransferTimeout
 
-__all__ = ["Complete", "Fenced", "Finish", "Quiet", "Release", "TransferCore", "TransferState"]
+__all__ = ["Complete", "Fenced", "Finish", "Quiet", "Release", "SliceCore", "TransferCore", "TransferState"]
 
 
 class TransferState(enum.StrEnum):
@@ -80,69 +80,26 @@ class Quiet:
 Action = Release | Complete | Finish | Fenced | Quiet
 
 
-class TransferCore:
-    """One transfer's slices and state. Every method returns the actions to carry out, in order."""
+class SliceCore:
+    """What the driver asks of a core, and what a transfer's and a batch's cores share: how one
+    ended by an error goes RELEASING, then quiet (or FENCED past the grace, then quiet).
+    Subclasses keep the slices (a batch's rows) and their handles."""
 
-    __slots__ = (
-        "_done",
-        "_error",
-        "_next",
-        "_release_by",
-        "_running",
-        "_unreleased",
-        "chain_last",
-        "grace_s",
-        "max_running",
-        "num_slices",
-        "op",
-        "peer",
-        "state",
-        "transfer_id",
-    )
+    __slots__ = ("_done", "_error", "_release_by", "grace_s", "num_slices", "op", "peer", "state", "transfer_id")
 
-    def __init__(
-        self,
-        num_slices: int,
-        *,
-        max_running: int,
-        grace_s: float,
-        chain_last: bool = False,
-        op: str = "READ",
-        peer: str | None = None,
-        transfer_id: int | None = None,
-    ) -> None:
-        """`chain_last`: the last slice carries a notification, so it goes alone after the others."""
-        if num_slices < 0 or max_running < 1:
-            raise ValueError("a transfer needs a slice count >= 0 and at least one slice in flight")
+    def __init__(self, num_slices: int, *, grace_s: float, op: str, peer: str | None, transfer_id: int | None) -> None:
         self.num_slices = num_slices
-        self.max_running = max_running
         self.grace_s = grace_s
-        self.chain_last = chain_last and num_slices > 1
         self.op, self.peer, self.transfer_id = op, peer, transfer_id
         self.state = TransferState.POSTING
-        self._next = 0  # the next slice to post
         self._done = 0  # slices that arrived and were released
-        # Bit masks (bit i = slice i), not sets or tuples: with 10 k transfers in flight every
-        # container the garbage collector tracks makes its full collections slower; ints are not tracked.
-        self._running = 0  # posted, not yet seen DONE/ERR
-        self._unreleased = 0  # have a handle: running, or ended but not released yet
         self._error: TransferError | None = None
         self._release_by: float | None = float("inf")  # None: the grace starts at the next tick
-
-    # -- views ------------------------------------------------------------------------------
-    @property
-    def has_running(self) -> bool:
-        """Some slice is posted and not yet seen ended."""
-        return bool(self._running)
-
-    def running_list(self) -> list[int]:
-        """The slices to check: posted and not yet seen ended, in order."""
-        return _bits(self._running) if self._running else []
 
     @property
     def quiet(self) -> bool:
         """No handle of this transfer is alive in NIXL."""
-        return not self._unreleased
+        return not self._held()
 
     @property
     def slices_done(self) -> int:
@@ -157,73 +114,54 @@ class TransferCore:
         """When a RELEASING transfer turns FENCED: inf if not releasing, None until the next tick."""
         return self._release_by
 
+    # -- what subclasses keep -------------------------------------------------------------------
+    def _held(self) -> int:
+        """How many handles are alive in NIXL."""
+        raise NotImplementedError
+
+    @property
+    def has_running(self) -> bool:
+        """Some slice is posted and not yet seen ended."""
+        raise NotImplementedError
+
+    def running_list(self) -> list[int]:
+        """The slices to check: posted and not yet seen ended, in order."""
+        raise NotImplementedError
+
     @property
     def wants_post(self) -> bool:
         """Some slice is still to be posted (now or once a running one ends)."""
-        return self.state is TransferState.POSTING and self._next < self.num_slices
+        raise NotImplementedError
 
     @property
     def can_post_now(self) -> bool:
-        """A slice could be posted right now (one is left and the in-flight window has room)."""
-        return self.state is TransferState.POSTING and self._may_post(self._running.bit_count())
-
-    def _may_post(self, running: int) -> bool:
-        """Whether slice `_next` may be posted with `running` slices in flight."""
-        if self._next >= self.num_slices or running >= self.max_running:
-            return False
-        # a chained last slice goes out only once every other one is done
-        return not (self.chain_last and self._next == self.num_slices - 1 and (running or self._done < self._next))
+        """A slice could be posted right now."""
+        raise NotImplementedError
 
     def to_post(self, budget: int) -> list[int]:
         """Slices to post now (at most `budget`); post them in order and report each with `posted`."""
-        if self.state is not TransferState.POSTING:
-            return []
-        out: list[int] = []
-        running = self._running.bit_count()
-        while len(out) < budget and self._may_post(running + len(out)):
-            out.append(self._next)
-            self._next += 1
-        return out
+        raise NotImplementedError
 
-    # -- events from NIXL ---------------------------------------------------------------------
     def posted(self, index: int, state: str) -> list[Action]:
         """Slice `index` was made and posted; NIXL's `transfer()` answered `state`."""
-        bit = 1 << index
-        self._unreleased |= bit
-        self._running |= bit
-        return self.checked(index, state)
+        raise NotImplementedError
 
     def post_failed(self, index: int, reason: str) -> list[Action]:
         """Making or posting slice `index` raised: no handle of it is alive."""
-        return self._fail(f"posting {self.op} to {self.peer} failed: {reason}")
+        raise NotImplementedError
 
     def checked(self, index: int, state: str) -> list[Action]:
         """A check (or the post) of running slice `index` answered `state` ("DONE", "PROC", "ERR"...)."""
-        bit = 1 << index
-        if not self._running & bit or state == "PROC":
-            return []
-        self._running &= ~bit
-        if state != "DONE" and self.state is TransferState.POSTING:
-            return self._fail(f"{self.op} with {self.peer} failed (NIXL state {state})")  # releases it too
-        return [Release(index)]
+        raise NotImplementedError
 
     def released(self, index: int, ok: bool = True) -> list[Action]:
         """Releasing slice `index`'s handle succeeded (`ok`) or was refused (retried via `to_release`)."""
-        bit = 1 << index
-        if not ok or not self._unreleased & bit:
-            return []
-        self._unreleased &= ~bit
-        if self.state is TransferState.POSTING:
-            self._done += 1
-            return [Complete()] if self._done == self.num_slices else []
-        return self._settled_if_quiet()
+        raise NotImplementedError
 
     def to_release(self) -> list[int]:
-        """Ended slices whose release was refused: try again."""
-        ended = self._unreleased & ~self._running
-        return _bits(ended) if ended else []
+        """Ended slices whose handle is not released yet (a release NIXL refused): try again."""
+        raise NotImplementedError
 
-    # -- events from the caller and the clock ---------------------------------------------------
     def succeed(self) -> list[Action]:
         """After `Complete`, the engine found nothing wrong (lease, notification): done."""
         if self.state is not TransferState.POSTING or self._done != self.num_slices:
@@ -254,20 +192,123 @@ class TransferCore:
         assert self._error is not None
         self.state = TransferState.FENCED
         self._release_by = float("inf")
-        return [Fenced(TransferFenced.of(self._error, slices=self._unreleased.bit_count()))]
+        return [Fenced(TransferFenced.of(self._error, slices=self._held()))]
 
-    # -- internals ---------------------------------------------------------------------------
     def _fail(self, message: str) -> list[Action]:
         return self.end(TransferFailed(message, transfer_id=self.transfer_id, peer=self.peer), None)
 
     def _settled_if_quiet(self) -> list[Action]:
-        if self._unreleased:
+        if self._held():
             return []
         assert self._error is not None
         was_fenced = self.state is TransferState.FENCED
         self.state = _ERROR_STATES.get(type(self._error), TransferState.FAILED)
         self._release_by = float("inf")
         return [Quiet()] if was_fenced else [Finish(self._error)]
+
+
+class TransferCore(SliceCore):
+    """One transfer's slices and state. Every method returns the actions to carry out, in order."""
+
+    __slots__ = ("_next", "_running", "_unreleased", "chain_last", "max_running")
+
+    def __init__(
+        self,
+        num_slices: int,
+        *,
+        max_running: int,
+        grace_s: float,
+        chain_last: bool = False,
+        op: str = "READ",
+        peer: str | None = None,
+        transfer_id: int | None = None,
+    ) -> None:
+        """`chain_last`: the last slice carries a notification, so it goes alone after the others."""
+        if num_slices < 0 or max_running < 1:
+            raise ValueError("a transfer needs a slice count >= 0 and at least one slice in flight")
+        super().__init__(num_slices, grace_s=grace_s, op=op, peer=peer, transfer_id=transfer_id)
+        self.max_running = max_running
+        self.chain_last = chain_last and num_slices > 1
+        self._next = 0  # the next slice to post
+        # Bit masks (bit i = slice i), not sets or tuples: with 10 k transfers in flight every
+        # container the garbage collector tracks makes its full collections slower; ints are not tracked.
+        self._running = 0  # posted, not yet seen DONE/ERR
+        self._unreleased = 0  # have a handle: running, or ended but not released yet
+
+    # -- views ------------------------------------------------------------------------------
+    @property
+    def has_running(self) -> bool:
+        return bool(self._running)
+
+    def running_list(self) -> list[int]:
+        return _bits(self._running) if self._running else []
+
+    @property
+    def quiet(self) -> bool:
+        return not self._unreleased
+
+    def _held(self) -> int:
+        return self._unreleased.bit_count()
+
+    @property
+    def wants_post(self) -> bool:
+        return self.state is TransferState.POSTING and self._next < self.num_slices
+
+    @property
+    def can_post_now(self) -> bool:
+        """A slice could be posted right now (one is left and the in-flight window has room)."""
+        return self.state is TransferState.POSTING and self._may_post(self._running.bit_count())
+
+    def _may_post(self, running: int) -> bool:
+        """Whether slice `_next` may be posted with `running` slices in flight."""
+        if self._next >= self.num_slices or running >= self.max_running:
+            return False
+        # a chained last slice goes out only once every other one is done
+        return not (self.chain_last and self._next == self.num_slices - 1 and (running or self._done < self._next))
+
+    def to_post(self, budget: int) -> list[int]:
+        if self.state is not TransferState.POSTING:
+            return []
+        out: list[int] = []
+        running = self._running.bit_count()
+        while len(out) < budget and self._may_post(running + len(out)):
+            out.append(self._next)
+            self._next += 1
+        return out
+
+    # -- events from NIXL ---------------------------------------------------------------------
+    def posted(self, index: int, state: str) -> list[Action]:
+        bit = 1 << index
+        self._unreleased |= bit
+        self._running |= bit
+        return self.checked(index, state)
+
+    def post_failed(self, index: int, reason: str) -> list[Action]:
+        """Making or posting slice `index` raised: no handle of it is alive."""
+        return self._fail(f"posting {self.op} to {self.peer} failed: {reason}")
+
+    def checked(self, index: int, state: str) -> list[Action]:
+        bit = 1 << index
+        if not self._running & bit or state == "PROC":
+            return []
+        self._running &= ~bit
+        if state != "DONE" and self.state is TransferState.POSTING:
+            return self._fail(f"{self.op} with {self.peer} failed (NIXL state {state})")  # releases it too
+        return [Release(index)]
+
+    def released(self, index: int, ok: bool = True) -> list[Action]:
+        bit = 1 << index
+        if not ok or not self._unreleased & bit:
+            return []
+        self._unreleased &= ~bit
+        if self.state is TransferState.POSTING:
+            self._done += 1
+            return [Complete()] if self._done == self.num_slices else []
+        return self._settled_if_quiet()
+
+    def to_release(self) -> list[int]:
+        ended = self._unreleased & ~self._running
+        return _bits(ended) if ended else []
 
 
 def _bits(mask: int) -> list[int]:

@@ -79,7 +79,7 @@ from .layout import (
 )
 from .notifications import Lease, Notification, NotificationBox
 from .stats import EngineStats, StatsSnapshot
-from .transfer import Transfer, TransferResult
+from .transfer import Transfer, TransferBatch, TransferResult
 
 __all__ = ["Peer", "TransferEngine"]
 
@@ -811,6 +811,64 @@ class TransferEngine:
         return await self._submit_rows(
             "WRITE", peer, local_blocks, remote_blocks, local, remote, notify, timeout, lease_expires_at
         )
+
+    async def start_read_batch(
+        self,
+        peer: Peer,
+        local_blocks: BlockIdRows,
+        remote_blocks: BlockIdRows,
+        *,
+        local: ViewLike = None,
+        remote: ViewLike = None,
+        timeout: float | None = None,
+        lease_expires_at: float | None = None,
+    ) -> TransferBatch:
+        """Many independent reads as one `TransferBatch`: row i reads `remote_blocks[i]` into `local_blocks[i]`.
+
+        For thousands of small transfers in flight at once: each row is one NIXL request that
+        succeeds or fails alone, but the batch is one object to submit, track and await (see
+        `TransferBatch`), so the engine's cost per row is a fraction of a `Transfer`'s. Rows are
+        validated as by `start_reads` and every row needs blocks; admission takes room for every
+        row at once; `timeout` and `lease_expires_at` hold for the whole batch. No notifications:
+        send one with `notify()` once the batch is done.
+        """
+        return await self._submit_batch("READ", peer, local_blocks, remote_blocks, local, remote, timeout,
+                                        lease_expires_at)  # fmt: skip
+
+    async def start_write_batch(
+        self,
+        peer: Peer,
+        local_blocks: BlockIdRows,
+        remote_blocks: BlockIdRows,
+        *,
+        local: ViewLike = None,
+        remote: ViewLike = None,
+        timeout: float | None = None,
+        lease_expires_at: float | None = None,
+    ) -> TransferBatch:
+        """Many independent writes as one `TransferBatch` (see `start_read_batch`)."""
+        return await self._submit_batch("WRITE", peer, local_blocks, remote_blocks, local, remote, timeout,
+                                        lease_expires_at)  # fmt: skip
+
+    async def _submit_batch(self, op: str, peer: Peer, local_blocks: BlockIdRows, remote_blocks: BlockIdRows,
+                            local: ViewLike, remote: ViewLike, timeout: float | None,
+                            lease_expires_at: float | None) -> TransferBatch:  # fmt: skip
+        local_view, remote_view = self._submit_views(peer, local, remote)
+        lrows = as_block_id_rows(local_blocks, local_view.layout.num_blocks, what="local", unique=op == "READ")
+        rrows = as_block_id_rows(remote_blocks, remote_view.layout.num_blocks, what="remote", unique=op == "WRITE")
+        lidx, ridx = pair_descriptor_id_rows(local_view, lrows, remote_view, rrows)
+        lengths = [lidx.shape[1]] * len(lidx) if isinstance(lidx, np.ndarray) else [len(row) for row in lidx]
+        if not lengths:
+            raise ValueError("a batch needs at least one row")
+        if not all(lengths):
+            raise ValueError(f"row {lengths.index(0)} of the batch has no blocks (every row needs some)")
+        piece_len = local_view.piece_len
+        deadline, lease_deadline = self._deadlines(peer, timeout, lease_expires_at)
+        local_dlist, remote_dlist = await self._admit(peer, [n * piece_len for n in lengths], deadline, local_view,
+                                                      remote_view)  # fmt: skip
+        descriptors = sum(lengths)
+        return self._driver.submit_batch(op, peer, local_dlist, remote_dlist, (lidx, ridx), descriptors,
+                                         descriptors * piece_len, deadline, lease_deadline)  # fmt: skip
 
     async def _submit(
         self,

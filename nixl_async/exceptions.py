@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 __all__ = [
+    "BatchRowsFailed",
     "DiscoveryUnavailable",
     "EngineClosedError",
     "EngineIdMismatch",
@@ -115,6 +116,18 @@ class TransferError(NixlAsyncError):
 
 class TransferFailed(TransferError):
     """NIXL reported an error for the transfer (dead peer, cut link, bad remote memory)."""
+
+
+class BatchRowsFailed(TransferFailed):
+    """Some rows of a `TransferBatch` failed (the others arrived); none of its handles is alive.
+
+    `failed_rows` maps each failed row to NIXL's answer; those rows' blocks hold no trustworthy data.
+    """
+
+    def __init__(self, message: str, *, failed_rows: dict[int, str], transfer_id: int | None = None,
+                 peer: str | None = None) -> None:  # fmt: skip
+        super().__init__(message, transfer_id=transfer_id, peer=peer)
+        self.failed_rows = failed_rows
 
 
 class NotificationFailed(TransferFailed):

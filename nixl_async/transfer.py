@@ -21,15 +21,19 @@ from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+import numpy as np
 
-from ._state import TransferCore, TransferState
+from ._batch_state import BatchCore
+from ._state import SliceCore, TransferCore, TransferState
 from .exceptions import TransferCancelled, TransferError, TransferTimeout
-from .layout import DescIds
+from .layout import DescIds, IdArray
 
 if TYPE_CHECKING:
     from ._slicing import LinkRates
 
-__all__ = ["Transfer", "TransferFuture", "TransferResult", "TransferState", "descriptors_per_slice"]
+_NO_IDS: IdArray = np.empty(0, dtype=np.int64)
+
+__all__ = ["Transfer", "TransferBatch", "TransferFuture", "TransferResult", "TransferState", "descriptors_per_slice"]
 
 
 class TransferResult(msgspec.Struct, frozen=True):
@@ -143,6 +147,7 @@ class Transfer:
         link: LinkRates,
         slices_in_flight: int = 2,
         release_grace_s: float = 1.0,
+        core: SliceCore | None = None,
     ) -> None:
         self.id = transfer_id
         self.op = op
@@ -166,7 +171,7 @@ class Transfer:
         self.submitted_at = submitted_at
         self.post_seconds = 0.0
         self.first_post_at = 0.0  # perf_counter at the first post (0: not posted yet)
-        self.core = TransferCore(
+        self.core: SliceCore = core or TransferCore(
             self.num_slices,
             max_running=slices_in_flight,
             grace_s=release_grace_s,
@@ -306,3 +311,55 @@ class Transfer:
         self._is_quiet = True
         if self._quiet is not None and not self._quiet.done():
             self._quiet.set_result(None)
+
+
+class TransferBatch(Transfer):
+    """Many independent reads (or writes) with one peer, one NIXL request per row, awaited as one.
+
+    Made by `TransferEngine.start_read_batch`/`start_write_batch`. Every row may be in flight at
+    once and each succeeds or fails alone; `arrived()` says which rows have landed so far.
+    Awaiting gives one `TransferResult` for all rows once every row ended and NIXL holds none of
+    their handles (slices = rows). If some rows failed it raises `BatchRowsFailed` (naming them)
+    instead; an error for the whole batch (deadline, cancellation, peer failure, close) raises as
+    for a `Transfer`, with `TransferFenced` if a row's handle outlives the grace.
+    """
+
+    __slots__ = ("_rows_local", "_rows_remote")
+
+    def __init__(
+        self,
+        *,
+        rows_local: IdArray | list[IdArray],
+        rows_remote: IdArray | list[IdArray],
+        descriptors: int,
+        **kwargs: Any,
+    ) -> None:
+        """`rows_local`/`rows_remote`: each row's descriptor ids; `kwargs` as for `Transfer` (no ids, no slicing)."""
+        rows = len(rows_local)
+        core = BatchCore(rows, grace_s=kwargs.get("release_grace_s", 1.0), op=kwargs["op"], peer=kwargs["peer"],
+                         transfer_id=kwargs["transfer_id"])  # fmt: skip
+        super().__init__(local_ids=_NO_IDS, remote_ids=_NO_IDS, per_slice=1, core=core, **kwargs)
+        self._rows_local, self._rows_remote = rows_local, rows_remote
+        self.num_slices, self.descriptors = rows, descriptors
+        self.piece_len = self.nbytes // descriptors
+
+    @property
+    def rows(self) -> int:
+        return self.num_slices
+
+    @property
+    def post_bytes(self) -> int:
+        return len(self._rows_local[0]) * self.piece_len
+
+    def slice_ids(self, index: int) -> tuple[DescIds, DescIds]:
+        return self._rows_local[index], self._rows_remote[index]
+
+    def arrived(self) -> np.ndarray:
+        """One bool per row: its data landed and NIXL let go of it (a copy; rows only ever turn True)."""
+        assert isinstance(self.core, BatchCore)
+        return np.frombuffer(self.core.arrived, dtype=np.bool_).copy()
+
+    def failed_rows(self) -> dict[int, str]:
+        """Rows NIXL failed so far, with its answer: their blocks hold no trustworthy data."""
+        assert isinstance(self.core, BatchCore)
+        return self.core.failed_rows

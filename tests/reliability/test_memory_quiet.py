@@ -48,10 +48,20 @@ async def _setup(engine, proc):
     return regions, peer
 
 
-async def _in_flight(engine, peer):
-    """Start a read of every block and return once a slice is really in flight."""
+@pytest.fixture(params=[False, True], ids=["transfer", "batch"])
+def as_batch(request):
+    """Run a test with one `Transfer` of every block, then with a `TransferBatch` of one row per block."""
+    return request.param
+
+
+async def _in_flight(engine, peer, as_batch=False):
+    """Start a read of every block (a transfer, or a batch of one row each); return once it is really in flight."""
     ids = list(range(BLOCKS))
-    transfer = await engine.start_read(peer, ids, ids)
+    if as_batch:
+        rows = np.array(ids)[:, None]
+        transfer = await engine.start_read_batch(peer, rows, rows)
+    else:
+        transfer = await engine.start_read(peer, ids, ids)
     for _ in range(2000):
         if transfer.core.has_running:
             return transfer
@@ -79,17 +89,17 @@ async def test_deadline(tcp_engine, tcp_peer):
     await _assert_quiet_after(tcp_engine, regions, info.value)
 
 
-async def test_wait_timeout(tcp_engine, tcp_peer):
+async def test_wait_timeout(tcp_engine, tcp_peer, as_batch):
     regions, peer = await _setup(tcp_engine, tcp_peer)
-    transfer = await _in_flight(tcp_engine, peer)
+    transfer = await _in_flight(tcp_engine, peer, as_batch)
     with pytest.raises((TransferTimeout, TransferFenced)) as info:
         await transfer.wait(timeout=0.001)
     await _assert_quiet_after(tcp_engine, regions, info.value)
 
 
-async def test_cancelling_the_awaiting_task(tcp_engine, tcp_peer):
+async def test_cancelling_the_awaiting_task(tcp_engine, tcp_peer, as_batch):
     regions, peer = await _setup(tcp_engine, tcp_peer)
-    transfer = await _in_flight(tcp_engine, peer)
+    transfer = await _in_flight(tcp_engine, peer, as_batch)
 
     async def awaiter():
         return await transfer
@@ -113,26 +123,26 @@ async def test_asyncio_timeout_around_read(tcp_engine, tcp_peer):
     await _assert_quiet_after(tcp_engine, regions, None)
 
 
-async def test_settle(tcp_engine, tcp_peer):
+async def test_settle(tcp_engine, tcp_peer, as_batch):
     regions, peer = await _setup(tcp_engine, tcp_peer)
-    transfer = await _in_flight(tcp_engine, peer)
+    transfer = await _in_flight(tcp_engine, peer, as_batch)
     assert await tcp_engine.settle([transfer], timeout=10)
     assert transfer.quiet and isinstance(transfer.exception(), TransferCancelled)
     await _assert_quiet_after(tcp_engine, regions, None)
 
 
-async def test_peer_sigkill(tcp_engine, tcp_peer):
+async def test_peer_sigkill(tcp_engine, tcp_peer, as_batch):
     regions, peer = await _setup(tcp_engine, tcp_peer)
-    transfer = await _in_flight(tcp_engine, peer)
+    transfer = await _in_flight(tcp_engine, peer, as_batch)
     tcp_peer.kill()
     with pytest.raises((TransferFailed, TransferFenced)) as info:
         await transfer.wait(timeout=30)
     await _assert_quiet_after(tcp_engine, regions, info.value)
 
 
-async def test_engine_close(tcp_engine, tcp_peer):
+async def test_engine_close(tcp_engine, tcp_peer, as_batch):
     regions, peer = await _setup(tcp_engine, tcp_peer)
-    transfer = await _in_flight(tcp_engine, peer)
+    transfer = await _in_flight(tcp_engine, peer, as_batch)
     await tcp_engine.close()
     error = transfer.exception()
     assert isinstance(error, TransferCancelled | TransferFenced)
@@ -142,12 +152,12 @@ async def test_engine_close(tcp_engine, tcp_peer):
     await _assert_quiet_after(tcp_engine, regions, error)
 
 
-async def test_fenced_when_nixl_holds_past_the_grace(monkeypatch, tcp_peer):
+async def test_fenced_when_nixl_holds_past_the_grace(monkeypatch, tcp_peer, as_batch):
     """A zero grace: the caller hears at once that the memory is fenced; it clears later."""
     monkeypatch.setenv("UCX_TLS", "tcp")
     async with TransferEngine(EngineConfig(engine_id="fence-reader", release_grace_s=0.0)) as engine:
         regions, peer = await _setup(engine, tcp_peer)
-        transfer = await _in_flight(engine, peer)
+        transfer = await _in_flight(engine, peer, as_batch)
         transfer.cancel()
         with pytest.raises(TransferFenced) as info:
             await transfer
@@ -161,3 +171,22 @@ async def test_fenced_when_nixl_holds_past_the_grace(monkeypatch, tcp_peer):
         assert all(np.array_equal(a, b) for a, b in zip(snapshot, regions, strict=True))
         engine.deregister("kv")  # quiet now: allowed
     assert engine.live_handles() == {}
+
+
+# -- batches: the same contract, row by row (the tests above run with a batch too) ------------------
+async def test_batch_cancel(tcp_engine, tcp_peer):
+    regions, peer = await _setup(tcp_engine, tcp_peer)
+    batch = await _in_flight(tcp_engine, peer, as_batch=True)
+    assert batch.cancel()
+    with pytest.raises((TransferCancelled, TransferFenced)) as info:
+        await batch
+    assert not batch.arrived().all(), "the batch ended before every row arrived: nothing was in flight"
+    await _assert_quiet_after(tcp_engine, regions, info.value)
+
+
+async def test_batch_deadline(tcp_engine, tcp_peer):
+    regions, peer = await _setup(tcp_engine, tcp_peer)
+    rows = np.arange(BLOCKS)[:, None]
+    with pytest.raises((TransferTimeout, TransferFenced)) as info:
+        await (await tcp_engine.start_read_batch(peer, rows, rows, timeout=0.004))
+    await _assert_quiet_after(tcp_engine, regions, info.value)
