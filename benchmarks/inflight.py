@@ -35,7 +35,7 @@ def _rss_mib() -> float:
 
 
 async def _engine(address, n: int, rounds: int
-                  ) -> tuple[list[float], list[float], list[float], float, float, float]:  # fmt: skip
+                  ) -> tuple[list[float], list[float], list[float], dict[str, float]]:  # fmt: skip
     region = np.full(BLOCKS * BLOCK, 1, dtype=np.uint8)
     config = EngineConfig(engine_id="bench-inflight", max_inflight_transfers=n + 1)
     single: list[float] = []
@@ -73,8 +73,17 @@ async def _engine(address, n: int, rounds: int
         # its full collections walk them all, so each one costs time at 10 k in flight
         tracked_per_transfer = (len(gc.get_objects()) - tracked - 1) / n
         await asyncio.gather(*(t.future for t in transfers))
+        del transfers
+        # a batch's peak over its whole life (its rows are posted as it goes)
+        gc.collect()
+        tracemalloc.reset_peak()
+        before = tracemalloc.get_traced_memory()[0]
+        await (await engine.start_read_batch(peer, local_rows, remote_rows))
+        batch_peak = tracemalloc.get_traced_memory()[1] - before
         tracemalloc.stop()
-    return single, batched, batch_rows, peak / n, rss, tracked_per_transfer
+    memory = {"bytes_per_transfer": peak / n, "rss_mib": rss, "tracked_per_transfer": tracked_per_transfer,
+              "batch_bytes_per_row": batch_peak / n}  # fmt: skip
+    return single, batched, batch_rows, memory
 
 
 def _raw(address, n: int) -> float:
@@ -111,7 +120,7 @@ def run(quick: bool) -> Result:
     n, rounds = 10_000, 2 if quick else 5
     spec = PeerSpec(engine_id="bench-inflight-peer", num_regions=1, num_blocks=BLOCKS, block_len=BLOCK)
     with PeerProcess(spec, env={"UCX_TLS": "tcp"}) as peer:
-        single, batched, batch_rows, bytes_per, rss, tracked = asyncio.run(_engine(peer.address, n, rounds))
+        single, batched, batch_rows, memory = asyncio.run(_engine(peer.address, n, rounds))
         raw = [_raw(peer.address, n) for _ in range(rounds)]
     single_s, batched_s, raw_s = statistics.median(single), statistics.median(batched), statistics.median(raw)
     batch_s = statistics.median(batch_rows)
@@ -120,9 +129,25 @@ def run(quick: bool) -> Result:
         return f"{min(values) / n * 1e6:.1f}-{max(values) / n * 1e6:.1f}"
 
     rows = [
-        ["engine, start_read each", single_s * 1e3, single_s / n * 1e6, spread(single), bytes_per, tracked, rss],
+        [
+            "engine, start_read each",
+            single_s * 1e3,
+            single_s / n * 1e6,
+            spread(single),
+            memory["bytes_per_transfer"],
+            memory["tracked_per_transfer"],
+            memory["rss_mib"],
+        ],
         ["engine, one start_reads", batched_s * 1e3, batched_s / n * 1e6, spread(batched)] + [float("nan")] * 3,
-        ["engine, one start_read_batch", batch_s * 1e3, batch_s / n * 1e6, spread(batch_rows)] + [float("nan")] * 3,
+        [
+            "engine, one start_read_batch",
+            batch_s * 1e3,
+            batch_s / n * 1e6,
+            spread(batch_rows),
+            memory["batch_bytes_per_row"],
+            float("nan"),
+            float("nan"),
+        ],
         ["raw post + sweep", raw_s * 1e3, raw_s / n * 1e6, spread(raw)] + [float("nan")] * 3,
     ]
     return Result(
@@ -145,9 +170,10 @@ def run(quick: bool) -> Result:
             "engine_batched_overhead_us_per_completion": (batched_s - raw_s) / n * 1e6,
             "engine_batch_rows_ms": batch_s * 1e3,
             "engine_batch_rows_overhead_us_per_completion": (batch_s - raw_s) / n * 1e6,
-            "python_bytes_per_transfer": bytes_per,
-            "gc_tracked_objects_per_transfer": tracked,
-            "rss_growth_mib": rss,
+            "python_bytes_per_transfer": memory["bytes_per_transfer"],
+            "batch_python_bytes_per_row": memory["batch_bytes_per_row"],
+            "gc_tracked_objects_per_transfer": memory["tracked_per_transfer"],
+            "rss_growth_mib": memory["rss_mib"],
         },
         ratios={
             "engine_over_raw_time_lower_is_better": single_s / raw_s,

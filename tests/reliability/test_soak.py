@@ -94,3 +94,59 @@ async def test_soak_over_four_peers(nixl_engine, nixl_peer_factory):
     assert slope < 2.0, f"RSS grows {slope:.2f} MiB per 10k transfers"
     counters = nixl_engine.snapshot().counters
     assert counters.get("transfers_failures", 0) == 0
+
+
+async def test_soak_batches_over_tcp(nixl_engine, nixl_peer_factory):
+    """Batches of single-block rows over UCX/TCP (really in flight), 10 % cancelled at once and 10 % with deadlines
+    of a few ms, their blocks back in the LIFO pool as soon as the error reaches the caller: a row landing late would
+    corrupt a block a later batch verifies."""
+    procs = [nixl_peer_factory(num_regions=2, num_blocks=REMOTE_BLOCKS, block_len=BLOCK, seed=20 + i, tcp=True)
+             for i in range(2)]  # fmt: skip
+    kv = [np.zeros(LOCAL_BLOCKS * BLOCK, np.uint8) + 1 for _ in range(2)]
+    nixl_engine.register("kv", kv, block_len=BLOCK)
+    peers = [await nixl_engine.connect(*p.address) for p in procs]
+    seeds = {p.engine_id: p.spec.seed for p in procs}
+    free = list(range(LOCAL_BLOCKS))
+    gate = asyncio.Semaphore(8)
+    rng = np.random.default_rng(7)
+    outcome = {"verified_rows": 0, "cancelled": 0, "timed_out": 0, "fenced": 0, "bad": 0}
+
+    async def one() -> None:
+        peer = peers[int(rng.integers(len(peers)))]
+        rows = int(rng.integers(16, 96))
+        remote = rng.choice(REMOTE_BLOCKS, rows, replace=False)
+        roll = rng.random()
+        async with gate:
+            local = [free.pop() for _ in range(rows)]
+            try:
+                timeout = float(rng.uniform(0.001, 0.005)) if 0.1 <= roll < 0.2 else None
+                batch = await nixl_engine.start_read_batch(peer, np.array(local)[:, None], remote[:, None],
+                                                           timeout=timeout)  # fmt: skip
+                if roll < 0.1 and batch.cancel():
+                    outcome["cancelled"] += 1
+                try:
+                    await batch
+                except (TransferCancelled, TransferTimeout):
+                    outcome["timed_out"] += timeout is not None
+                    return
+                if verify_blocks(kv, BLOCK, local, remote.tolist(), seeds[peer.engine_id]):
+                    outcome["bad"] += 1
+                else:
+                    outcome["verified_rows"] += rows
+            except TransferFenced as fenced:
+                outcome["fenced"] += 1
+                assert fenced.quiet is not None
+                await fenced.quiet(None)  # only then may the blocks go back
+            finally:
+                free.extend(local)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(one() for _ in range(300)))
+    elapsed = time.perf_counter() - started
+    print(f"\nbatch soak: 300 batches in {elapsed:.1f} s, {outcome}")
+    assert outcome["bad"] == 0
+    assert outcome["cancelled"] > 0 and outcome["verified_rows"] > 300 * 16 * 0.7
+    assert await transfers_settled(nixl_engine, timeout=5.0) == 0
+    counters = nixl_engine.snapshot().counters
+    assert counters.get("transfers_failures", 0) == 0
+    assert counters["inflight_transfers"] == 0 and counters["inflight_bytes"] == 0
