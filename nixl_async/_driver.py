@@ -248,7 +248,13 @@ class TransferDriver:
             collected.append(batch)
         self._stats.counters["transfers_submitted"] += 1
         self._stats.counters["batch_rows_submitted"] += batch.rows
-        self.pump(agent, batch, batch.rows, until=time.perf_counter() + _SWEEP_BUDGET_S)
+        try:
+            self.pump(agent, batch, batch.rows, until=time.perf_counter() + _SWEEP_BUDGET_S)
+        except Exception as exc:  # not NIXL's (those fail a row): rows may be in flight, so the caller
+            # gets the batch and hears the error once it is quiet, never an exception with rows still landing
+            log.error("posting batch #%d to %s failed; ending it", transfer_id, peer.engine_id, exc_info=exc)
+            self.end(batch, TransferFailed(f"posting the batch failed: {type(exc).__name__}: {exc}",
+                                           transfer_id=transfer_id, peer=peer.engine_id))  # fmt: skip
         self._pacer.activity(loop.time())
         self._wakeup()
         return batch
@@ -382,13 +388,17 @@ class TransferDriver:
 
         `swept` is when the poller's sweep began, recorded while slices are in flight. `until`
         (perf_counter time) bounds a batch's checks and posts: past it, the rest wait for the
-        next sweep (a batch's core moves each checked row behind those not yet checked).
+        next sweep (a batch's core moves each checked row behind those not yet checked). Checks
+        and posts each get at least half a budget, so a batch behind others that used the sweep's
+        time still moves (without it, one check per sweep: its rows seen landed seconds late).
         Returns whether anything moved (a slice ended or was posted, or the transfer ended).
         """
         core = transfer.core
         base = transfer.id * _SLICE_KEY
         moved = False
         bounded = until < _NEVER
+        if bounded:
+            until = max(until, time.perf_counter() + _SWEEP_BUDGET_S / 2)
         for index in core.running_list():
             try:
                 state = agent.state(self._handles[base + index])
@@ -407,7 +417,7 @@ class TransferDriver:
             self._apply(transfer, [Release(index)])
         chained = transfer.op == "WRITE" and transfer.notify is not None
         last = transfer.num_slices - 1
-        if bounded:  # posts get time of their own: checks that used the budget must not starve them
+        if bounded:  # posts get time of their own, as checks did
             until = max(until, time.perf_counter() + _SWEEP_BUDGET_S / 2)
         for posts in range(max_posts):
             if core.state is not TransferState.POSTING or (posts and bounded and time.perf_counter() > until):
@@ -426,9 +436,10 @@ class TransferDriver:
             try:
                 handle = agent.make_xfer(transfer.op, transfer.local_dlist, lidx, transfer.remote_dlist, ridx,
                                          notif or b"")  # fmt: skip
-            except NIXL_ERRORS as exc:
+            except NIXL_ERRORS as exc:  # a transfer ends here; a batch's row fails alone, the next one goes on
+                moved = True
                 self._apply(transfer, core.post_failed(index, str(exc)))
-                return True
+                continue
             self._handles[base + index] = handle
             try:
                 state = agent.post(handle)
