@@ -5,8 +5,10 @@ single-block reads and awaits them all: one `start_read` each, one `start_reads`
 `Transfer` per row), and one `start_read_batch` (rows of one `TransferBatch`, awaited once);
 rounds alternate. The raw baseline posts the same 10 k reads through NIXL's public Python API
 on a bare agent (as vLLM's connector calls it) and sweeps `check_xfer_state` over the pending
-handles until all are done. Overhead = the engine's extra time per completion. Medians of the
-rounds: this machine's speed drifts by tens of percent within a minute.
+handles until all are done; it runs in each round too, right after the engine's reads (the engine
+idle meanwhile). Overhead = the engine's extra time per completion. Medians of the rounds, and
+each round's ratio to its own raw loop: this machine's speed drifts by tens of percent within a
+minute.
 """
 
 from __future__ import annotations
@@ -35,12 +37,13 @@ def _rss_mib() -> float:
 
 
 async def _engine(address, n: int, rounds: int
-                  ) -> tuple[list[float], list[float], list[float], dict[str, float]]:  # fmt: skip
+                  ) -> tuple[list[float], list[float], list[float], list[float], dict[str, float]]:  # fmt: skip
     region = np.full(BLOCKS * BLOCK, 1, dtype=np.uint8)
     config = EngineConfig(engine_id="bench-inflight", max_inflight_transfers=n + 1)
     single: list[float] = []
     batched: list[float] = []
     batch_rows: list[float] = []
+    raw: list[float] = []
     async with TransferEngine(config) as engine:
         engine.register("kv", [region], block_len=BLOCK)
         peer = await engine.connect(*address)
@@ -61,6 +64,7 @@ async def _engine(address, n: int, rounds: int
             started = time.perf_counter()
             await (await engine.start_read_batch(peer, local_rows, remote_rows))
             batch_rows.append(time.perf_counter() - started)
+            raw.append(_raw(address, n))  # blocks the loop: the engine has nothing in flight
         # memory, measured in a further, untimed round (tracemalloc slows Python down)
         gc.collect()
         tracked = len(gc.get_objects())
@@ -83,7 +87,7 @@ async def _engine(address, n: int, rounds: int
         tracemalloc.stop()
     memory = {"bytes_per_transfer": peak / n, "rss_mib": rss, "tracked_per_transfer": tracked_per_transfer,
               "batch_bytes_per_row": batch_peak / n}  # fmt: skip
-    return single, batched, batch_rows, memory
+    return single, batched, batch_rows, raw, memory
 
 
 def _raw(address, n: int) -> float:
@@ -120,36 +124,27 @@ def run(quick: bool) -> Result:
     n, rounds = 10_000, 2 if quick else 5
     spec = PeerSpec(engine_id="bench-inflight-peer", num_regions=1, num_blocks=BLOCKS, block_len=BLOCK)
     with PeerProcess(spec, env={"UCX_TLS": "tcp"}) as peer:
-        single, batched, batch_rows, memory = asyncio.run(_engine(peer.address, n, rounds))
-        raw = [_raw(peer.address, n) for _ in range(rounds)]
+        single, batched, batch_rows, raw, memory = asyncio.run(_engine(peer.address, n, rounds))
     single_s, batched_s, raw_s = statistics.median(single), statistics.median(batched), statistics.median(raw)
     batch_s = statistics.median(batch_rows)
 
     def spread(values: list[float]) -> str:
         return f"{min(values) / n * 1e6:.1f}-{max(values) / n * 1e6:.1f}"
 
+    def per_round(values: list[float]) -> str:
+        ratios = [v / r for v, r in zip(values, raw, strict=True)]
+        return f"{min(ratios):.2f}-{max(ratios):.2f}x"
+
+    nan = float("nan")
     rows = [
-        [
-            "engine, start_read each",
-            single_s * 1e3,
-            single_s / n * 1e6,
-            spread(single),
-            memory["bytes_per_transfer"],
-            memory["tracked_per_transfer"],
-            memory["rss_mib"],
-        ],
-        ["engine, one start_reads", batched_s * 1e3, batched_s / n * 1e6, spread(batched)] + [float("nan")] * 3,
-        [
-            "engine, one start_read_batch",
-            batch_s * 1e3,
-            batch_s / n * 1e6,
-            spread(batch_rows),
-            memory["batch_bytes_per_row"],
-            float("nan"),
-            float("nan"),
-        ],
-        ["raw post + sweep", raw_s * 1e3, raw_s / n * 1e6, spread(raw)] + [float("nan")] * 3,
-    ]
+        ["engine, start_read each", single_s * 1e3, single_s / n * 1e6, spread(single), per_round(single),
+         memory["bytes_per_transfer"], memory["tracked_per_transfer"], memory["rss_mib"]],
+        ["engine, one start_reads", batched_s * 1e3, batched_s / n * 1e6, spread(batched), per_round(batched),
+         nan, nan, nan],
+        ["engine, one start_read_batch", batch_s * 1e3, batch_s / n * 1e6, spread(batch_rows), per_round(batch_rows),
+         memory["batch_bytes_per_row"], nan, nan],
+        ["raw post + sweep", raw_s * 1e3, raw_s / n * 1e6, spread(raw), "-", nan, nan, nan],
+    ]  # fmt: skip
     return Result(
         "inflight",
         [
@@ -157,6 +152,7 @@ def run(quick: bool) -> Result:
             "10k reads ms (median)",
             "us per completion",
             "us range",
+            "over raw, per round",
             "Python bytes per transfer",
             "GC objects per transfer",
             "RSS growth MiB",
