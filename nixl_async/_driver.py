@@ -182,7 +182,7 @@ class TransferDriver:
                 if transfer.post_bytes <= config.min_post_bytes and (
                     len(started) == 1 or time.perf_counter() < inline_until
                 ):
-                    self.pump(agent, transfer, max_posts=1)  # the fast path: small transfers finish here
+                    self._pump_inline(agent, transfer, 1)  # the fast path: small transfers finish here
                 # (a bigger first slice, or a late one of a batch, is posted by the poller)
                 posting = posting or transfer.core.state is TransferState.POSTING
         except BaseException:
@@ -248,16 +248,21 @@ class TransferDriver:
             collected.append(batch)
         self._stats.counters["transfers_submitted"] += 1
         self._stats.counters["batch_rows_submitted"] += batch.rows
-        try:
-            self.pump(agent, batch, batch.rows, until=time.perf_counter() + _SWEEP_BUDGET_S)
-        except Exception as exc:  # not NIXL's (those fail a row): rows may be in flight, so the caller
-            # gets the batch and hears the error once it is quiet, never an exception with rows still landing
-            log.error("posting batch #%d to %s failed; ending it", transfer_id, peer.engine_id, exc_info=exc)
-            self.end(batch, TransferFailed(f"posting the batch failed: {type(exc).__name__}: {exc}",
-                                           transfer_id=transfer_id, peer=peer.engine_id))  # fmt: skip
+        self._pump_inline(agent, batch, batch.rows, time.perf_counter() + _SWEEP_BUDGET_S)
         self._pacer.activity(loop.time())
         self._wakeup()
         return batch
+
+    def _pump_inline(self, agent: OwnedAgent, transfer: Transfer, max_posts: int, until: float = _NEVER) -> None:
+        """`pump` inside a submit. An error that is not NIXL's (NIXL's fail the transfer or a row) ends the
+        transfer: slices may be in flight, so the caller gets it and hears the error once it is quiet,
+        never an exception from the submit while bytes may still land in memory it thinks is free."""
+        try:
+            self.pump(agent, transfer, max_posts, until=until)
+        except Exception as exc:
+            log.error("posting transfer #%d to %s failed; ending it", transfer.id, transfer.peer, exc_info=exc)
+            self.end(transfer, TransferFailed(f"posting failed: {type(exc).__name__}: {exc}",
+                                              transfer_id=transfer.id, peer=transfer.peer))  # fmt: skip
 
     def notify_only(self, op: str, peer: Peer, notify: bytes | None) -> Transfer:
         """A transfer with no blocks (a full prefix-cache hit): only the notification goes out."""
@@ -446,6 +451,7 @@ class TransferDriver:
             except NIXL_ERRORS as exc:
                 state = f"ERR ({exc})"
             took = time.perf_counter() - started
+            actions = core.posted(index, state)  # first: the core knows of the handle before anything can raise
             transfer.post_seconds += took
             self._stats.histograms["post_us"].record(took)
             moved = True
@@ -453,7 +459,7 @@ class TransferDriver:
                 self._copy_rate.observe(len(lidx) * transfer.piece_len, took)
             if not notif:  # (a notification can keep a post in flight that copied inline)
                 transfer.link.posted(state)
-            self._apply(transfer, core.posted(index, state))
+            self._apply(transfer, actions)
         return moved
 
     # -- carrying out actions -------------------------------------------------------------------

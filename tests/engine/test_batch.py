@@ -11,6 +11,7 @@ from nixl_async import (
     LayoutError,
     TransferBatch,
     TransferEngine,
+    TransferFailed,
     TransferTimeout,
 )
 from nixl_async._agent import NIXL_ERRORS
@@ -198,4 +199,44 @@ async def test_rows_whose_post_raises_fail_alone_in_one_sweep(nixl_engine, nixl_
     assert np.array_equal(np.flatnonzero(batch.arrived()), np.arange(0, n, 2))
     assert verify_blocks(regions, BLOCK, list(range(0, n, 2)), list(range(0, n, 2)), seed=1) == []
     assert len(posted_in_polls) < n // 8, f"rows posted over {len(posted_in_polls)} sweeps: each refused row cost one"
+    assert _room_given_back(nixl_engine) and await transfers_settled(nixl_engine) == 0
+
+
+@pytest.mark.parametrize("as_batch", [False, True], ids=["transfer", "batch"])
+async def test_an_unexpected_error_while_posting_inline_ends_the_transfer_once_quiet(
+    nixl_engine, nixl_peer_factory, monkeypatch, as_batch
+):
+    """An error that is not NIXL's (a bug, a binding refusing an argument) while a submit posts: the submit still
+    returns the transfer, which ends with `TransferFailed` once nothing it posted can land any more (over TCP some
+    of a batch's rows are in flight then); an exception from the submit would leave them landing unseen."""
+    block_len, blocks = 1 << 20, 32
+    proc = nixl_peer_factory(num_regions=1, num_blocks=blocks, block_len=block_len, tcp=True)
+    region = np.full(blocks * block_len, 0xAA, np.uint8)
+    nixl_engine.register("kv", [region], block_len=block_len)
+    peer = await nixl_engine.connect(*proc.address)
+    agent = nixl_engine._agent
+    make_xfer, calls = agent.make_xfer, 0
+
+    def breaks_on_the_fifth(*args):
+        nonlocal calls
+        calls += 1
+        if calls == 5:
+            raise TypeError("a binding refused an argument")
+        return make_xfer(*args)
+
+    monkeypatch.setattr(agent, "make_xfer", breaks_on_the_fifth)
+    if as_batch:
+        transfer = await nixl_engine.start_read_batch(peer, np.arange(blocks)[:, None], np.arange(blocks)[:, None])
+        mine = region
+    else:  # one post per transfer: the fifth transfer's post breaks (the other four are not its memory)
+        transfer = [await nixl_engine.start_read(peer, [i], [i]) for i in range(5)][-1]
+        mine = region[4 * block_len : 5 * block_len]
+    with pytest.raises(TransferFailed, match="TypeError"):
+        await asyncio.wait_for(transfer, 30)
+    assert transfer.quiet
+    snapshot = mine.copy()
+    await asyncio.sleep(0.5)  # the poller keeps progressing UCX meanwhile
+    assert np.array_equal(snapshot, mine), "bytes landed after the caller was told"
+    monkeypatch.setattr(agent, "make_xfer", make_xfer)
+    assert (await nixl_engine.read(peer, [0], [0])).nbytes == block_len
     assert _room_given_back(nixl_engine) and await transfers_settled(nixl_engine) == 0
