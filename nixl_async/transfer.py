@@ -10,7 +10,8 @@ posted after every other slice is done, so the receiver never hears "done" befor
 A `Transfer` is the caller's handle; what its slices are doing lives in a `TransferCore`
 (`_state.py`). Its future is resolved only when the transfer's memory is quiet: after an error
 (deadline, cancellation, peer failure, close) the caller hears of it once NIXL holds none of its
-handles, or with `TransferFenced` if that takes longer than the grace.
+handles, or with `TransferFenced` if that takes longer than the grace. A `TransferBatch` is a
+transfer whose slices are independent rows (`_batch_state.py`), for thousands of small ones at once.
 """
 
 from __future__ import annotations
