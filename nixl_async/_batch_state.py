@@ -29,14 +29,13 @@ __all__ = ["BatchCore"]
 class BatchCore(SliceCore):
     """The rows of one batch. Every method returns the actions to carry out, in order."""
 
-    __slots__ = ("_arrived", "_ended", "_failed", "_next", "_running")
+    __slots__ = ("_arrived", "_ended", "_failed", "_running")
 
     def __init__(self, rows: int, *, grace_s: float, op: str = "READ", peer: str | None = None,
                  transfer_id: int | None = None) -> None:  # fmt: skip
         if rows < 1:
             raise ValueError("a batch needs at least one row")
         super().__init__(rows, grace_s=grace_s, op=op, peer=peer, transfer_id=transfer_id)
-        self._next = 0  # the next row to post
         # A row holds a handle while it is running or ended and not yet released.
         self._running: dict[int, None] = {}  # posted, not yet seen DONE/ERR (insertion-ordered)
         self._ended: set[int] = set()  # seen DONE/ERR, handle not released yet
@@ -58,10 +57,6 @@ class BatchCore(SliceCore):
     @property
     def quiet(self) -> bool:
         return not (self._running or self._ended)
-
-    @property
-    def wants_post(self) -> bool:
-        return self.state is TransferState.POSTING and self._next < self.num_slices
 
     @property
     def can_post_now(self) -> bool:

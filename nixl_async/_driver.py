@@ -133,13 +133,10 @@ class TransferDriver:
         now = loop.time()
         per_slice = descriptors_per_slice(piece_len, slice_bytes(config, self._copy_rate, peer.link),
                                           config.max_post_descriptors)  # fmt: skip
-        if peer.link.busy_hint_due(now):
-            self._send_busy_hint(peer)
+        self._expect(peer, now, deadline)
         started: list[Transfer] = []
         posting, notify_only = False, 0
         collected = COLLECTOR.get()
-        if deadline is not None and deadline < self._next_deadline:
-            self._next_deadline = deadline
         # Small transfers are posted here, for as long as one sweep's budget lasts; the poller posts
         # the rest of a large batch, yielding as it goes, so a batch never stalls the loop for long.
         inline_until = time.perf_counter() + _SWEEP_BUDGET_S
@@ -218,10 +215,7 @@ class TransferDriver:
         agent, loop, config = self.agent, self.loop, self._config
         assert agent is not None and loop is not None
         now = loop.time()
-        if peer.link.busy_hint_due(now):
-            self._send_busy_hint(peer)
-        if deadline is not None and deadline < self._next_deadline:
-            self._next_deadline = deadline
+        self._expect(peer, now, deadline)
         transfer_id = next(self._ids)
         batch = TransferBatch(
             rows_local=rows[0],
@@ -252,6 +246,13 @@ class TransferDriver:
         self._pacer.activity(loop.time())
         self._wakeup()
         return batch
+
+    def _expect(self, peer: Peer, now: float, deadline: float | None) -> None:
+        """Before a submit: hint `peer` that transfers are coming, and make sweeps watch for `deadline`."""
+        if peer.link.busy_hint_due(now):
+            self._send_busy_hint(peer)
+        if deadline is not None and deadline < self._next_deadline:
+            self._next_deadline = deadline
 
     def _pump_inline(self, agent: OwnedAgent, transfer: Transfer, max_posts: int, until: float = _NEVER) -> None:
         """`pump` inside a submit. An error that is not NIXL's (NIXL's fail the transfer or a row) ends the
@@ -564,6 +565,5 @@ class TransferDriver:
         transfer.finish(error)
 
     def _retire(self, transfer: Transfer) -> None:
-        if self.active.pop(transfer.id, None) is not None:  # a batch was admitted as one transfer per row
-            rows = transfer.rows if type(transfer) is TransferBatch else 1
-            self._admission.release(transfer.nbytes, count=rows)
+        if self.active.pop(transfer.id, None) is not None:
+            self._admission.release(transfer.nbytes, count=transfer.admitted)

@@ -85,13 +85,25 @@ class SliceCore:
     ended by an error goes RELEASING, then quiet (or FENCED past the grace, then quiet).
     Subclasses keep the slices (a batch's rows) and their handles."""
 
-    __slots__ = ("_done", "_error", "_release_by", "grace_s", "num_slices", "op", "peer", "state", "transfer_id")
+    __slots__ = (
+        "_done",
+        "_error",
+        "_next",
+        "_release_by",
+        "grace_s",
+        "num_slices",
+        "op",
+        "peer",
+        "state",
+        "transfer_id",
+    )
 
     def __init__(self, num_slices: int, *, grace_s: float, op: str, peer: str | None, transfer_id: int | None) -> None:
         self.num_slices = num_slices
         self.grace_s = grace_s
         self.op, self.peer, self.transfer_id = op, peer, transfer_id
         self.state = TransferState.POSTING
+        self._next = 0  # the next slice to post
         self._done = 0  # slices that arrived and were released
         self._error: TransferError | None = None
         self._release_by: float | None = float("inf")  # None: the grace starts at the next tick
@@ -131,7 +143,7 @@ class SliceCore:
     @property
     def wants_post(self) -> bool:
         """Some slice is still to be posted (now or once a running one ends)."""
-        raise NotImplementedError
+        return self.state is TransferState.POSTING and self._next < self.num_slices
 
     @property
     def can_post_now(self) -> bool:
@@ -210,7 +222,7 @@ class SliceCore:
 class TransferCore(SliceCore):
     """One transfer's slices and state. Every method returns the actions to carry out, in order."""
 
-    __slots__ = ("_next", "_running", "_unreleased", "chain_last", "max_running")
+    __slots__ = ("_running", "_unreleased", "chain_last", "max_running")
 
     def __init__(
         self,
@@ -229,7 +241,6 @@ class TransferCore(SliceCore):
         super().__init__(num_slices, grace_s=grace_s, op=op, peer=peer, transfer_id=transfer_id)
         self.max_running = max_running
         self.chain_last = chain_last and num_slices > 1
-        self._next = 0  # the next slice to post
         # Bit masks (bit i = slice i), not sets or tuples: with 10 k transfers in flight every
         # container the garbage collector tracks makes its full collections slower; ints are not tracked.
         self._running = 0  # posted, not yet seen DONE/ERR
@@ -249,10 +260,6 @@ class TransferCore(SliceCore):
 
     def _held(self) -> int:
         return self._unreleased.bit_count()
-
-    @property
-    def wants_post(self) -> bool:
-        return self.state is TransferState.POSTING and self._next < self.num_slices
 
     @property
     def can_post_now(self) -> bool:
@@ -284,7 +291,6 @@ class TransferCore(SliceCore):
         return self.checked(index, state)
 
     def post_failed(self, index: int, reason: str) -> list[Action]:
-        """Making or posting slice `index` raised: no handle of it is alive."""
         return self._fail(f"posting {self.op} to {self.peer} failed: {reason}")
 
     def checked(self, index: int, state: str) -> list[Action]:

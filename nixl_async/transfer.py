@@ -196,6 +196,8 @@ class Transfer:
             f"{self.core.slices_done}/{self.num_slices} slices {self.state}>"
         )
 
+    admitted = 1  # transfers' room it holds in the engine's admission (a batch: one per row)
+
     @property
     def post_bytes(self) -> int:
         """Bytes one post of this transfer moves at most (its first slice)."""
@@ -346,6 +348,10 @@ class TransferBatch(Transfer):
 
     @property
     def rows(self) -> int:
+        return self.num_slices
+
+    @property
+    def admitted(self) -> int:  # type: ignore[override]
         return self.num_slices
 
     @property
