@@ -1,4 +1,4 @@
-"""`nixl-async bench`: run scenarios, print tables, append JSON, draw charts."""
+"""`nixl-async bench`: run scenarios, print tables, append JSON, draw charts, judge the goals."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import json
 import math
 import sys
 import time
+import traceback
 from pathlib import Path
 
+from . import goals
 from .common import Result
 
 # name -> (module, part of --quick by default)
@@ -78,25 +80,69 @@ def plot(result: Result, directory: Path) -> None:
     plt.close(fig)
 
 
+def plot_goals(rows: list[goals.Row], directory: Path) -> None:
+    """Every figure with a goal as figure ÷ bound, turned so that a bar left of 1 is a goal met."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [r for r in rows if not math.isnan(r.normalized)]
+    if not shown:
+        return
+    fig, ax = plt.subplots(figsize=(9, 0.22 * len(shown) + 1.2))
+    ys = range(len(shown))
+    colours = ["tab:green" if r.met == "yes" else "tab:red" for r in shown]
+    ax.barh(list(ys), [r.normalized for r in shown], color=colours)
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_xscale("log")
+    names = [f"{r.scenario}: {r.key.removesuffix('_lower_is_better').removesuffix('_higher_is_better')}" for r in shown]
+    ax.set_yticks(list(ys), names, fontsize=6)
+    ax.invert_yaxis()
+    ax.set_xlabel("figure ÷ goal (≥ goals inverted): left of 1 = met")
+    fig.tight_layout()
+    directory.mkdir(parents=True, exist_ok=True)
+    fig.savefig(directory / "goals.png", dpi=110)
+    plt.close(fig)
+
+
 def main(args: argparse.Namespace) -> int:
     if args.list:
         for name, (_, quick) in SCENARIOS.items():
             print(f"{name}{'' if quick else '  (not in the default set)'}")
         return 0
-    names = args.scenarios or [n for n, (_, q) in SCENARIOS.items() if q]
+    if args.all and args.scenarios:
+        print("--all runs every scenario: name none with it", file=sys.stderr)
+        return 2
+    names = list(SCENARIOS) if args.all else args.scenarios or [n for n, (_, q) in SCENARIOS.items() if q]
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
         print(f"unknown scenario(s): {', '.join(unknown)}; try --list", file=sys.stderr)
         return 2
     started = time.perf_counter()
+    results: list[Result] = []
+    failed: list[str] = []
     for name in names:
         module = importlib.import_module(f"{__package__}.{SCENARIOS[name][0]}")
-        result: Result = module.run(quick=args.quick)
+        try:
+            result: Result = module.run(quick=args.quick)
+        except Exception as exc:  # one scenario failing does not lose the others' figures
+            traceback.print_exc()
+            failed.append(name)
+            result = Result(name, ["failed"], [], notes=[f"failed: {exc!r}"])
         print_table(result)
+        results.append(result)
         if args.json:
             with open(args.json, "a") as f:
                 f.write(json.dumps({"scenario": name, "metrics": result.metrics, "ratios": result.ratios}) + "\n")
         if args.plots:
             plot(result, Path(args.plots))
+    rows = goals.judge(results)
+    print(f"\n== goals ({goals.tally(rows)}) ==\n{goals.markdown(rows)}")
+    if args.plots:
+        plot_goals(rows, Path(args.plots))
     print(f"\n{len(names)} scenario(s) in {time.perf_counter() - started:.0f} s")
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
     return 0

@@ -1,0 +1,126 @@
+"""The project's speed goals, and a verdict on one `nixl-async bench` run against them (pure logic).
+
+Each goal names the scenario it belongs to, the ratio or metric it bounds (a `fnmatch` pattern where one
+goal covers several sizes), the bound and where it was set. `judge` turns a run's results into one row
+per figure: every ratio of the run, plus the metrics a goal bounds. A goal of a scenario that ran but
+did not produce its figure (a `--quick` variant that skips it, a failed measurement) is reported as not
+measured, never as met. The runner prints the rows as one Markdown table, the README's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from typing import Literal
+
+from .common import Result
+
+
+@dataclass(frozen=True)
+class Goal:
+    scenario: str
+    pattern: str  # a key of the scenario's ratios or metrics; fnmatch syntax
+    bound: float
+    at_most: bool  # True: the figure must be <= bound; False: >= bound
+    source: str  # the issue that set it
+
+    @property
+    def text(self) -> str:
+        return f"{'≤' if self.at_most else '≥'} {self.bound:g} ({self.source})"
+
+
+GOALS: tuple[Goal, ...] = (
+    Goal("throughput", "engine_over_raw_throughput_*_higher_is_better", 0.95, False, "#4, #13"),
+    Goal("throughput_tcp", "engine_over_raw_throughput_*_higher_is_better", 0.95, False, "#13"),
+    Goal("latency", "engine_completion_p50_us", 100, True, "#2"),
+    Goal("latency", "engine_completion_p99_us", 1000, True, "#2"),
+    Goal("latency", "engine_idle_cpu_percent", 2, True, "#2"),
+    Goal("stall", "engine_stall_ms", 5, True, "#2"),
+    Goal("handshake", "engine_over_executor_time_lower_is_better", 0.1, True, "#4"),
+    Goal("descriptors", "*_over_engine_*_time_higher_is_better", 20, False, "#4"),
+    Goal("inflight", "engine*_overhead_us_per_completion", 10, True, "#4, #13"),
+    # Per size, and the issue's headline key (the largest size again).
+    Goal("busy", "engine_over_raw_cpu_seconds_per_gb_*lower_is_better", 1.2, True, "#13"),
+    Goal("vllm", "adapter_over_stock_ttft_p50_lower_is_better", 0.8, True, "#4, #13"),
+    Goal("vllm", "adapter_over_stock_itl_p50_lower_is_better", 1.0, True, "#13"),
+    Goal("vllm", "adapter_over_stock_req_per_s_c4_higher_is_better", 1.0, False, "#13"),
+    Goal("vllm_hosts", "adapter_over_stock_latency_p50_c1_lower_is_better", 1.0, True, "#13"),
+    Goal("vllm_hosts", "adapter_over_stock_req_per_s_c4_higher_is_better", 1.0, False, "#13"),
+    # Per link (loopback TCP; two hosts, not in --quick), and the headline key (two hosts again).
+    Goal("vllm_push", "*progressive_over_pull_ttft_p50_lower_is_better", 0.8, True, "#16"),
+)
+
+Met = Literal["yes", "no", "not measured", "—"]
+
+
+@dataclass(frozen=True)
+class Row:
+    scenario: str
+    key: str
+    value: float  # nan when not measured
+    goal: Goal | None
+    met: Met
+
+    @property
+    def normalized(self) -> float:
+        """The figure over its bound, turned so that <= 1 means met (for the chart); nan without a goal."""
+        if self.goal is None or math.isnan(self.value) or self.value <= 0:
+            return math.nan
+        return self.value / self.goal.bound if self.goal.at_most else self.goal.bound / self.value
+
+
+def _verdict(goal: Goal, value: float) -> Met:
+    if math.isnan(value):
+        return "not measured"
+    return "yes" if (value <= goal.bound if goal.at_most else value >= goal.bound) else "no"
+
+
+def judge(results: list[Result], goals: tuple[Goal, ...] = GOALS) -> list[Row]:
+    """Rows with a goal first (in the goals' order), then every other ratio of the run."""
+    by_scenario = {r.scenario: r for r in results}
+    with_goal: list[Row] = []
+    seen: set[tuple[str, str]] = set()
+    for goal in goals:
+        result = by_scenario.get(goal.scenario)
+        if result is None:
+            continue  # the scenario was not run
+        figures = {**result.metrics, **result.ratios}
+        keys = [k for k in figures if fnmatchcase(k, goal.pattern)]  # in the scenario's order (by size)
+        if not keys:
+            with_goal.append(Row(goal.scenario, goal.pattern, math.nan, goal, "not measured"))
+        for key in keys:
+            if (goal.scenario, key) in seen:
+                raise ValueError(f"{goal.scenario}: {key} matches two goals")
+            seen.add((goal.scenario, key))
+            value = float(figures[key])
+            with_goal.append(Row(goal.scenario, key, value, goal, _verdict(goal, value)))
+    others = [
+        Row(r.scenario, key, float(value), None, "—")
+        for r in results
+        for key, value in r.ratios.items()
+        if (r.scenario, key) not in seen
+    ]
+    return with_goal + others
+
+
+def _fmt(value: float) -> str:
+    if math.isnan(value):
+        return "—"
+    return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+
+
+def markdown(rows: list[Row]) -> str:
+    """One table: scenario, figure, value, goal, met."""
+    lines = ["| scenario | figure | value | goal | met |", "|---|---|---|---|---|"]
+    for row in rows:
+        goal = row.goal.text if row.goal else "—"
+        lines.append(f"| `{row.scenario}` | `{row.key}` | {_fmt(row.value)} | {goal} | {row.met} |")
+    return "\n".join(lines)
+
+
+def tally(rows: list[Row]) -> str:
+    counted = [r for r in rows if r.goal is not None]
+    met = sum(r.met == "yes" for r in counted)
+    missing = sum(r.met == "not measured" for r in counted)
+    return f"{met} of {len(counted)} figures with a goal met, {missing} not measured in this run"

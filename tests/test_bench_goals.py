@@ -1,0 +1,103 @@
+"""The bench's verdict on its goals (pure logic): which figures a goal bounds, met or not, and what was not measured."""
+
+import math
+
+import pytest
+
+from benchmarks.common import Result
+from benchmarks.goals import GOALS, Goal, judge, markdown, tally
+
+AT_MOST = Goal("busy", "cpu_*mib_lower_is_better", 1.2, True, "#13")
+AT_LEAST = Goal("tput", "ratio_*_higher_is_better", 0.95, False, "#13")
+METRIC = Goal("lat", "p50_us", 100, True, "#2")
+
+
+def result(scenario, ratios=None, metrics=None):
+    return Result(scenario, ["x"], [], metrics=metrics or {}, ratios=ratios or {})
+
+
+def test_a_pattern_judges_every_size_it_matches_in_both_directions():
+    rows = judge(
+        [
+            result("busy", {"cpu_4mib_lower_is_better": 1.19, "cpu_32mib_lower_is_better": 1.21}),
+            result("tput", {"ratio_4k_higher_is_better": 0.95, "ratio_1m_higher_is_better": 0.94}),
+        ],
+        (AT_MOST, AT_LEAST),
+    )
+    got = {(r.scenario, r.key): r.met for r in rows}
+    assert got == {
+        ("busy", "cpu_32mib_lower_is_better"): "no",
+        ("busy", "cpu_4mib_lower_is_better"): "yes",
+        ("tput", "ratio_1m_higher_is_better"): "no",
+        ("tput", "ratio_4k_higher_is_better"): "yes",  # the bound itself is met
+    }
+
+
+def test_a_metric_is_judged_and_other_metrics_are_left_out():
+    rows = judge([result("lat", {}, {"p50_us": 140.0, "p99_us": 300.0})], (METRIC,))
+    assert [(r.key, r.value, r.met) for r in rows] == [("p50_us", 140.0, "no")]
+
+
+def test_a_missing_or_nan_figure_is_not_measured_never_met():
+    rows = judge([result("busy"), result("tput", {"ratio_4k_higher_is_better": math.nan})], (AT_MOST, AT_LEAST))
+    assert [(r.scenario, r.met) for r in rows] == [("busy", "not measured"), ("tput", "not measured")]
+    assert tally(rows) == "0 of 2 figures with a goal met, 2 not measured in this run"
+
+
+def test_goals_of_scenarios_not_run_give_no_rows_and_ratios_without_goal_come_last():
+    rows = judge(
+        [result("other", {"b_over_a": 2.0}), result("busy", {"cpu_4mib_lower_is_better": 0.5})], (AT_MOST, METRIC)
+    )
+    assert [(r.scenario, r.key, r.met) for r in rows] == [
+        ("busy", "cpu_4mib_lower_is_better", "yes"),
+        ("other", "b_over_a", "—"),
+    ]
+    assert rows[1].goal is None and math.isnan(rows[1].normalized)
+
+
+def test_normalized_is_at_most_one_exactly_when_met():
+    rows = judge(
+        [result("busy", {"cpu_4mib_lower_is_better": 0.6}), result("tput", {"ratio_4k_higher_is_better": 0.5})],
+        (AT_MOST, AT_LEAST),
+    )
+    assert [r.normalized for r in rows] == pytest.approx([0.5, 1.9])
+
+
+def test_a_figure_matching_two_goals_is_refused():
+    twice = Goal("busy", "cpu_4mib_*", 2.0, True, "#13")
+    with pytest.raises(ValueError, match="matches two goals"):
+        judge([result("busy", {"cpu_4mib_lower_is_better": 1.0})], (AT_MOST, twice))
+
+
+def test_markdown_has_a_row_per_figure():
+    rows = judge([result("busy", {"cpu_4mib_lower_is_better": 1.5})], (AT_MOST,))
+    table = markdown(rows).splitlines()
+    assert table[2] == "| `busy` | `cpu_4mib_lower_is_better` | 1.5 | ≤ 1.2 (#13) | no |"
+    assert len(table) == 3
+
+
+def test_the_project_goals_do_not_overlap_within_a_scenario():
+    for goal in GOALS:
+        others = [g for g in GOALS if g.scenario == goal.scenario and g is not goal]
+        assert all(g.pattern != goal.pattern for g in others)
+
+
+def test_a_failing_scenario_loses_no_other_figures_and_the_run_exits_1(monkeypatch, capsys, tmp_path):
+    from types import SimpleNamespace
+
+    from benchmarks import runner
+
+    def broken(quick):
+        raise RuntimeError("vLLM did not start")
+
+    def stall(quick):
+        return Result("stall", ["x"], [[1.0]], metrics={"engine_stall_ms": 2.0})
+
+    modules = {"benchmarks.stall": SimpleNamespace(run=stall), "benchmarks.busy": SimpleNamespace(run=broken)}
+    monkeypatch.setattr(runner.importlib, "import_module", modules.__getitem__)
+    args = SimpleNamespace(list=False, all=False, scenarios=["busy", "stall"], quick=True, json=None, plots=None)
+    assert runner.main(args) == 1
+    out, err = capsys.readouterr()
+    assert "vLLM did not start" in err and "failed: busy" in err
+    assert "| `stall` | `engine_stall_ms` | 2 | ≤ 5 (#2) | yes |" in out
+    assert "| `busy` | `engine_over_raw_cpu_seconds_per_gb_*lower_is_better` | — | ≤ 1.2 (#13) | not measured |" in out
