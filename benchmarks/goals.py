@@ -9,6 +9,7 @@ measured, never as met. The runner prints the rows as one Markdown table, the RE
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
@@ -64,9 +65,15 @@ class Row:
 
     @property
     def normalized(self) -> float:
-        """The figure over its bound, turned so that <= 1 means met (for the chart); nan without a goal."""
-        if self.goal is None or math.isnan(self.value) or self.value <= 0:
+        """The figure over its bound, turned so that <= 1 means met (for the chart); nan without a goal.
+
+        A figure at or below zero (an overhead over raw that came out negative) meets an upper
+        bound by any margin (0) and misses a lower bound by any margin (inf).
+        """
+        if self.goal is None or math.isnan(self.value):
             return math.nan
+        if self.value <= 0:
+            return 0.0 if self.goal.at_most else math.inf
         return self.value / self.goal.bound if self.goal.at_most else self.goal.bound / self.value
 
 
@@ -117,6 +124,17 @@ def markdown(rows: list[Row]) -> str:
         goal = row.goal.text if row.goal else "—"
         lines.append(f"| `{row.scenario}` | `{row.key}` | {_fmt(row.value)} | {goal} | {row.met} |")
     return "\n".join(lines)
+
+
+def load(path: str) -> list[Result]:
+    """The results of an earlier run, from the file `--json` appended them to (one object per line)."""
+    results = []
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                record = json.loads(line)
+                results.append(Result(record["scenario"], [], [], metrics=record["metrics"], ratios=record["ratios"]))
+    return results
 
 
 def tally(rows: list[Row]) -> str:

@@ -90,12 +90,17 @@ def plot_goals(rows: list[goals.Row], directory: Path) -> None:
     shown = [r for r in rows if not math.isnan(r.normalized)]
     if not shown:
         return
-    fig, ax = plt.subplots(figsize=(9, 0.22 * len(shown) + 1.2))
-    ys = range(len(shown))
+    low, high = 0.05, 20.0  # bars are clipped to this range; each is labelled with its figure
+    fig, ax = plt.subplots(figsize=(11, 0.22 * len(shown) + 1.2))
+    ys = list(range(len(shown)))
     colours = ["tab:green" if r.met == "yes" else "tab:red" for r in shown]
-    ax.barh(list(ys), [r.normalized for r in shown], color=colours)
+    widths = [min(max(r.normalized, low), high) for r in shown]
+    ax.barh(ys, widths, color=colours)
+    for y, width, row in zip(ys, widths, shown, strict=True):
+        ax.text(width * 1.05, y, f"{row.value:.3g}", va="center", fontsize=6)
     ax.axvline(1.0, color="black", linewidth=0.8)
     ax.set_xscale("log")
+    ax.set_xlim(low / 1.5, high * 3)
     names = [f"{r.scenario}: {r.key.removesuffix('_lower_is_better').removesuffix('_higher_is_better')}" for r in shown]
     ax.set_yticks(list(ys), names, fontsize=6)
     ax.invert_yaxis()
@@ -110,6 +115,12 @@ def main(args: argparse.Namespace) -> int:
     if args.list:
         for name, (_, quick) in SCENARIOS.items():
             print(f"{name}{'' if quick else '  (not in the default set)'}")
+        return 0
+    if args.judge:  # an earlier run's JSON: its goals table (and chart) again, nothing measured
+        rows = goals.judge(goals.load(args.judge))
+        print(f"== goals ({goals.tally(rows)}) ==\n{goals.markdown(rows)}")
+        if args.plots:
+            plot_goals(rows, Path(args.plots))
         return 0
     if args.all and args.scenarios:
         print("--all runs every scenario: name none with it", file=sys.stderr)

@@ -21,6 +21,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--json", metavar="PATH", help="append one JSON object per scenario to PATH")
     bench.add_argument("--plots", metavar="DIR", help="write PNG charts to DIR")
     bench.add_argument("--all", action="store_true", help="every scenario, those not in the default set too")
+    bench.add_argument("--judge", metavar="PATH", help="print the goals table of an earlier run's --json file")
     bench.add_argument("--list", action="store_true", help="list the scenarios and exit")
 
     args = parser.parse_args(argv)

@@ -95,9 +95,24 @@ def test_a_failing_scenario_loses_no_other_figures_and_the_run_exits_1(monkeypat
 
     modules = {"benchmarks.stall": SimpleNamespace(run=stall), "benchmarks.busy": SimpleNamespace(run=broken)}
     monkeypatch.setattr(runner.importlib, "import_module", modules.__getitem__)
-    args = SimpleNamespace(list=False, all=False, scenarios=["busy", "stall"], quick=True, json=None, plots=None)
+    args = SimpleNamespace(
+        list=False, judge=None, all=False, scenarios=["busy", "stall"], quick=True, json=None, plots=None
+    )
     assert runner.main(args) == 1
     out, err = capsys.readouterr()
     assert "vLLM did not start" in err and "failed: busy" in err
     assert "| `stall` | `engine_stall_ms` | 2 | ≤ 5 (#2) | yes |" in out
     assert "| `busy` | `engine_over_raw_cpu_seconds_per_gb_*lower_is_better` | — | ≤ 1.2 (#13) | not measured |" in out
+
+
+def test_a_negative_overhead_meets_an_upper_bound_and_an_earlier_run_is_judged_again(tmp_path):
+    import json
+
+    from benchmarks.goals import load
+
+    path = tmp_path / "run.jsonl"
+    records = [{"scenario": "busy", "metrics": {}, "ratios": {"cpu_4mib_lower_is_better": -3.0}},
+               {"scenario": "tput", "metrics": {}, "ratios": {"ratio_4k_higher_is_better": -1.0}}]  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    rows = judge(load(str(path)), (AT_MOST, AT_LEAST))
+    assert [(r.met, r.normalized) for r in rows] == [("yes", 0.0), ("no", math.inf)]
