@@ -116,3 +116,17 @@ def test_a_negative_overhead_meets_an_upper_bound_and_an_earlier_run_is_judged_a
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     rows = judge(load(str(path)), (AT_MOST, AT_LEAST))
     assert [(r.met, r.normalized) for r in rows] == [("yes", 0.0), ("no", math.inf)]
+
+
+def test_the_readme_goal_table_is_the_committed_runs_verdict():
+    """The README's table of goals must be what the goals in code say of the run committed beside it."""
+    from pathlib import Path
+
+    from benchmarks.goals import load
+
+    root = Path(__file__).resolve().parents[1]
+    bounded = [r for r in judge(load(str(root / "docs/bench/results.jsonl"))) if r.goal is not None]
+    expected = markdown(bounded).splitlines()[2:]
+    readme = (root / "README.md").read_text()
+    assert expected and all(f"\n{line}\n" in readme for line in expected)
+    assert f"**{sum(r.met == 'yes' for r in bounded)} of {len(bounded)} figures met their goal in this run:**" in readme
