@@ -335,7 +335,9 @@ class TransferDriver:
         finished = False
         hot_from = _NEVER
         small_post = self._config.min_post_bytes
-        for n, transfer in enumerate(self.live(), 1):
+        live = self.live()
+        last = len(live)
+        for n, transfer in enumerate(live, 1):
             if finished and transfer.core.wants_post and transfer.post_bytes > small_post:
                 # Let the awaiters of finished transfers run (and submit their next) before a post,
                 # which can be a copy of a few ms. With nothing to post, one sweep ends them all;
@@ -362,8 +364,9 @@ class TransferDriver:
                 elif hot_from > -_NEVER:
                     spin_from = transfer.link.wire.spin_from(transfer.first_post_at, transfer.nbytes, _HOT_MARGIN_S)
                     hot_from = min(hot_from, spin_from)
-            # A post can be a multi-ms copy, and 10k state checks add up: bound the stall.
-            if (activity or not n % 256) and time.perf_counter() - swept > _SWEEP_BUDGET_S:
+            # A post can be a multi-ms copy, and 10k state checks add up: bound the stall. (After
+            # the last transfer the poller yields anyway: a second yield costs a loop iteration.)
+            if (activity or not n % 256) and n < last and time.perf_counter() - swept > _SWEEP_BUDGET_S:
                 await asyncio.sleep(0)
                 swept = time.perf_counter()
         self.hot_from = hot_from
