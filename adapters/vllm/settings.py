@@ -29,8 +29,9 @@ NixlConnector; our own knobs live in ``kv_connector_extra_config``:
   at most this long to be scheduled.
 - ``switch_interval_s`` (default 0.0005): the worker process's `sys.setswitchinterval` (lowered,
   never raised). The engine's loop thread shares the interpreter with vLLM's worker thread; at
-  Python's default 5 ms, each hand-over to the loop can wait that long (measured here: decode
-  TTFT at concurrency 4 went from 58 to 39 ms p50 with 0.5 ms).
+  Python's default 5 ms, each hand-over to the loop can wait that long. A trade, measured in
+  3 alternating runs each (README, scenario 9): first-token latency at concurrency 1 about 11 %
+  lower with 0.5 ms, decode steps under load as fast or faster with 0.005 (Python's own).
 
 NixlConnector's own keys are honoured (``backends``, ``num_threads``, ``engine_ttl``,
 ``enforce_handshake_compat``, ``kv_lease_duration``, and ``kv_recompute_threshold``, which
