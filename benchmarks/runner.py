@@ -117,6 +117,9 @@ def main(args: argparse.Namespace) -> int:
             print(f"{name}{'' if quick else '  (not in the default set)'}")
         return 0
     if args.judge:  # an earlier run's JSON: its goals table (and chart) again, nothing measured
+        if args.scenarios or args.all or args.json:
+            print("--judge measures nothing: name no scenario, --all or --json with it", file=sys.stderr)
+            return 2
         rows = goals.judge(goals.load(args.judge))
         print(f"== goals ({goals.tally(rows)}) ==\n{goals.markdown(rows)}")
         if args.plots:

@@ -130,3 +130,14 @@ def test_the_readme_goal_table_is_the_committed_runs_verdict():
     readme = (root / "README.md").read_text()
     assert expected and all(f"\n{line}\n" in readme for line in expected)
     assert f"**{sum(r.met == 'yes' for r in bounded)} of {len(bounded)} figures met their goal in this run:**" in readme
+
+
+def test_judge_refuses_what_it_would_ignore(capsys):
+    from types import SimpleNamespace
+
+    from benchmarks import runner
+
+    args = SimpleNamespace(list=False, judge="run.jsonl", all=False, scenarios=["busy"], quick=False, json=None,
+                           plots=None)  # fmt: skip
+    assert runner.main(args) == 2
+    assert "--judge measures nothing" in capsys.readouterr().err
