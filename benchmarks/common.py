@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -30,6 +31,15 @@ class Result:
     metrics: dict[str, float] = field(default_factory=dict)
     ratios: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+
+
+def format_figure(value: object, missing: str = "-") -> str:
+    """A figure for a table: 3 significant digits, thousands grouped from 1,000; `missing` for nan."""
+    if isinstance(value, float):
+        if math.isnan(value):
+            return missing
+        return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+    return str(value)
 
 
 TCP = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}

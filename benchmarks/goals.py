@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Literal
 
-from .common import Result
+from .common import Result, format_figure
 
 
 @dataclass(frozen=True)
@@ -111,18 +111,13 @@ def judge(results: list[Result], goals: tuple[Goal, ...] = GOALS) -> list[Row]:
     return with_goal + others
 
 
-def _fmt(value: float) -> str:
-    if math.isnan(value):
-        return "—"
-    return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
-
-
 def markdown(rows: list[Row]) -> str:
     """One table: scenario, figure, value, goal, met."""
     lines = ["| scenario | figure | value | goal | met |", "|---|---|---|---|---|"]
     for row in rows:
         goal = row.goal.text if row.goal else "—"
-        lines.append(f"| `{row.scenario}` | `{row.key}` | {_fmt(row.value)} | {goal} | {row.met} |")
+        value = format_figure(row.value, missing="—")
+        lines.append(f"| `{row.scenario}` | `{row.key}` | {value} | {goal} | {row.met} |")
     return "\n".join(lines)
 
 

@@ -12,7 +12,7 @@ import traceback
 from pathlib import Path
 
 from . import goals
-from .common import Result
+from .common import Result, format_figure
 
 # name -> (module, part of --quick by default)
 SCENARIOS: dict[str, tuple[str, bool]] = {
@@ -33,16 +33,8 @@ SCENARIOS: dict[str, tuple[str, bool]] = {
 }
 
 
-def _fmt(value: object) -> str:
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "-"
-        return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
-    return str(value)
-
-
 def print_table(result: Result) -> None:
-    cells = [result.columns] + [[_fmt(v) for v in row] for row in result.rows]
+    cells = [result.columns] + [[format_figure(v) for v in row] for row in result.rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(result.columns))]
     print(f"\n== {result.scenario} ==")
     for i, row in enumerate(cells):
@@ -50,7 +42,7 @@ def print_table(result: Result) -> None:
         if i == 0:
             print("  " + "  ".join("-" * w for w in widths))
     for key, value in result.ratios.items():
-        print(f"  {key}: {_fmt(value)}")
+        print(f"  {key}: {format_figure(value)}")
     for note in result.notes:
         print(f"  note: {note}")
 
