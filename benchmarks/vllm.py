@@ -118,6 +118,11 @@ def summarize(loads: dict[int, Load]) -> dict[str, float]:
             p50, p99 = percentiles([t * 1e3 for t in samples], 50, 99)
             out[f"{key}_{name}_p50_ms"], out[f"{key}_{name}_p99_ms"] = p50, p99
         out[f"{key}_req_per_s"] = len(load.latencies) / load.wall
+        # What a p50 alone hides: the mean gap (what throughput pays), and how many requests were
+        # decoding at once on average (a bigger batch makes every step, so every gap, longer).
+        out[f"{key}_itl_mean_ms"] = statistics.fmean(load.gaps) * 1e3 if load.gaps else float("nan")
+        decoding = sum(latency - ttft for ttft, latency in zip(load.ttfts, load.latencies, strict=True))
+        out[f"{key}_decoding_mean"] = decoding / load.wall
     return out
 
 
