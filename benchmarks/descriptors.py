@@ -19,11 +19,12 @@ from __future__ import annotations
 import time
 import types
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from nixl_async._agent import OwnedAgent, _bindings
-from nixl_async.layout import BlockLayout
+from nixl_async.layout import BlockLayout, BlockView
 
 from .common import Result
 
@@ -66,36 +67,44 @@ def _timed(fn, repeats: int) -> tuple[float, object]:
 
 def _post_times(agent: OwnedAgent, layout: BlockLayout, repeats: int) -> dict[int, tuple[float, float]]:
     """Per READ size: median seconds to make, post and finish it over strided-prepared and Nx3-prepared lists."""
-    bind, ops = agent._bind, agent._agent.nixl_ops
+    bind, ops, mem = agent._bind, agent._agent.nixl_ops, str(layout.mem_type)
     dst, src = layout.view(regions=(0, 1)), layout.view(regions=(1, 2))
-    lists = {
-        "strided": (agent.prep_view("", dst), agent.prep_view(agent.name, src)),
-        "nx3": (agent._agent.prep_xfer_dlist("", dst.descriptors(), str(layout.mem_type)),
-                agent._agent.prep_xfer_dlist(agent.name, src.descriptors(), str(layout.mem_type))),
-    }  # fmt: skip
+    strided = (agent.prep_view("", dst), agent.prep_view(agent.name, src))
+    try:
+        nx3 = (agent._agent.prep_xfer_dlist("", dst.descriptors(), mem),
+               agent._agent.prep_xfer_dlist(agent.name, src.descriptors(), mem))  # fmt: skip
+        try:
+            return _post_each(bind, ops["READ"], layout, (dst, src), {"strided": strided, "nx3": nx3}, repeats)
+        finally:
+            for handle in nx3:
+                agent._agent.release_dlist_handle(handle)
+    finally:
+        for handle in strided:
+            agent.release_dlist(handle)
+
+
+def _post_each(bind: Any, read: Any, layout: BlockLayout, views: tuple[BlockView, BlockView],
+               lists: dict[str, tuple[Any, Any]], repeats: int) -> dict[int, tuple[float, float]]:  # fmt: skip
+    """Each READ size in turn, made, posted and waited for over each (local, remote) pair of `lists`, alternating."""
+    dst, src = views
     rng = np.random.default_rng(0)
     out: dict[int, tuple[float, float]] = {}
-    try:
-        for count, reps in ((1, 40 * repeats), (32, 20 * repeats), (1024, 2 * repeats)):
-            lidx, ridx = (v.descriptor_ids(rng.choice(layout.num_blocks, count, replace=False)) for v in (dst, src))
-            seconds: dict[str, list[float]] = {"strided": [], "nx3": []}
-            for rep in range(reps):
-                for name in ("strided", "nx3") if rep % 2 else ("nx3", "strided"):
-                    local, remote = lists[name]
-                    started = time.perf_counter()
-                    handle = bind.makeXferReq(ops["READ"], local._handle, lidx, remote._handle, ridx, b"", [], False)
-                    state = bind.postXferReq(handle, b"")
-                    while state == _bindings.NIXL_IN_PROG:
-                        state = bind.getXferStatus(handle)
-                    seconds[name].append(time.perf_counter() - started)
-                    bind.releaseXferReq(handle)
-                    if state != _bindings.NIXL_SUCCESS:
-                        raise RuntimeError(f"loopback READ of {count} blocks ended in NIXL state {state}")
-            out[count] = (float(np.median(seconds["strided"])), float(np.median(seconds["nx3"])))
-    finally:
-        for name, (local, remote) in lists.items():
-            for handle in (local, remote):
-                agent.release_dlist(handle) if name == "strided" else agent._agent.release_dlist_handle(handle)
+    for count, reps in ((1, 40 * repeats), (32, 20 * repeats), (1024, 2 * repeats)):
+        lidx, ridx = (v.descriptor_ids(rng.choice(layout.num_blocks, count, replace=False)) for v in (dst, src))
+        seconds: dict[str, list[float]] = {"strided": [], "nx3": []}
+        for rep in range(reps):
+            for name in ("strided", "nx3") if rep % 2 else ("nx3", "strided"):
+                local, remote = lists[name]
+                started = time.perf_counter()
+                handle = bind.makeXferReq(read, local._handle, lidx, remote._handle, ridx, b"", [], False)
+                state = bind.postXferReq(handle, b"")
+                while state == _bindings.NIXL_IN_PROG:
+                    state = bind.getXferStatus(handle)
+                seconds[name].append(time.perf_counter() - started)
+                bind.releaseXferReq(handle)
+                if state != _bindings.NIXL_SUCCESS:
+                    raise RuntimeError(f"loopback READ of {count} blocks ended in NIXL state {state}")
+        out[count] = (float(np.median(seconds["strided"])), float(np.median(seconds["nx3"])))
     return out
 
 
@@ -162,7 +171,7 @@ def run(quick: bool) -> Result:
     for count, (strided, nx3) in posts.items():
         metrics |= {f"post_{count}_blocks_strided_us": strided * 1e6, f"post_{count}_blocks_nx3_us": nx3 * 1e6}
         ratios[f"nx3_over_strided_post_time_{count}_blocks_higher_is_better"] = nx3 / strided
-        rows.append([f"make + post a READ of {count} block(s): strided list / Nx3 list", strided * 1e3, nx3 * 1e3,
+        rows.append([f"make, post, finish a READ of {count} block(s): strided / Nx3 list", strided * 1e3, nx3 * 1e3,
                      nx3 / strided])  # fmt: skip
     notes.append(
         "post rows: loopback READs of random blocks between the two regions, until done; medians of"
