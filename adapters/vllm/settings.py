@@ -27,11 +27,13 @@ NixlConnector; our own knobs live in ``kv_connector_extra_config``:
   instead of returning at once. vLLM steps such an engine back to back (a decode waiting for pushed
   KV, a producer whose readers read), which takes a core; a request that arrives meanwhile waits
   at most this long to be scheduled.
-- ``switch_interval_s`` (default 0.0005): the worker process's `sys.setswitchinterval` (lowered,
-  never raised). The engine's loop thread shares the interpreter with vLLM's worker thread; at
-  Python's default 5 ms, each hand-over to the loop can wait that long. A trade, measured in
-  3 alternating runs each (README, scenario 9): first-token latency at concurrency 1 about 11 %
-  lower with 0.5 ms, decode steps under load as fast or faster with 0.005 (Python's own).
+- ``switch_interval_s`` (unset by default): lowers the worker process's `sys.setswitchinterval`
+  to this many seconds (never raises it). The engine's loop thread shares the interpreter with
+  vLLM's worker thread, and at Python's 5 ms each hand-over to the loop can wait that long; but
+  the setting is process-wide and is paid in the model thread's steps. Measured with 0.0005
+  against Python's own, 3-run sets (README, scenario 9): decode steps under load slower with it
+  in all three sets, first-token latency at concurrency 1 lower in two and no different in one.
+  So the process keeps Python's interval unless a deployment asks for the trade.
 
 NixlConnector's own keys are honoured (``backends``, ``num_threads``, ``engine_ttl``,
 ``enforce_handshake_compat``, ``kv_lease_duration``, and ``kv_recompute_threshold``, which
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -166,6 +169,11 @@ def _number(extra: dict[str, Any], key: str, default: float) -> float:
     return number
 
 
+def _optional_number(extra: dict[str, Any], key: str) -> float | None:
+    """`_number` for a setting that is off unless given (None or absent: off)."""
+    return None if extra.get(key) is None else _number(extra, key, 0)
+
+
 def _idle_wait(extra: dict[str, Any]) -> float:
     if extra.get("idle_step_wait_s", 0.002) == 0:
         return 0.0
@@ -213,7 +221,7 @@ class AdapterSettings:
     transfer_timeout_s: float
     handshake_timeout_s: float
     auth_secret: bytes | None
-    switch_interval_s: float = 0.0005
+    switch_interval_s: float | None = None  # None: keep the process's interval
     backends: tuple[str, ...] = ("UCX",)
     backend_params: tuple[tuple[str, str], ...] = ()
     peer_ttl_s: float | None = 3600.0  # NixlConnector's engine_ttl; None: never evict
@@ -254,7 +262,7 @@ class AdapterSettings:
             transfer_timeout_s=_number(extra, "transfer_timeout", 120),
             handshake_timeout_s=_number(extra, "handshake_timeout", 5),
             auth_secret=secret,
-            switch_interval_s=_number(extra, "switch_interval_s", 0.0005),
+            switch_interval_s=_optional_number(extra, "switch_interval_s"),
             backends=backends,
             backend_params=tuple(_backend_params(extra, backends).items()),
             peer_ttl_s=float(ttl) if ttl > 0 else None,  # as NixlConnector: <= 0 turns eviction off
@@ -265,6 +273,11 @@ class AdapterSettings:
             push_progressive=_flag(extra, "push_progressive", False),
             idle_step_wait_s=_idle_wait(extra),
         )
+
+    def apply_switch_interval(self) -> None:
+        """Lower this process's switch interval to `switch_interval_s`, if set (never raise it)."""
+        if self.switch_interval_s is not None and self.switch_interval_s < sys.getswitchinterval():
+            sys.setswitchinterval(self.switch_interval_s)
 
     def bind_host(self) -> str:
         """The address to listen on: ZMQ binds IPs, so a host name is resolved first."""

@@ -20,7 +20,6 @@ import asyncio
 import dataclasses
 import logging
 import queue
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -213,10 +212,7 @@ class ConnectorWorker:
 
         cpu_quirks.prepare_process()  # before our agent's UCX threads exist
         self.settings = AdapterSettings.from_vllm(vllm_config)
-        if self.settings.switch_interval_s < sys.getswitchinterval():
-            # Our loop thread shares the interpreter with vLLM's worker thread, which rarely
-            # blocks; every hand-over to the loop otherwise waits for Python's 5 ms switch interval.
-            sys.setswitchinterval(self.settings.switch_interval_s)
+        self.settings.apply_switch_interval()  # only if the deployment asked for it (settings docstring)
         self.engine_id = engine_id
         self.kv_cache_config = kv_cache_config
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size

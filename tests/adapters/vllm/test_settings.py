@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -51,6 +52,23 @@ def test_defaults_match_vllm_nixl_connector():
     assert AdapterSettings.from_vllm(_config({"link_timeout": None})).engine_config("e", {}).link_timeout_s is None
 
 
+def test_the_switch_interval_is_left_alone_unless_asked_for_and_never_raised():
+    """A process-wide setting the model thread pays for: the adapter changes it only on request."""
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        AdapterSettings.from_vllm(_config({})).apply_switch_interval()
+        assert sys.getswitchinterval() == pytest.approx(0.005)
+        AdapterSettings.from_vllm(_config({"switch_interval_s": None})).apply_switch_interval()
+        assert sys.getswitchinterval() == pytest.approx(0.005)
+        AdapterSettings.from_vllm(_config({"switch_interval_s": 0.01})).apply_switch_interval()
+        assert sys.getswitchinterval() == pytest.approx(0.005), "lowered, never raised"
+        AdapterSettings.from_vllm(_config({"switch_interval_s": "0.0005"})).apply_switch_interval()
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+    finally:
+        sys.setswitchinterval(before)
+
+
 @pytest.mark.parametrize(
     "extra",
     [
@@ -58,6 +76,7 @@ def test_defaults_match_vllm_nixl_connector():
         {"transfer_timeout": "soon"},
         {"auth_secret": "short"},
         {"switch_interval_s": -1},
+        {"switch_interval_s": "fast"},
         {"link_timeout": 1},
         {"link_timeout": "never"},
         {"etcd_endpoint": "etcd-0:2379,etcd-1:2379"},
