@@ -31,8 +31,9 @@ NixlConnector; our own knobs live in ``kv_connector_extra_config``:
   to this many seconds (never raises it). The engine's loop thread shares the interpreter with
   vLLM's worker thread, and at Python's 5 ms each hand-over to the loop can wait that long; but
   the setting is process-wide and is paid in the model thread's steps. Measured with 0.0005
-  against Python's own, 3-run sets (README, scenario 9): decode steps under load slower with it
-  in all three sets, first-token latency at concurrency 1 lower in two and no different in one.
+  against Python's own, four 3-run sets (README, scenario 9): decode steps under load slower
+  with it in three and equal in one, first-token latency at concurrency 1 lower in two and no
+  different in two.
   So the process keeps Python's interval unless a deployment asks for the trade.
 
 NixlConnector's own keys are honoured (``backends``, ``num_threads``, ``engine_ttl``,
