@@ -24,9 +24,9 @@ NixlConnector; our own knobs live in ``kv_connector_extra_config``:
   (decode never sees a partial one). DRAM caches of attention-only models (one KV cache group).
 - ``idle_step_wait_s`` (default 0.002; 0 turns it off): a vLLM step that schedules nothing while
   transfers are under way waits up to this long for one to end (or for a reader's notification)
-  instead of returning at once. vLLM steps such an engine back to back (a decode waiting for pushed
-  KV, a producer whose readers read), which takes a core; a request that arrives meanwhile waits
-  at most this long to be scheduled.
+  instead of returning at once, and has NIXL progressed every 0.25 ms meanwhile (`worker.idle_step_wait`).
+  vLLM steps such an engine back to back (a decode waiting for its KV, a producer whose readers
+  read), which takes a core; a request that arrives meanwhile waits at most this long to be scheduled.
 - ``switch_interval_s`` (unset by default): lowers the worker process's `sys.setswitchinterval`
   to this many seconds (never raises it). The engine's loop thread shares the interpreter with
   vLLM's worker thread, and at Python's 5 ms each hand-over to the loop can wait that long; but
