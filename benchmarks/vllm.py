@@ -81,20 +81,22 @@ async def _one(session: Any, url: str, model: str, prompt: str) -> tuple[float, 
 
 @dataclass
 class Load:
-    """One batch of prompts at one concurrency: per-request TTFT and latency, every inter-token gap, wall time."""
+    """One batch of prompts at one concurrency: per-request TTFT and latency, every inter-token gap, wall time
+    (from `started`, a ``time.perf_counter()`` value)."""
 
     ttfts: list[float]
     latencies: list[float]
     gaps: list[float]
     wall: float
+    started: float = 0.0
 
 
 async def _load(url: str, model: str, prompts: list[str], concurrency: int) -> Load:
     import aiohttp
 
-    load = Load([], [], [], 0.0)
     queue = list(prompts)
     started = time.perf_counter()
+    load = Load([], [], [], 0.0, started)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
 
         async def worker() -> None:
@@ -107,6 +109,28 @@ async def _load(url: str, model: str, prompts: list[str], concurrency: int) -> L
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     load.wall = time.perf_counter() - started
     return load
+
+
+LOAD_LOG_ENV = "NIXL_ASYNC_BENCH_LOAD_LOG"  # where `load_clock`'s connectors log decode's KV loads
+
+
+def load_times(path: Path, start: float, stop: float) -> list[float]:
+    """Loads (seconds) that began between `start` and `stop` (``time.perf_counter()`` values)."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        began, took = (int(x) for x in line.split())
+        if start * 1e9 <= began <= stop * 1e9:
+            out.append(took / 1e9)
+    return out
+
+
+def summarize_loads(loads: list[float], key: str) -> dict[str, float]:
+    """p50, p90 and mean in ms (NaN without loads)."""
+    p50, p90 = percentiles([t * 1e3 for t in loads], 50, 90)
+    mean = statistics.fmean(loads) * 1e3 if loads else float("nan")
+    return {f"{key}_load_p50_ms": p50, f"{key}_load_p90_ms": p90, f"{key}_load_mean_ms": mean}
 
 
 def summarize(loads: dict[int, Load]) -> dict[str, float]:

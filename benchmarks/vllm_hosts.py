@@ -2,10 +2,14 @@
 
 Prefill and decode each run in their own network namespace (`nixl_async.testing.netns`: two
 hosts on a bridge), UCX over TCP only, what leaves each host limited to 1 Gbit/s (`tc tbf`;
-this kernel has no sch_netem, so no delay is added); the proxy and the client run in the root namespace.
-Runs alternate between the set-ups (adapter, NixlConnector, adapter with its switch interval
-lowered to 0.5 ms, then the reverse order),
-each with fresh servers, a warm-up request, then unique prompts at concurrency 1 and 4.
+this kernel has no sch_netem, so no delay is added), each server's every thread on its host's core
+(`taskset`, as on two machines: unpinned on this 2-core box, the vLLM processes that spin while they
+wait took turns on either core, and decode's steps changed speed from run to run by up to 30 %);
+the proxy and the client run in the root namespace, on either core. Decode's KV load time (the
+step handing a request to the connector -> the step reporting it loaded) is logged by the same
+wrapper around either connector (`load_clock`).
+Runs alternate between the set-ups (adapter, NixlConnector, NixlConnector, adapter...: 4 runs each,
+2 with ``--quick``), each with fresh servers, a warm-up request, then unique prompts at concurrency 1 and 4.
 Reported per connector: the median over its runs, with the spread (min-max) in the notes.
 
 Needs root (network namespaces) and real vLLM; minutes.
@@ -20,30 +24,55 @@ from typing import Any
 from nixl_async_vllm.launch import make_prompt
 
 from .common import Result
-from .vllm import TINY, ModelSpec, _progress, make_model, measure, medians, summarize
+from .vllm import (
+    LOAD_LOG_ENV,
+    TINY,
+    ModelSpec,
+    _progress,
+    load_times,
+    make_model,
+    measure,
+    medians,
+    summarize,
+    summarize_loads,
+)
+from .vllm_push import ROLES, _placement
 
 RATE_MBIT = 1000
-# set-up -> (connector, kv_connector_extra_config); the third lowers the adapter's processes' switch
-# interval to 0.5 ms (its default until session 15; now a setting), to see whether that pays.
+# set-up -> (connector, kv_connector_extra_config). Until session 16 a third set-up lowered the
+# adapter's switch interval to 0.5 ms; four sets of runs showed it does not pay (README, scenario 9).
 SETUPS: dict[str, tuple[str, dict[str, Any]]] = {
     "nixl_async": ("nixl_async", {}),
     "vllm": ("vllm", {}),
-    "nixl_async_switch_500us": ("nixl_async", {"switch_interval_s": 0.0005}),
+}
+
+
+# figure -> column, for the table (medians over each set-up's runs)
+COLUMNS = {
+    "c1_ttft_p50_ms": "c1 TTFT p50 ms",
+    "c1_latency_p50_ms": "c1 latency p50 ms",
+    "c1_itl_p50_ms": "c1 ITL p50 ms",
+    "c1_load_p50_ms": "c1 KV load p50 ms",
+    "c1_load_p90_ms": "c1 KV load p90 ms",
+    "c4_ttft_p50_ms": "c4 TTFT p50 ms",
+    "c4_itl_p50_ms": "c4 ITL p50 ms",
+    "c4_load_p50_ms": "c4 KV load p50 ms",
+    "c4_req_per_s": "c4 req/s",
 }
 
 
 def _run_once(setup: str, spec: ModelSpec, model: str, net: Any, prompts: dict[int, list[str]], logs: Path,
               tag: str) -> dict[str, float]:  # fmt: skip
     connector, extra = SETUPS[setup]
-    hosts = dict(zip(("kv_producer", "kv_consumer"), net.hosts, strict=True))
-
-    def placement(role: str) -> dict[str, Any]:
-        host = hosts[role]
-        return {"host": host.address, "net_device": host.device, "command_prefix": host.prefix}
-
-    loads = measure(connector, spec, model, prompts, logs, tag, extra=extra, env={"UCX_TLS": "tcp"},
-                    placement=placement)  # fmt: skip
-    return summarize(loads)
+    load_log = logs / f"{tag}-loads.txt"
+    loads = measure(f"{connector}_clocked", spec, model, prompts, logs, tag, extra=extra,
+                    env={"UCX_TLS": "tcp", LOAD_LOG_ENV: str(load_log)},
+                    placement=_placement(dict(zip(ROLES, net.hosts, strict=True))))  # fmt: skip
+    figures = summarize(loads)
+    for concurrency, load in loads.items():
+        kv_loads = load_times(load_log, load.started, load.started + load.wall)
+        figures.update(summarize_loads(kv_loads, f"c{concurrency}"))
+    return figures
 
 
 def run(quick: bool = False) -> Result:
@@ -53,8 +82,7 @@ def run(quick: bool = False) -> Result:
         raise SystemExit("the vllm_hosts scenario needs real vLLM: bash scripts/setup-vllm.sh") from None
     from nixl_async.testing.netns import NetnsUnavailable, network
 
-    order = ["nixl_async", "vllm", "nixl_async_switch_500us"]
-    order += order[::-1] + ([] if quick else order)
+    order = ["nixl_async", "vllm", "vllm", "nixl_async"] * (1 if quick else 2)
     n = 32 if quick else 100
     spec = TINY
     work = Path(tempfile.mkdtemp(prefix="nixl-async-bench-hosts-"))
@@ -80,9 +108,7 @@ def run(quick: bool = False) -> Result:
         found, notes = medians(measured, setup)
         metrics.update(found)
         spread += notes
-        rows.append([setup, *(metrics[f"{setup}_{k}"] for k in ("c1_ttft_p50_ms", "c1_latency_p50_ms",
-                                                                 "c4_ttft_p50_ms", "c4_itl_p50_ms",
-                                                                 "c4_req_per_s"))])  # fmt: skip
+        rows.append([setup, *(metrics[f"{setup}_{k}"] for k in COLUMNS)])
 
     def ratio(key: str, ours: str = "nixl_async") -> float:
         return metrics[f"{ours}_{key}"] / metrics[f"vllm_{key}"]
@@ -90,26 +116,17 @@ def run(quick: bool = False) -> Result:
     ratios = {
         "adapter_over_stock_latency_p50_c1_lower_is_better": ratio("c1_latency_p50_ms"),
         "adapter_over_stock_ttft_p50_c1_lower_is_better": ratio("c1_ttft_p50_ms"),
+        "adapter_over_stock_itl_p50_c1_lower_is_better": ratio("c1_itl_p50_ms"),
+        "adapter_over_stock_load_p50_c1_lower_is_better": ratio("c1_load_p50_ms"),
+        "adapter_over_stock_load_mean_c1_lower_is_better": ratio("c1_load_mean_ms"),
         "adapter_over_stock_ttft_p50_c4_lower_is_better": ratio("c4_ttft_p50_ms"),
         "adapter_over_stock_req_per_s_c4_higher_is_better": ratio("c4_req_per_s"),
         "adapter_over_stock_itl_p50_c4_lower_is_better": ratio("c4_itl_p50_ms"),
-        "adapter_500us_switch_over_stock_latency_p50_c1_lower_is_better": ratio(
-            "c1_latency_p50_ms", "nixl_async_switch_500us"
-        ),
-        "adapter_500us_switch_over_stock_req_per_s_c4_higher_is_better": ratio(
-            "c4_req_per_s", "nixl_async_switch_500us"
-        ),
+        "adapter_over_stock_load_p50_c4_lower_is_better": ratio("c4_load_p50_ms"),
     }
     return Result(
         scenario="vllm_hosts",
-        columns=[
-            "connector (median of runs)",
-            "c1 TTFT p50 ms",
-            "c1 latency p50 ms",
-            "c4 TTFT p50 ms",
-            "c4 ITL p50 ms",
-            "c4 req/s",
-        ],
+        columns=["connector (median of runs)", *(COLUMNS.values())],
         rows=rows,
         metrics=metrics,
         ratios=ratios,

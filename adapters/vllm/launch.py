@@ -48,6 +48,9 @@ CONNECTORS = {
     "vllm": ("NixlConnector", "nixl_async_benchmarks.stock_nixl"),
     "nixl_async_push": ("NixlAsyncPushConnector", "nixl_async_vllm.connector"),
     "vllm_push": ("NixlPushConnector", "nixl_async_benchmarks.stock_nixl"),
+    # the first two with decode's KV load time logged (nixl_async_benchmarks.load_clock)
+    "nixl_async_clocked": ("ClockedNixlAsyncConnector", "nixl_async_benchmarks.load_clock"),
+    "vllm_clocked": ("ClockedNixlConnector", "nixl_async_benchmarks.load_clock"),
 }
 
 

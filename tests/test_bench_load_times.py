@@ -1,0 +1,23 @@
+"""`bench vllm_hosts` splits decode's logged KV loads by its own phases (pure parsing, no vLLM)."""
+
+from __future__ import annotations
+
+import math
+
+from nixl_async_benchmarks.vllm import load_times, summarize_loads
+
+
+def test_loads_are_taken_from_the_phase_they_began_in(tmp_path):
+    log = tmp_path / "loads.txt"
+    # start (ns), duration (ns): a warm-up load, two in the phase from 10 s to 20 s, one after it
+    log.write_text("1000000000 5000000\n10500000000 2000000\n19000000000 4000000\n21000000000 9000000\n")
+    assert load_times(log, 10.0, 20.0) == [0.002, 0.004]
+    assert load_times(tmp_path / "missing.txt", 0.0, 1e9) == []
+
+
+def test_summary_in_ms_and_nan_without_loads():
+    figures = summarize_loads([0.001 * n for n in range(1, 11)], "c1")
+    assert math.isclose(figures["c1_load_p50_ms"], 5.5)
+    assert math.isclose(figures["c1_load_mean_ms"], 5.5)
+    assert 9.0 <= figures["c1_load_p90_ms"] <= 10.0
+    assert all(math.isnan(v) for v in summarize_loads([], "c4").values())
