@@ -530,9 +530,10 @@ def idle_step_wait(wait_s: float, *, step_idle: bool, serving: bool, reading: bo
     `IDLE_POKE_S`. The model thread has nothing to do then, so progressing NIXL briskly takes
     nothing from it; the poller alone checks an in-flight read only every
     `PollConfig.busy_interval_s` (1 ms), and a reader's operation over TCP waits for our worker
-    to be progressed. Measured on two hosts (network namespaces, UCX over TCP, README scenario 9):
-    decode's KV load (the step handing a request over -> the step reporting it) p50 2.0 -> 1.3 ms,
-    p90 3.3-3.9 -> 2.1-2.5 ms, against NixlConnector's 2.0 and 2.1-2.2 ms.
+    to be progressed. Measured on two hosts (network namespaces, UCX over TCP, README scenario 9,
+    60 prompts at c=1): decode's KV load (the step handing a request over -> the step reporting it)
+    p50 2.0 -> 1.24-1.40 ms in five runs of six, against NixlConnector's 2.0-2.1 ms (in the full
+    benchmark, in two runs of four).
     """
     if not (wait_s and step_idle and (serving or reading)):
         return None
