@@ -71,6 +71,8 @@ def _run_once(setup: str, spec: ModelSpec, model: str, net: Any, prompts: dict[i
     figures = summarize(loads)
     for concurrency, load in loads.items():
         kv_loads = load_times(load_log, load.started, load.started + load.wall)
+        if not kv_loads:
+            raise RuntimeError(f"{tag}: decode logged no KV loads at concurrency {concurrency} ({load_log})")
         figures.update(summarize_loads(kv_loads, f"c{concurrency}"))
     return figures
 

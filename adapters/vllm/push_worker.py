@@ -76,6 +76,9 @@ class PushRefused(LeaseExpired):
 
 class PushConnectorWorker(ConnectorWorker):
     TRANSFER_MODE = "push"
+    # Pushes in flight, and decode's waits for them, are left at the poller's pace in an idle step: the
+    # faster pokes were measured for pull reads only (`worker.idle_step_wait`).
+    IDLE_POKES_FOR_OWN_REQUESTS = False
 
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, engine_id, kv_cache_config)

@@ -53,7 +53,9 @@ from .settings import AdapterSettings, connect_rank, rank_engine_id
 from .tp_mapping import RankRead, expected_consumers, plan_reads, remote_ranks, split_for_block_ratio
 
 __all__ = [
+    "IDLE_POKE_S",
     "ConnectorWorker",
+    "IdleWait",
     "KVGeometry",
     "RecvJob",
     "RequestPlan",
@@ -207,6 +209,7 @@ class AttentionChoice:
 
 class ConnectorWorker:
     TRANSFER_MODE = "pull"  # vLLM's compatibility hash keeps pull and push instances apart
+    IDLE_POKES_FOR_OWN_REQUESTS = True  # our reads, in an idle step's wait (see `idle_step_wait`)
 
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -443,7 +446,8 @@ class ConnectorWorker:
         notification) instead of returning at once. vLLM steps such an engine back to back; on a machine
         whose cores are shared, that spinning takes the CPU the transfer or the other server needs."""
         plan = idle_step_wait(self.settings.idle_step_wait_s, step_idle=self._step_idle,
-                              serving=self._sends.expecting_readers, reading=bool(self.sync.in_flight))  # fmt: skip
+                              serving=self._sends.expecting_readers, in_flight=bool(self.sync.in_flight),
+                              poke_for_ours=self.IDLE_POKES_FOR_OWN_REQUESTS)  # fmt: skip
         if plan is not None:
             self.sync.wait_activity(plan.seconds, poke_every=plan.poke_every_s)
 
@@ -517,27 +521,31 @@ IDLE_POKE_S = 0.00025
 
 @dataclass(frozen=True)
 class IdleWait:
+    """How long an idle step waits for transfers, and how often it has the loop progress NIXL meanwhile."""
+
     seconds: float
-    poke_every_s: float
+    poke_every_s: float | None  # None: the poller's own pace
 
 
-def idle_step_wait(wait_s: float, *, step_idle: bool, serving: bool, reading: bool) -> IdleWait | None:
+def idle_step_wait(
+    wait_s: float, *, step_idle: bool, serving: bool, in_flight: bool, poke_for_ours: bool = True
+) -> IdleWait | None:
     """How a step's end waits for transfers, or None: return to vLLM at once.
 
     Only a step that scheduled nothing waits (`AdapterSettings.idle_step_wait_s`), and only while
-    transfers may move: requests of ours in flight (reads; in push mode, pushes awaited), or
-    readers' operations on our memory. Meanwhile the loop is poked every
-    `IDLE_POKE_S`. The model thread has nothing to do then, so progressing NIXL briskly takes
-    nothing from it; the poller alone checks an in-flight read only every
-    `PollConfig.busy_interval_s` (1 ms), and a reader's operation over TCP waits for our worker
-    to be progressed. Measured on two hosts (network namespaces, UCX over TCP, README scenario 9,
-    60 prompts at c=1): decode's KV load (the step handing a request over -> the step reporting it)
-    p50 2.0 -> 1.24-1.40 ms in five runs of six, against NixlConnector's 2.0-2.1 ms (in the full
-    benchmark, in two runs of four).
+    transfers may move: requests of ours in flight, or readers' operations on our memory
+    (`serving`). Meanwhile the loop is poked every `IDLE_POKE_S`. The model thread has nothing
+    to do then, so progressing NIXL briskly takes nothing from it; the poller alone checks an
+    in-flight read only every `PollConfig.busy_interval_s` (1 ms), and a reader's operation over
+    TCP waits for our worker to be progressed. Measured on two hosts (network namespaces, UCX
+    over TCP, README scenario 9, 60 prompts at c=1): decode's KV load (the step handing a request
+    over -> the step reporting it) p50 2.0 -> 1.24-1.40 ms in five runs of six, against
+    NixlConnector's 2.0-2.1 ms; the full benchmark showed it in two runs of four (median 0.98x).
+    `poke_for_ours=False` waits for our own requests at the poller's pace (push mode: not measured).
     """
-    if not (wait_s and step_idle and (serving or reading)):
+    if not (wait_s and step_idle and (serving or in_flight)):
         return None
-    return IdleWait(wait_s, IDLE_POKE_S)
+    return IdleWait(wait_s, IDLE_POKE_S if serving or poke_for_ours else None)
 
 
 def _failure_kind(error: BaseException) -> str:
