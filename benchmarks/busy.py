@@ -8,7 +8,10 @@ by side, alternating, on the same peer process (64 KiB blocks):
 - ``engine_spin``: the same with ``PollConfig(busy_interval_s=0)``, the previous poller that
   checked on every loop iteration while anything was in flight;
 - ``raw_1ms``: NIXL driven directly, one post, state checked every 1 ms (the goal's baseline);
-- ``raw_hot``: the same checking without pause (sees completion first; the latency reference).
+- ``raw_hot``: the same checking without pause (sees completion first; the latency reference);
+- ``engine_ucx_segments``: the engine on UCX's own 64 KiB TCP segments
+  (``EngineConfig(tcp_segment_bytes=None)``), reading from a second peer process on them too:
+  what the engine's 512 KiB segments (which the others use) gain.
 
 CPU is this process's (all threads, UCX's included), per GB moved. How long after NIXL's DONE
 the engine sees a completion cannot be isolated here: on 2 cores the hot loop slows the transfer
@@ -25,13 +28,14 @@ import sys
 import time
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from .common import TCP, Result, percentiles, run_tcp_child
 
 BLOCK = 64 << 10
 SIZES = [4 << 20, 32 << 20, 192 << 20]
-SETUPS = ["engine", "engine_spin", "raw_1ms", "raw_hot"]
+SETUPS = ["engine", "engine_spin", "raw_1ms", "raw_hot", "engine_ucx_segments"]
 
 
 def _raw_reads(address: tuple[str, int], region: np.ndarray, blocks: int, sleep_s: float, n: int) -> list[tuple]:
@@ -53,12 +57,15 @@ def _raw_reads(address: tuple[str, int], region: np.ndarray, blocks: int, sleep_
     return out
 
 
-async def _engine_reads(address: tuple[str, int], region: np.ndarray, blocks: int, spin: bool, n: int) -> list[tuple]:
+async def _engine_reads(address: tuple[str, int], region: np.ndarray, blocks: int, setup: str, n: int) -> list[tuple]:
     from nixl_async import EngineConfig, PollConfig, TransferEngine
 
-    poll = PollConfig(busy_interval_s=0.0) if spin else PollConfig()
+    poll = PollConfig(busy_interval_s=0.0) if setup == "engine_spin" else PollConfig()
+    config = EngineConfig(engine_id=f"busy-{setup}", poll=poll)
+    if setup == "engine_ucx_segments":
+        config = config.replace(tcp_segment_bytes=None)
     out = []
-    async with TransferEngine(EngineConfig(engine_id=f"busy-engine-{spin}", poll=poll)) as engine:
+    async with TransferEngine(config) as engine:
         engine.register("kv", [region], block_len=BLOCK)
         peer = await engine.connect(*address)
         ids = np.arange(blocks)
@@ -76,18 +83,18 @@ def _child(quick: bool) -> dict[str, Any]:
     region = np.ones(max(SIZES), dtype=np.uint8)
     samples: dict[str, dict[int, list[tuple]]] = {s: {size: [] for size in SIZES} for s in SETUPS}
     spec = PeerSpec(engine_id="busy-peer", num_regions=1, num_blocks=max(SIZES) // BLOCK, block_len=BLOCK)
-    with PeerProcess(spec, env=TCP) as peer:
+    ucx_spec = msgspec.structs.replace(spec, engine_id="busy-peer-ucx-segments", tcp_segment_bytes=None)
+    with PeerProcess(spec, env=TCP) as ours, PeerProcess(ucx_spec, env=TCP) as ucx_segments:
         for round_ in range(rounds):
             order = SETUPS if round_ % 2 == 0 else SETUPS[::-1]  # alternate who goes first
             for setup in order:
                 for size in SIZES:
                     blocks = size // BLOCK
+                    address = (ucx_segments if setup == "engine_ucx_segments" else ours).address
                     if setup.startswith("engine"):
-                        got = asyncio.run(_engine_reads(peer.address, region, blocks, setup == "engine_spin",
-                                                        per_round + 1))  # fmt: skip
+                        got = asyncio.run(_engine_reads(address, region, blocks, setup, per_round + 1))
                     else:
-                        got = _raw_reads(peer.address, region, blocks, 0.001 if setup == "raw_1ms" else 0.0,
-                                         per_round + 1)  # fmt: skip
+                        got = _raw_reads(address, region, blocks, 0.001 if setup == "raw_1ms" else 0.0, per_round + 1)
                     samples[setup][size] += got[1:]  # the first read of each batch warms up
     return {s: {str(size): v for size, v in by_size.items()} for s, by_size in samples.items()}
 
@@ -112,6 +119,11 @@ def run(quick: bool = False) -> Result:
         )
         gbps_ratio = stats["engine"][1] / stats["raw_1ms"][1]
         ratios[f"engine_over_raw_throughput_{size >> 20}mib_higher_is_better"] = gbps_ratio
+        segments = stats["engine"], stats["engine_ucx_segments"]
+        ratios[f"segments_512k_over_64k_cpu_seconds_per_gb_{size >> 20}mib_lower_is_better"] = (
+            segments[0][0] / segments[1][0]
+        )
+        ratios[f"segments_512k_over_64k_throughput_{size >> 20}mib_higher_is_better"] = segments[0][1] / segments[1][1]
     largest = max(SIZES) >> 20
     ratios["engine_over_raw_cpu_seconds_per_gb_lower_is_better"] = ratios[
         f"engine_over_raw_cpu_seconds_per_gb_{largest}mib_lower_is_better"
@@ -125,6 +137,8 @@ def run(quick: bool = False) -> Result:
         notes=[
             "UCX over TCP between two processes on loopback; CPU is the reader process's (all threads)",
             "raw_1ms = NIXL driven directly, one post, state checked every 1 ms; raw_hot = checked without pause",
+            "all but engine_ucx_segments move data in the engine's 512 KiB UCX/TCP segments (the raw loops too: their"
+            " peer requires it); engine_ucx_segments = the engine and its own peer on UCX's 64 KiB",
         ],
     )
 

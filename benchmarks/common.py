@@ -16,8 +16,9 @@ from typing import Any
 import numpy as np
 import zmq
 
-from nixl_async import messages
+from nixl_async import EngineConfig, messages
 from nixl_async._agent import OwnedAgent
+from nixl_async.config import tcp_segment_in_use
 from nixl_async.layout import BlockLayout, BlockView
 
 
@@ -73,6 +74,12 @@ def cpu_meter() -> Iterator[dict[str, float]]:
     out["cpu_percent"] = (time.process_time() - cpu0) / out["seconds"] * 100
 
 
+def raw_ucx_params() -> dict[str, str]:
+    """A raw baseline's UCX parameters: the engines' TCP segment size, which its peers require
+    (a reader receiving smaller segments than its peer sends loses the link), and nothing else."""
+    return EngineConfig(link_timeout_s=None, cuda_ipc_get=False).backend_settings("UCX", os.environ)
+
+
 def fetch_reply(host: str, port: int, timeout: float = 10.0) -> messages.MetadataReply:
     """A blocking handshake query (the raw baselines use it; the engine has its own)."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
@@ -80,7 +87,14 @@ def fetch_reply(host: str, port: int, timeout: float = 10.0) -> messages.Metadat
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(f"tcp://{host}:{port}")
-        sock.send(messages.encode(messages.MetadataRequest(engine_id="raw-baseline")))
+        sock.send(
+            messages.encode(
+                messages.MetadataRequest(
+                    engine_id="raw-baseline",
+                    tcp_segment_bytes=tcp_segment_in_use(EngineConfig().tcp_segment_bytes, os.environ),
+                )
+            )
+        )
         if not sock.poll(int(timeout * 1000)):
             raise TimeoutError(f"no handshake reply from {host}:{port}")
         reply = messages.decode_reply(sock.recv())
@@ -94,7 +108,7 @@ class RawReader:
     """NIXL used directly, the way a hand-written loop would: one agent, no engine."""
 
     def __init__(self, name: str, local: BlockLayout, address: tuple[str, int], *, progress_thread: bool) -> None:
-        self.agent = OwnedAgent(name, ("UCX",), {}, progress_thread=progress_thread)
+        self.agent = OwnedAgent(name, ("UCX",), {"UCX": raw_ucx_params()}, progress_thread=progress_thread)
         self.memory = self.agent.register(local.region_descriptors(), local.mem_type)
         reply = fetch_reply(*address)
         self.remote_name = self.agent.add_remote(reply.agent_metadata)

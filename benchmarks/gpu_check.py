@@ -867,6 +867,8 @@ class Checks:
 
     # throughput --------------------------------------------------------------------------------
     async def throughput(self) -> dict[str, Any]:
+        from .common import raw_ucx_params
+
         assert self.proc is not None
         repeats = 3 if self.args.quick else 5
         rows: list[dict[str, Any]] = []
@@ -891,9 +893,10 @@ class Checks:
             engine_check = verify(dst, [copy], self.device)
             # Raw NIXL loops over the same descriptors: with the engine's UCX settings (the same
             # transport: what the engine's own work costs) and with UCX's defaults (what a plain
-            # NIXL agent, vLLM's NixlConnector among them, gets on this machine).
+            # NIXL agent, vLLM's NixlConnector among them, gets on this machine), but for the TCP
+            # segment size, which the peer requires of its readers.
             raw_same = await self._raw_read(name, block_len, order, copy, self.engine.config.backend_settings("UCX"))
-            raw_default = await self._raw_read(name, block_len, order, copy, {})
+            raw_default = await self._raw_read(name, block_len, order, copy, raw_ucx_params())
             engine_gbps = float(np.median(engine_rates))
             ok = ok and engine_check["ok"] and raw_same["ok"] and raw_default["ok"]
             rows.append({

@@ -17,7 +17,7 @@ from nixl_async import EngineConfig, HandshakeTimeout, TransferEngine
 from nixl_async._agent import OwnedAgent
 from nixl_async.testing.peer_process import PeerProcess, PeerSpec
 
-from .common import Result, fetch_reply
+from .common import Result, fetch_reply, raw_ucx_params
 
 TIMEOUT_S = 2.0
 
@@ -48,7 +48,7 @@ def _executor_fanout(addresses: list[tuple[str, int]], dead: tuple[str, int]) ->
 
     def handshake(address: tuple[str, int]) -> float:
         if not agents:  # the agent belongs to the worker thread, as in vLLM
-            agents.append(OwnedAgent("bench-executor", ("UCX",), {}))
+            agents.append(OwnedAgent("bench-executor", ("UCX",), {"UCX": raw_ucx_params()}))
         try:
             reply = fetch_reply(*address, timeout=TIMEOUT_S)
         except TimeoutError:

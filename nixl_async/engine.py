@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from typing import Any, Self
@@ -50,7 +51,7 @@ from ._notify_transport import WIREUP_BRISK_S, NotificationTransport
 from ._peers import Peer, PeerTable, pick_layout, reply_fingerprint
 from ._poller import AdaptivePacer, ErrorThrottle
 from ._state import TransferState
-from .config import EngineConfig
+from .config import UCX_TCP_DEFAULT_SEGMENT, EngineConfig, tcp_segment_in_use
 from .discovery import EtcdDirectory
 from .exceptions import (
     EngineClosedError,
@@ -93,6 +94,14 @@ _CLOSE_GRACE_S = 0.2  # progress this long at close when a notification went out
 _KEPT_ALIVE: list[tuple[Any, list[Any], list[Transfer]]] = []
 
 
+def _segment_mismatch(reader_receives: int, server_sends: int) -> str:
+    return (
+        f"the reader receives UCX/TCP segments of at most {reader_receives} bytes and the server sends up to "
+        f"{server_sends}: UCX would drop the link on the reader's first READ. Set EngineConfig.tcp_segment_bytes "
+        "alike on both engines (None: UCX's default, as older engines use)"
+    )
+
+
 class TransferEngine:
     """The engine. Create it, then `start()` it (or use ``async with``) on the loop that owns it."""
 
@@ -107,6 +116,7 @@ class TransferEngine:
         self._closing = False
         self._compat_hash = messages.compat_hash(self.config.compat)
         self._reply_cache: messages.MetadataReply | None = None
+        self._tcp_segment = UCX_TCP_DEFAULT_SEGMENT  # what our agent sends and receives at most (set by start)
         self.extra: dict[str, str] = {}
         self._call_handlers: dict[str, Callable[[str, bytes], bytes]] = {}
         self._connecting: dict[tuple[str, object], asyncio.Task[Peer]] = {}  # (host, port) or ("etcd", id)
@@ -157,8 +167,9 @@ class TransferEngine:
         if self.config.etcd is not None:  # first: if it cannot be made, nothing else was
             self._directory = EtcdDirectory(self.config.etcd, timeout=self.config.handshake_timeout_s)
         agent_name = f"{self.engine_id}/{time.time_ns():x}"
-        settings = {backend: self.config.backend_settings(backend) for backend in self.config.backends}
+        settings = {backend: self.config.backend_settings(backend, os.environ) for backend in self.config.backends}
         self._agent = OwnedAgent(agent_name, self.config.backends, settings)
+        self._tcp_segment = tcp_segment_in_use(self.config.tcp_segment_bytes, os.environ)
         self._zmq = zmq.asyncio.Context()
         self._notify.open(self._agent, self._zmq)
         self._driver.agent = self._peers.agent = self._agent
@@ -346,6 +357,12 @@ class TransferEngine:
             raise Refusal(
                 "engine_id_mismatch", f"this is engine {self.engine_id!r}, not {request.expected_engine_id!r}"
             )
+        if request.tcp_segment_bytes < self._tcp_segment:
+            raise Refusal("incompatible_peer", _segment_mismatch(request.tcp_segment_bytes, self._tcp_segment))
+        return msgspec.structs.replace(self._metadata(), wall_clock=time.time())
+
+    def _metadata(self) -> messages.MetadataReply:
+        """What a handshake answers (and a published record holds), built once per change."""
         if self._reply_cache is None:
             agent = self._require_agent()
             self._reply_cache = messages.MetadataReply(
@@ -356,8 +373,9 @@ class TransferEngine:
                 compat_hash=self._compat_hash,
                 layouts=list(self._memory.layouts.values()),
                 extra=dict(self.extra),
+                tcp_segment_bytes=self._tcp_segment,
             )
-        return msgspec.structs.replace(self._reply_cache, wall_clock=time.time())
+        return self._reply_cache
 
     # -- calls: small acknowledged exchanges over the side channel ----------------------------
     def handle_calls(self, topic: str, handler: Callable[[str, bytes], bytes]) -> None:
@@ -487,14 +505,14 @@ class TransferEngine:
                 self._zmq,
                 host,
                 port,
-                messages.MetadataRequest(engine_id=self.engine_id),
+                messages.MetadataRequest(engine_id=self.engine_id, tcp_segment_bytes=self._tcp_segment),
                 timeout=timeout,
                 max_frame_bytes=self.config.max_frame_bytes,
                 secret=self.config.auth_secret,
             )
             answered_at = time.time()
             offset = reply.wall_clock - (asked_at + answered_at) / 2 if reply.wall_clock else 0.0
-            self._check_compat(reply.engine_id, reply.compat_hash, f"{host}:{port}")
+            self._check_peer(reply, f"{host}:{port}")
             peer = await self._peers.adopt(reply, (host, port), offset, self._loop.time())
         except BaseException:
             self.stats.counters["handshake_failures"] += 1
@@ -502,6 +520,13 @@ class TransferEngine:
         self.stats.counters["handshakes"] += 1
         self.stats.histograms["handshake_us"].record(self._loop.time() - started)
         return peer
+
+    def _check_peer(self, reply: messages.MetadataReply, where: str) -> None:
+        """Refuse a peer whose memory or wire we cannot use: compatibility hash, then TCP segments."""
+        self._check_compat(reply.engine_id, reply.compat_hash, where)
+        if reply.tcp_segment_bytes > self._tcp_segment:
+            why = _segment_mismatch(self._tcp_segment, reply.tcp_segment_bytes)
+            raise IncompatiblePeerError(f"{where} (engine {reply.engine_id!r}): {why}", address=where)
 
     def _check_compat(self, engine_id: str, compat_hash: str, where: str) -> None:
         if compat_hash == self._compat_hash:
@@ -526,7 +551,7 @@ class TransferEngine:
         await self._require_directory().publish(self._published())
 
     def _published(self) -> messages.PublishedEngine:
-        reply = msgspec.structs.replace(self._reply_for(messages.MetadataRequest()), wall_clock=0.0)
+        reply = self._metadata()
         host, port = self.address or ("", 0)
         return messages.PublishedEngine(
             engine_id=self.engine_id,
@@ -622,7 +647,7 @@ class TransferEngine:
 
     async def _adopt_published(self, record: messages.PublishedEngine) -> Peer:
         assert self._loop is not None and record.metadata is not None
-        self._check_compat(record.engine_id, record.metadata.compat_hash, f"etcd record of {record.engine_id!r}")
+        self._check_peer(record.metadata, f"etcd record of {record.engine_id!r}")
         return await self._peers.adopt(
             record.metadata, (record.host, record.port), 0.0, self._loop.time(), claimed=True
         )

@@ -44,7 +44,7 @@ import zmq.asyncio
 
 from . import messages
 from ._notify_guard import NotifyGuard
-from .exceptions import HandshakeRejected, HandshakeTimeout, ProtocolError
+from .exceptions import HandshakeRejected, HandshakeTimeout, IncompatiblePeerError, ProtocolError
 
 __all__ = ["HandshakeServer", "Refusal", "call_peer", "fetch_metadata"]
 
@@ -236,9 +236,9 @@ class HandshakeServer:
                 if self._on_call is None:
                     raise Refusal("no_handler", "this engine answers no calls")
                 return identity, delimiter, messages.encode(self._on_call(request))
-            if self._on_request is not None:
-                self._on_request()
             reply = self._reply_for(request)
+            if self._on_request is not None:  # answered: the asker's first transfer follows
+                self._on_request()
         except Refusal as refusal:
             self.rejected += 1
             return identity, delimiter, _error(refusal.code, str(refusal))
@@ -381,6 +381,8 @@ async def _ask(
         sock.close(0)
     if isinstance(reply, messages.AuthChallenge):
         raise ProtocolError(f"{address} challenged twice", address=address)
+    if isinstance(reply, messages.ErrorReply) and reply.code == "incompatible_peer":
+        raise IncompatiblePeerError(f"{address} refused the {_kind(request)}: {reply.message}", address=address)
     if isinstance(reply, messages.ErrorReply):
         raise HandshakeRejected(f"{address} refused the {_kind(request)} ({reply.code}): {reply.message}",
                                 address=address)  # fmt: skip

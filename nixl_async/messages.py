@@ -59,6 +59,8 @@ class MetadataRequest(msgspec.Struct, tag="metadata_request", frozen=True, kw_on
     # Shared-secret authentication: the server's single-use nonce and our HMAC over it.
     nonce: bytes = b""
     mac: bytes = b""
+    # The largest UCX/TCP segment the asker receives (absent: an older engine, UCX's default).
+    tcp_segment_bytes: int = 64 << 10
 
 
 class MetadataReply(msgspec.Struct, tag="metadata", frozen=True, kw_only=True):
@@ -75,6 +77,8 @@ class MetadataReply(msgspec.Struct, tag="metadata", frozen=True, kw_only=True):
     # Issued by the server to the asking engine id for this handshake only: side-channel
     # notifications to this server must carry it (b"": an older server that issues none).
     notify_session: bytes = b""
+    # The largest UCX/TCP segment the server sends a reader (absent: an older engine, UCX's default).
+    tcp_segment_bytes: int = 64 << 10
 
 
 class ErrorReply(msgspec.Struct, tag="error", frozen=True, kw_only=True):

@@ -14,6 +14,9 @@ NixlConnector; our own knobs live in ``kv_connector_extra_config``:
 - ``link_timeout`` (s, default 5; ``null`` keeps UCX's defaults): a peer silent this long over
   UCX/TCP loses its connection, so a read across a cut link fails (and its blocks go quiet)
   instead of staying in flight for minutes (`EngineConfig.link_timeout_s`).
+- ``tcp_segment_bytes`` (default 524288; ``null``: UCX's 64 KiB): the largest active message UCX
+  over TCP carries a READ's data in (`EngineConfig.tcp_segment_bytes`). Prefill and decode must
+  agree: a reader receiving smaller segments than its producer sends is refused at the handshake.
 - ``etcd_endpoint`` (``host:port``; default none), ``etcd_namespace`` (default ``nixl_async``) and
   ``etcd_lease_ttl`` (s, default 10): publish each rank's engine in etcd and find producers by engine
   id there, so ``kv_transfer_params`` need no ``remote_host``/``remote_port`` (`EngineConfig.etcd`).
@@ -53,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from nixl_async import EngineConfig, EtcdConfig, HandshakeError, Peer, PollConfig, TransferEngine
+from nixl_async.config import TCP_SEGMENT_BYTES, TCP_SEGMENT_RANGE
 
 __all__ = ["REFUSED", "AdapterSettings", "UnsupportedSetting", "connect_rank", "rank_engine_id"]
 
@@ -63,7 +67,7 @@ _KNOWN = {
     "kv_lease_duration", "auth_secret", "auth_secret_env", "auth_secret_file", "transfer_timeout",
     "handshake_timeout", "link_timeout", "switch_interval_s", "backends", "num_threads", "engine_ttl",
     "enforce_handshake_compat", "kv_recompute_threshold", "etcd_endpoint", "etcd_namespace", "etcd_lease_ttl",
-    "push_registration_timeout", "push_progressive", "idle_step_wait_s",
+    "push_registration_timeout", "push_progressive", "idle_step_wait_s", "tcp_segment_bytes",
 }  # fmt: skip
 PUSH_ONLY = ("push_registration_timeout", "push_progressive")
 PUSH_CONNECTOR = "NixlAsyncPushConnector"
@@ -193,6 +197,17 @@ def _link_timeout(extra: dict[str, Any]) -> float | None:
     return timeout
 
 
+def _tcp_segment(extra: dict[str, Any]) -> int | None:
+    value = extra.get("tcp_segment_bytes", TCP_SEGMENT_BYTES)
+    low, high = TCP_SEGMENT_RANGE
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high):
+        raise ValueError(
+            f"kv_connector_extra_config['tcp_segment_bytes'] must be whole bytes in [{low}, {high}] or null, "
+            f"got {value!r}"
+        )
+    return value
+
+
 def _secret(extra: dict[str, Any]) -> bytes | None:
     """The shared secret from the value, an environment variable or a file (never logged)."""
     given = [key for key in ("auth_secret", "auth_secret_env", "auth_secret_file") if extra.get(key)]
@@ -228,6 +243,7 @@ class AdapterSettings:
     peer_ttl_s: float | None = 3600.0  # NixlConnector's engine_ttl; None: never evict
     enforce_compat: bool = True
     link_timeout_s: float | None = 5.0
+    tcp_segment_bytes: int | None = TCP_SEGMENT_BYTES
     etcd: EtcdConfig | None = None
     push_registration_timeout_s: float = 480.0  # push mode: how long decode waits for prefill's WRITE
     push_progressive: bool = False  # push mode: WRITE each layer as soon as prefill computed it
@@ -269,6 +285,7 @@ class AdapterSettings:
             peer_ttl_s=float(ttl) if ttl > 0 else None,  # as NixlConnector: <= 0 turns eviction off
             enforce_compat=_flag(extra, "enforce_handshake_compat", True),
             link_timeout_s=_link_timeout(extra),
+            tcp_segment_bytes=_tcp_segment(extra),
             etcd=_etcd(extra),
             push_registration_timeout_s=_number(extra, "push_registration_timeout", 480),
             push_progressive=_flag(extra, "push_progressive", False),
@@ -296,6 +313,7 @@ class AdapterSettings:
             peer_ttl_s=self.peer_ttl_s,
             enforce_compat=self.enforce_compat,
             link_timeout_s=self.link_timeout_s,
+            tcp_segment_bytes=self.tcp_segment_bytes,
             etcd=self.etcd,
             # Readers notify producers through the side channel: a NIXL notification would hold
             # the reader's next read until the producer's loop polls (see EngineConfig.notify_via).

@@ -30,6 +30,7 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
+from ..config import TCP_SEGMENT_BYTES
 from ..layout import LayoutKind
 from .patterns import fill_pattern, verify_blocks
 
@@ -77,6 +78,7 @@ class PeerSpec(msgspec.Struct, kw_only=True):
     etcd_endpoint: str | None = None  # publish the engine there (EngineConfig.etcd)
     etcd_namespace: str = "nixl_async"
     etcd_lease_ttl_s: int = 10
+    tcp_segment_bytes: int | None = TCP_SEGMENT_BYTES  # EngineConfig's (None: UCX's default)
 
 
 class Verify(msgspec.Struct, tag="verify", kw_only=True):
@@ -200,6 +202,7 @@ class _PeerServer:
                 handshake_timeout_s=spec.handshake_timeout_s,
                 auth_secret=spec.auth_secret,
                 etcd=etcd,
+                tcp_segment_bytes=spec.tcp_segment_bytes,
             )
         )
         await engine.start()

@@ -120,21 +120,26 @@ def test_config_validation():
 def test_the_link_timeout_becomes_ucx_settings_of_the_ucx_backend_only():
     assert ucx_link_settings(5) == {"TCP_KEEPIDLE": "2s", "TCP_KEEPINTVL": "1s", "TCP_KEEPCNT": "3",
                                     "TCP_USER_TIMEOUT": "5000ms"}  # fmt: skip
-    config = EngineConfig(link_timeout_s=2, backend_params={"num_threads": "2"}, cuda_ipc_get=False)
+    config = EngineConfig(link_timeout_s=2, backend_params={"num_threads": "2"}, cuda_ipc_get=False,
+                          tcp_segment_bytes=None)  # fmt: skip
     assert config.backend_settings("UCX") == {
         "num_threads": "2",
         "engine_config": "TCP_KEEPIDLE=1s,TCP_KEEPINTVL=1s,TCP_KEEPCNT=1,TCP_USER_TIMEOUT=2000ms",
     }
     assert config.backend_settings("GDS") == {"num_threads": "2"}
-    assert EngineConfig(link_timeout_s=None, cuda_ipc_get=False).backend_settings("UCX") == {}
+    bare = EngineConfig(link_timeout_s=None, cuda_ipc_get=False, tcp_segment_bytes=None)
+    assert bare.backend_settings("UCX") == {}
     only_ipc = {"engine_config": "CUDA_IPC_ENABLE_GET_ZCOPY=on"}
-    assert EngineConfig(link_timeout_s=None).backend_settings("UCX") == only_ipc
+    assert EngineConfig(link_timeout_s=None, tcp_segment_bytes=None).backend_settings("UCX") == only_ipc
     # The caller's own UCX settings win, key by key.
     mine = EngineConfig(backend_params={"engine_config": "tcp_user_timeout=9s,RNDV_THRESH=8k"})
     assert mine.backend_settings("UCX")["engine_config"] == (
-        "tcp_user_timeout=9s,RNDV_THRESH=8k,TCP_KEEPIDLE=2s,TCP_KEEPINTVL=1s,TCP_KEEPCNT=3,CUDA_IPC_ENABLE_GET_ZCOPY=on"
+        "tcp_user_timeout=9s,RNDV_THRESH=8k,TCP_KEEPIDLE=2s,TCP_KEEPINTVL=1s,TCP_KEEPCNT=3,CUDA_IPC_ENABLE_GET_ZCOPY=on,"
+        "TCP_RX_SEG_SIZE=524288,TCP_TX_SEG_SIZE=524288"
     )
-    off = EngineConfig(link_timeout_s=None, backend_params={"engine_config": "cuda_ipc_enable_get_zcopy=auto"})
+    off = EngineConfig(
+        link_timeout_s=None, tcp_segment_bytes=None, backend_params={"engine_config": "cuda_ipc_enable_get_zcopy=auto"}
+    )
     assert off.backend_settings("UCX")["engine_config"] == "cuda_ipc_enable_get_zcopy=auto"
 
 

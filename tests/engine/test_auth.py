@@ -8,6 +8,7 @@ import zmq
 import zmq.asyncio
 
 from nixl_async import EngineConfig, HandshakeRejected, TransferEngine, messages
+from nixl_async.config import TCP_SEGMENT_BYTES
 from nixl_async.testing import Stats
 
 SECRET = b"correct horse battery staple 42!"
@@ -53,15 +54,17 @@ async def test_a_signed_request_cannot_be_replayed(nixl_engine):
         return messages.decode_reply(await asyncio.wait_for(sock.recv(), 5))
 
     try:
-        challenge = await ask(messages.MetadataRequest(engine_id="client"))
+        challenge = await ask(messages.MetadataRequest(tcp_segment_bytes=TCP_SEGMENT_BYTES, engine_id="client"))
         assert isinstance(challenge, messages.AuthChallenge) and len(challenge.nonce) == 16
-        signed = msgspec.structs.replace(messages.MetadataRequest(engine_id="client"), nonce=challenge.nonce)
+        signed = msgspec.structs.replace(
+            messages.MetadataRequest(tcp_segment_bytes=TCP_SEGMENT_BYTES, engine_id="client"), nonce=challenge.nonce
+        )
         signed = msgspec.structs.replace(signed, mac=messages.request_mac(SECRET, signed))
         assert isinstance(await ask(signed), messages.MetadataReply)
         replay = await ask(signed)
         assert isinstance(replay, messages.ErrorReply) and replay.code == "auth_failed"
         # a MAC for another request (here: another engine id) does not verify either
-        second = await ask(messages.MetadataRequest(engine_id="client"))
+        second = await ask(messages.MetadataRequest(tcp_segment_bytes=TCP_SEGMENT_BYTES, engine_id="client"))
         forged = msgspec.structs.replace(signed, nonce=second.nonce, engine_id="intruder")
         reply = await ask(forged)
         assert isinstance(reply, messages.ErrorReply) and reply.code == "auth_failed"

@@ -145,6 +145,19 @@ async def test_an_incompatible_engine_found_in_etcd_is_refused(etcd, nixl_peer_f
         await engine.close()
 
 
+async def test_an_engine_found_in_etcd_sending_larger_tcp_segments_is_refused(etcd, nixl_peer_factory):
+    """Its record is adopted without asking it, so the reader's own check is what stops the READ."""
+    publisher = _publisher(nixl_peer_factory, etcd, tcp_segment_bytes=1 << 20)
+    engine = await _engine(_etcd_config(etcd))
+    try:
+        with pytest.raises(IncompatiblePeerError, match=r"at most 524288 bytes .* up to 1048576"):
+            await engine.connect(engine_id=publisher.engine_id)
+        assert not engine.peers
+        assert (await publisher.request(Stats()))["counters"].get("handshakes_served", 0) == 0
+    finally:
+        await engine.close()
+
+
 async def test_side_channel_notifications_handshake_at_the_published_address(etcd, nixl_peer_factory):
     """A notify session is issued by the peer per asker: etcd gives the address, the handshake the session."""
     publisher = _publisher(nixl_peer_factory, etcd)

@@ -19,6 +19,7 @@ from nixl_async import (
     TransferEngine,
     messages,
 )
+from nixl_async.config import TCP_SEGMENT_BYTES
 from nixl_async.testing import assert_no_live_handles
 
 
@@ -187,7 +188,9 @@ async def test_server_survives_malformed_queries(nixl_engine):
         reply = messages.decode_reply(await asyncio.wait_for(sock.recv(), 5))
         assert isinstance(reply, messages.ErrorReply) and reply.code == "engine_id_mismatch"
         # still serving real requests
-        await sock.send(messages.encode(messages.MetadataRequest(engine_id="probe")))
+        await sock.send(
+            messages.encode(messages.MetadataRequest(tcp_segment_bytes=TCP_SEGMENT_BYTES, engine_id="probe"))
+        )
         reply = messages.decode_reply(await asyncio.wait_for(sock.recv(), 5))
         assert isinstance(reply, messages.MetadataReply) and reply.engine_id == nixl_engine.engine_id
         counters = nixl_engine.snapshot().counters
@@ -201,7 +204,9 @@ async def _query(address):
     sock = ctx.socket(zmq.DEALER)
     sock.connect(f"tcp://{address[0]}:{address[1]}")
     try:
-        await sock.send(messages.encode(messages.MetadataRequest(engine_id="probe")))
+        await sock.send(
+            messages.encode(messages.MetadataRequest(tcp_segment_bytes=TCP_SEGMENT_BYTES, engine_id="probe"))
+        )
         return messages.decode_reply(await asyncio.wait_for(sock.recv(), 5))
     finally:
         ctx.destroy(0)

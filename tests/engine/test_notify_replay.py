@@ -16,6 +16,7 @@ import zmq.asyncio
 from nixl_async import messages
 from nixl_async._notify_guard import NotifyGuard
 from nixl_async._side_notify import SideChannelNotifier
+from nixl_async.config import TCP_SEGMENT_BYTES
 from nixl_async.handshake import HandshakeServer, fetch_metadata
 
 SECRET = b"correct horse battery staple 42!"
@@ -155,7 +156,7 @@ async def _session(ctx, server, engine_id="reader", secret=SECRET) -> bytes:
         ctx,
         server.host,
         server.port,
-        messages.MetadataRequest(engine_id=engine_id),
+        messages.MetadataRequest(tcp_segment_bytes=TCP_SEGMENT_BYTES, engine_id=engine_id),
         timeout=5,
         max_frame_bytes=4 << 20,
         secret=secret,

@@ -6,6 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nixl_async import messages
+from nixl_async.config import TCP_SEGMENT_BYTES
 from nixl_async.testing import Stats
 
 MESSAGES = 10_000
@@ -28,7 +29,8 @@ payloads = st.one_of(
     st.tuples(valid, st.integers(0, 40)).map(lambda t: t[0][: max(0, len(t[0]) - 1 - t[1])]),  # truncated msgpack
     json_like.map(msgspec.msgpack.encode),  # wrong schema
     st.fixed_dictionaries(
-        {"type": st.just("metadata_request")}, optional={"version": json_like, "engine_id": json_like}
+        {"type": st.just("metadata_request")},
+        optional={"version": json_like, "engine_id": json_like, "tcp_segment_bytes": json_like},
     ).map(msgspec.msgpack.encode),  # right tag, wrong fields
     st.integers(64 << 10, 1 << 20).map(lambda n: b"\x91" * n),  # oversized request (below ZMQ's frame limit)
 )
@@ -62,11 +64,15 @@ def test_listener_answers_every_malformed_message(nixl_peer):
             rss.append(_rss_kib(nixl_peer.pid))
         body = parts[1:] if len(parts) > 1 and parts[0] == b"" else parts  # REQ-style envelope
         try:
-            valid_request = (
-                len(body) == 1 and len(body[0]) <= 64 << 10 and messages.decode_request(body[0]).version == 1
-            )
+            request = messages.decode_request(body[0]) if len(body) == 1 and len(body[0]) <= 64 << 10 else None
         except msgspec.DecodeError:
-            valid_request = False
+            request = None
+        # a well-formed request from a reader that takes the peer's TCP segments gets the metadata
+        valid_request = (
+            isinstance(request, messages.MetadataRequest)
+            and request.version == 1
+            and request.tcp_segment_bytes >= TCP_SEGMENT_BYTES
+        )
         if valid_request:
             assert isinstance(reply, messages.MetadataReply)
             counts["metadata"] += 1
@@ -94,7 +100,7 @@ def test_frames_over_the_zmq_limit_drop_only_that_sender(nixl_peer):
         honest = ctx.socket(zmq.DEALER)
         honest.setsockopt(zmq.RCVTIMEO, 5000)
         honest.connect(f"tcp://{nixl_peer.host}:{nixl_peer.port}")
-        honest.send(messages.encode(messages.MetadataRequest(engine_id="honest")))
+        honest.send(messages.encode(messages.MetadataRequest(tcp_segment_bytes=TCP_SEGMENT_BYTES, engine_id="honest")))
         assert isinstance(messages.decode_reply(honest.recv()), messages.MetadataReply)
     finally:
         ctx.destroy(0)

@@ -52,6 +52,13 @@ def test_defaults_match_vllm_nixl_connector():
     assert AdapterSettings.from_vllm(_config({"link_timeout": None})).engine_config("e", {}).link_timeout_s is None
 
 
+def test_the_tcp_segment_reaches_the_engine():
+    assert AdapterSettings.from_vllm(_config({})).engine_config("e", {}).tcp_segment_bytes == 512 << 10
+    for given in (None, 1 << 20):
+        config = AdapterSettings.from_vllm(_config({"tcp_segment_bytes": given})).engine_config("e", {})
+        assert config.tcp_segment_bytes == given
+
+
 def test_the_switch_interval_is_left_alone_unless_asked_for_and_never_raised():
     """A process-wide setting the model thread pays for: the adapter changes it only on request."""
     before = sys.getswitchinterval()
@@ -79,6 +86,9 @@ def test_the_switch_interval_is_left_alone_unless_asked_for_and_never_raised():
         {"switch_interval_s": "fast"},
         {"link_timeout": 1},
         {"link_timeout": "never"},
+        {"tcp_segment_bytes": "512k"},
+        {"tcp_segment_bytes": 4096},
+        {"tcp_segment_bytes": True},
         {"etcd_endpoint": "etcd-0:2379,etcd-1:2379"},
         {"etcd_endpoint": "etcd:2379", "etcd_lease_ttl": 1},
         {"etcd_namespace": "fleet"},  # without an endpoint

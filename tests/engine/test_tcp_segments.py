@@ -1,0 +1,132 @@
+"""UCX/TCP segments: engines move a READ's data in 512 KiB active messages, and a pair whose reader
+would receive larger segments than it takes is refused at the handshake, by name.
+
+A reader on UCX's 64 KiB segments reading from an agent that sends 512 KiB loses its link on the
+first READ (NIXL_ERR_REMOTE_DISCONNECT, seen with NIXL 1.5.1 over ``UCX_TLS=tcp``); these tests
+run over TCP in two processes, where that would happen.
+"""
+
+import numpy as np
+import pytest
+
+from nixl_async import EngineConfig, IncompatiblePeerError, TransferEngine
+from nixl_async.config import TCP_SEGMENT_BYTES, UCX_TCP_DEFAULT_SEGMENT, tcp_segment_in_use
+from nixl_async.testing import PeerCommandError, TransferCommand, assert_no_live_handles, verify_blocks
+
+BLOCK = 1 << 20
+BLOCKS = 16
+
+
+@pytest.fixture(autouse=True)
+def _tcp(monkeypatch):
+    monkeypatch.setenv("UCX_TLS", "tcp")  # read when this process's first UCX worker is made
+
+
+def _regions():
+    return [np.zeros(BLOCKS * BLOCK, dtype=np.uint8)]
+
+
+@pytest.mark.parametrize(
+    ("configured", "environ", "expected"),
+    [
+        (TCP_SEGMENT_BYTES, {}, 512 << 10),
+        (None, {}, UCX_TCP_DEFAULT_SEGMENT),
+        (TCP_SEGMENT_BYTES, {"UCX_TCP_RX_SEG_SIZE": "1m"}, 1 << 20),
+        (None, {"UCX_TCP_RX_SEG_SIZE": "256kb"}, 256 << 10),
+        (TCP_SEGMENT_BYTES, {"UCX_TCP_RX_SEG_SIZE": "131072"}, 128 << 10),
+        # the environment names a segment: the engine passes none, so UCX's default receive size holds
+        (TCP_SEGMENT_BYTES, {"UCX_TCP_TX_SEG_SIZE": "16k"}, UCX_TCP_DEFAULT_SEGMENT),
+    ],
+)
+def test_the_segment_in_use_follows_the_environment_then_the_config(configured, environ, expected):
+    assert tcp_segment_in_use(configured, environ) == expected
+
+
+def test_an_unreadable_environment_segment_is_refused():
+    with pytest.raises(ValueError, match="not a UCX size"):
+        tcp_segment_in_use(TCP_SEGMENT_BYTES, {"UCX_TCP_RX_SEG_SIZE": "lots"})
+
+
+@pytest.mark.parametrize("value", [True, 1000, 128 << 20, "512k", 1.5])
+def test_config_refuses_segments_it_cannot_use(value):
+    with pytest.raises(ValueError, match="tcp_segment_bytes"):
+        EngineConfig(tcp_segment_bytes=value)
+
+
+def test_config_refuses_segment_settings_that_would_bypass_the_handshake_check():
+    with pytest.raises(ValueError, match=r"TCP_RX_SEG_SIZE.*tcp_segment_bytes"):
+        EngineConfig(backend_params={"engine_config": "TCP_KEEPCNT=3,tcp_rx_seg_size=1m"})
+
+
+def test_backend_settings_carry_the_segment_unless_the_environment_names_one():
+    ours = EngineConfig().backend_settings("UCX", {})["engine_config"].split(",")
+    assert f"TCP_RX_SEG_SIZE={512 << 10}" in ours and f"TCP_TX_SEG_SIZE={512 << 10}" in ours
+    assert "SEG_SIZE" not in EngineConfig(tcp_segment_bytes=None).backend_settings("UCX", {})["engine_config"]
+    # UCX would take the environment's receive size anyway, and a receive below our send segment is an error
+    for key in ("UCX_TCP_RX_SEG_SIZE", "UCX_TCP_TX_SEG_SIZE"):
+        assert "SEG_SIZE" not in EngineConfig().backend_settings("UCX", {key: "64k"})["engine_config"]
+
+
+async def test_engines_read_whole_megabytes_over_tcp_in_their_segments(nixl_peer_factory):
+    peer_proc = nixl_peer_factory(num_regions=1, num_blocks=BLOCKS, block_len=BLOCK, tcp=True, seed=5)
+    engine = TransferEngine(EngineConfig())
+    await engine.start()
+    try:
+        regions = _regions()
+        engine.register("kv", regions, block_len=BLOCK)
+        peer = await engine.connect(*peer_proc.address)
+        order = list(range(BLOCKS))[::-1]
+        await engine.read(peer, list(range(BLOCKS)), order)
+        assert verify_blocks(regions, BLOCK, list(range(BLOCKS)), order, seed=5) == []
+    finally:
+        await engine.close()
+    assert_no_live_handles(engine)
+
+
+async def test_a_reader_on_smaller_segments_is_refused_at_the_handshake(nixl_peer_factory):
+    peer_proc = nixl_peer_factory(num_regions=1, num_blocks=BLOCKS, block_len=BLOCK, tcp=True)
+    engine = TransferEngine(EngineConfig(tcp_segment_bytes=None))
+    await engine.start()
+    try:
+        engine.register("kv", _regions(), block_len=BLOCK)
+        with pytest.raises(IncompatiblePeerError, match=r"at most 65536 bytes .* up to 524288.*tcp_segment_bytes"):
+            await engine.connect(*peer_proc.address)
+        assert not engine.peers
+    finally:
+        await engine.close()
+    assert_no_live_handles(engine)
+
+
+async def test_a_segment_set_in_the_environment_is_announced(nixl_peer_factory):
+    env = {"UCX_TCP_RX_SEG_SIZE": "1m", "UCX_TCP_TX_SEG_SIZE": "1m"}
+    peer_proc = nixl_peer_factory(num_regions=1, num_blocks=BLOCKS, block_len=BLOCK, tcp=True, env=env)
+    engine = TransferEngine(EngineConfig())
+    await engine.start()
+    try:
+        engine.register("kv", _regions(), block_len=BLOCK)
+        with pytest.raises(IncompatiblePeerError, match=r"at most 524288 bytes .* up to 1048576"):
+            await engine.connect(*peer_proc.address)
+    finally:
+        await engine.close()
+
+
+async def test_larger_segments_read_from_a_peer_on_ucx_defaults_but_not_the_other_way(nixl_peer_factory):
+    peer_proc = nixl_peer_factory(
+        num_regions=1, num_blocks=BLOCKS, block_len=BLOCK, tcp=True, seed=9, tcp_segment_bytes=None
+    )
+    engine = TransferEngine(EngineConfig())
+    await engine.start()
+    try:
+        regions = _regions()
+        engine.register("kv", regions, block_len=BLOCK)
+        host, port = await engine.serve("127.0.0.1", 0)
+        peer = await engine.connect(*peer_proc.address)
+        await engine.read(peer, list(range(BLOCKS)), list(range(BLOCKS)))
+        assert verify_blocks(regions, BLOCK, list(range(BLOCKS)), list(range(BLOCKS)), seed=9) == []
+        # the peer, receiving 64 KiB at most, could not READ what we send in 512 KiB: its handshake is refused
+        read_back = TransferCommand(op="READ", host=host, port=port, local_blocks=[0], remote_blocks=[0])
+        with pytest.raises(PeerCommandError, match="IncompatiblePeerError"):
+            await peer_proc.request(read_back)
+    finally:
+        await engine.close()
+    assert_no_live_handles(engine)
