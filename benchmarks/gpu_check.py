@@ -895,7 +895,9 @@ class Checks:
             # transport: what the engine's own work costs) and with UCX's defaults (what a plain
             # NIXL agent, vLLM's NixlConnector among them, gets on this machine), but for the TCP
             # segment size, which the peer requires of its readers.
-            raw_same = await self._raw_read(name, block_len, order, copy, self.engine.config.backend_settings("UCX"))
+            raw_same = await self._raw_read(
+                name, block_len, order, copy, self.engine.config.backend_settings("UCX", os.environ)
+            )
             raw_default = await self._raw_read(name, block_len, order, copy, raw_ucx_params())
             engine_gbps = float(np.median(engine_rates))
             ok = ok and engine_check["ok"] and raw_same["ok"] and raw_default["ok"]

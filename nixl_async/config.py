@@ -24,7 +24,8 @@ UCX_TCP_DEFAULT_SEGMENT = 64 << 10
 TCP_SEGMENT_BYTES = 512 << 10  # ours (EngineConfig.tcp_segment_bytes)
 TCP_SEGMENT_RANGE = (16 << 10, 64 << 20)  # what EngineConfig.tcp_segment_bytes accepts
 _SEGMENT_KEYS = ("TCP_RX_SEG_SIZE", "TCP_TX_SEG_SIZE")
-_MEMUNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "g": 1 << 30, "gb": 1 << 30}
+_MEMUNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_MEMUNITS |= {f"{unit}b": size for unit, size in _MEMUNITS.items() if unit not in ("", "b")}
 
 
 @dataclass(frozen=True)
@@ -81,9 +82,9 @@ def ucx_link_settings(timeout_s: float) -> dict[str, str]:
 def _memunits(text: str) -> int:
     """UCX's size syntax ("65536", "512k", "1mb"), as its configuration parser reads it."""
     value = text.strip().lower()
-    digits = value.rstrip("bkmg")
+    digits = value.rstrip("bkmgt")
     unit = value[len(digits) :]
-    if not digits.isdigit() or unit not in _MEMUNITS:
+    if not (digits.isascii() and digits.isdigit()) or unit not in _MEMUNITS:
         raise ValueError(f"not a UCX size: {text!r}")
     return int(digits) * _MEMUNITS[unit]
 

@@ -120,7 +120,7 @@ class EtcdDirectory:
         except msgspec.DecodeError as exc:
             raise ProtocolError(f"undecodable etcd record for engine {engine_id!r}: {exc}",
                                 address=self.endpoint) from None  # fmt: skip
-        if record.version != messages.PROTOCOL_VERSION:
+        if record.version not in (messages.PROTOCOL_VERSION, messages.SEGMENTS_RECORD_VERSION):
             raise ProtocolError(f"etcd record for engine {engine_id!r} has protocol version {record.version}"
                                 f" (want {messages.PROTOCOL_VERSION})", address=self.endpoint)  # fmt: skip
         return record

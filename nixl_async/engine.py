@@ -116,7 +116,8 @@ class TransferEngine:
         self._closing = False
         self._compat_hash = messages.compat_hash(self.config.compat)
         self._reply_cache: messages.MetadataReply | None = None
-        self._tcp_segment = UCX_TCP_DEFAULT_SEGMENT  # what our agent sends and receives at most (set by start)
+        # The largest UCX/TCP segment our agent sends and receives (set by start; None: no UCX backend).
+        self._tcp_segment: int | None = None
         self.extra: dict[str, str] = {}
         self._call_handlers: dict[str, Callable[[str, bytes], bytes]] = {}
         self._connecting: dict[tuple[str, object], asyncio.Task[Peer]] = {}  # (host, port) or ("etcd", id)
@@ -167,9 +168,10 @@ class TransferEngine:
         if self.config.etcd is not None:  # first: if it cannot be made, nothing else was
             self._directory = EtcdDirectory(self.config.etcd, timeout=self.config.handshake_timeout_s)
         agent_name = f"{self.engine_id}/{time.time_ns():x}"
+        if "UCX" in self.config.backends:  # before the agent: an unreadable UCX size in the environment stops here
+            self._tcp_segment = tcp_segment_in_use(self.config.tcp_segment_bytes, os.environ)
         settings = {backend: self.config.backend_settings(backend, os.environ) for backend in self.config.backends}
         self._agent = OwnedAgent(agent_name, self.config.backends, settings)
-        self._tcp_segment = tcp_segment_in_use(self.config.tcp_segment_bytes, os.environ)
         self._zmq = zmq.asyncio.Context()
         self._notify.open(self._agent, self._zmq)
         self._driver.agent = self._peers.agent = self._agent
@@ -357,7 +359,7 @@ class TransferEngine:
             raise Refusal(
                 "engine_id_mismatch", f"this is engine {self.engine_id!r}, not {request.expected_engine_id!r}"
             )
-        if request.tcp_segment_bytes < self._tcp_segment:
+        if self._tcp_segment is not None and request.tcp_segment_bytes < self._tcp_segment:
             raise Refusal("incompatible_peer", _segment_mismatch(request.tcp_segment_bytes, self._tcp_segment))
         return msgspec.structs.replace(self._metadata(), wall_clock=time.time())
 
@@ -373,7 +375,7 @@ class TransferEngine:
                 compat_hash=self._compat_hash,
                 layouts=list(self._memory.layouts.values()),
                 extra=dict(self.extra),
-                tcp_segment_bytes=self._tcp_segment,
+                tcp_segment_bytes=UCX_TCP_DEFAULT_SEGMENT if self._tcp_segment is None else self._tcp_segment,
             )
         return self._reply_cache
 
@@ -505,7 +507,9 @@ class TransferEngine:
                 self._zmq,
                 host,
                 port,
-                messages.MetadataRequest(engine_id=self.engine_id, tcp_segment_bytes=self._tcp_segment),
+                messages.MetadataRequest(
+                    engine_id=self.engine_id, tcp_segment_bytes=self._tcp_segment or UCX_TCP_DEFAULT_SEGMENT
+                ),
                 timeout=timeout,
                 max_frame_bytes=self.config.max_frame_bytes,
                 secret=self.config.auth_secret,
@@ -524,7 +528,7 @@ class TransferEngine:
     def _check_peer(self, reply: messages.MetadataReply, where: str) -> None:
         """Refuse a peer whose memory or wire we cannot use: compatibility hash, then TCP segments."""
         self._check_compat(reply.engine_id, reply.compat_hash, where)
-        if reply.tcp_segment_bytes > self._tcp_segment:
+        if self._tcp_segment is not None and reply.tcp_segment_bytes > self._tcp_segment:
             why = _segment_mismatch(self._tcp_segment, reply.tcp_segment_bytes)
             raise IncompatiblePeerError(f"{where} (engine {reply.engine_id!r}): {why}", address=where)
 
@@ -553,7 +557,9 @@ class TransferEngine:
     def _published(self) -> messages.PublishedEngine:
         reply = self._metadata()
         host, port = self.address or ("", 0)
+        larger = reply.tcp_segment_bytes > UCX_TCP_DEFAULT_SEGMENT
         return messages.PublishedEngine(
+            version=messages.SEGMENTS_RECORD_VERSION if larger else messages.PROTOCOL_VERSION,
             engine_id=self.engine_id,
             compat_hash=self._compat_hash,
             host=host,

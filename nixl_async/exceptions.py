@@ -9,7 +9,7 @@ remote ones (what a peer said or failed to say), so a caller can tell "fix my ca
     ├── HandshakeError               connecting to a peer (or a call over the side channel) failed
     │   ├── HandshakeTimeout         nobody answered within the timeout
     │   ├── HandshakeRejected        the peer answered with an error reply
-    │   ├── IncompatiblePeerError    the peer's compatibility hash differs from ours
+    │   ├── IncompatiblePeerError    compatibility hashes or UCX/TCP segment sizes do not allow the pair
     │   ├── EngineIdMismatch         the peer is not the engine the caller expected
     │   └── ProtocolError            the reply was malformed or of an unknown version
     ├── TransferError                a transfer did not complete
@@ -86,7 +86,8 @@ class HandshakeRejected(HandshakeError):
 
 
 class IncompatiblePeerError(HandshakeError):
-    """The peer's compatibility hash differs: its KV cache cannot be mixed with ours."""
+    """The peer's compatibility hash differs (its KV cache cannot be mixed with ours), or one side
+    would READ UCX/TCP segments larger than it receives (`EngineConfig.tcp_segment_bytes`)."""
 
 
 class EngineIdMismatch(HandshakeError):

@@ -319,8 +319,10 @@ async def fetch_metadata(
 ) -> messages.MetadataReply:
     """Ask the engine at host:port for its metadata (answering its challenge with `secret`).
 
-    Raises `HandshakeTimeout` when no reply comes within `timeout`, `HandshakeRejected` for an
-    error reply or a challenge we cannot answer, and `ProtocolError` for an undecodable reply.
+    Raises `HandshakeTimeout` when no reply comes within `timeout`, `IncompatiblePeerError` when
+    the server refuses us as a reader it could not serve (UCX/TCP segments), `HandshakeRejected`
+    for another error reply or a challenge we cannot answer, and `ProtocolError` for an
+    undecodable reply.
     """
     reply = await _ask(context, host, port, request, messages.MetadataReply, timeout, max_frame_bytes, secret)
     if reply.version != messages.PROTOCOL_VERSION:

@@ -28,6 +28,7 @@ from .layout import BlockLayout
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "SEGMENTS_RECORD_VERSION",
     "AuthChallenge",
     "CallReply",
     "CallRequest",
@@ -48,6 +49,10 @@ __all__ = [
 ]
 
 PROTOCOL_VERSION = 1
+# An etcd record of an engine that sends UCX/TCP segments larger than UCX's default carries this
+# version: engines from before `tcp_segment_bytes`, which adopt records without asking and know
+# only version 1, refuse it instead of reading those segments into smaller buffers.
+SEGMENTS_RECORD_VERSION = 2
 
 
 class MetadataRequest(msgspec.Struct, tag="metadata_request", frozen=True, kw_only=True):
@@ -185,10 +190,21 @@ def decode_published(data: bytes) -> PublishedEngine:
     return _published_decoder.decode(data)
 
 
+# Request fields added after authentication was: signed only when not at their default, so an older
+# engine (which drops them when it re-encodes a request, or never sends them) computes the same MAC.
+_LATER_FIELDS: dict[str, object] = {"tcp_segment_bytes": 64 << 10}
+
+
 def request_mac(secret: bytes, request: Authenticated) -> bytes:
     """HMAC-SHA256 binding the secret to the server's nonce and to the request's fields (and its kind)."""
-    unsigned = msgspec.structs.replace(request, mac=b"")
-    return hmac.new(secret, _encoder.encode(unsigned), hashlib.sha256).digest()
+    config = type(request).__struct_config__
+    fields = msgspec.structs.asdict(msgspec.structs.replace(request, mac=b""))
+    for name, default in _LATER_FIELDS.items():
+        if name in fields and fields[name] == default:
+            del fields[name]
+    # the bytes of the struct's own encoding (tag first, fields in order), less the omitted fields
+    signed = _encoder.encode({config.tag_field: config.tag, **fields})
+    return hmac.new(secret, signed, hashlib.sha256).digest()
 
 
 def notify_mac(secret: bytes, session: bytes, seq: int, engine_id: str, message: bytes, busy_ms: int = 0) -> bytes:

@@ -96,3 +96,35 @@ def test_a_busy_hint_is_signed_over_its_duration_and_never_passes_for_a_notifica
     assert hint != messages.notify_mac(secret, session, 1, "e", b"")  # the same, as a notification
     note = messages.NotifyMessage(engine_id="e", message=b"", mac=hint, session=session, seq=1, busy_ms=1000)
     assert messages.decode_request(messages.encode(note)) == note
+
+
+class _RequestBeforeSegments(msgspec.Struct, tag="metadata_request", frozen=True, kw_only=True):
+    """MetadataRequest as engines before `tcp_segment_bytes` encoded it (the field layout they signed)."""
+
+    version: int = 1
+    engine_id: str = ""
+    expected_engine_id: str | None = None
+    nonce: bytes = b""
+    mac: bytes = b""
+
+
+def _older_engines_mac(secret: bytes, request: msgspec.Struct) -> bytes:
+    import hashlib
+    import hmac
+
+    unsigned = msgspec.structs.replace(request, mac=b"")
+    return hmac.new(secret, msgspec.msgpack.encode(unsigned), hashlib.sha256).digest()
+
+
+def test_a_request_on_ucx_default_segments_signs_as_older_engines_sign():
+    """Authenticated handshakes keep working across versions: an older engine re-encodes a request
+    without the new field (or sends none), so the field is signed only when not at its default."""
+    secret = b"s" * 16
+    fields = dict(engine_id="decode/tp0", expected_engine_id="prefill/tp0", nonce=b"n" * 16)
+    older = _older_engines_mac(secret, _RequestBeforeSegments(**fields))
+    assert messages.request_mac(secret, messages.MetadataRequest(**fields)) == older
+    assert messages.request_mac(secret, messages.MetadataRequest(**fields, tcp_segment_bytes=64 << 10)) == older
+    larger = messages.request_mac(secret, messages.MetadataRequest(**fields, tcp_segment_bytes=512 << 10))
+    assert larger != older, "a segment size other than UCX's is covered by the MAC"
+    call = messages.CallRequest(engine_id="d", topic="t", payload=b"p", nonce=b"n" * 16)
+    assert messages.request_mac(secret, call) == _older_engines_mac(secret, call)

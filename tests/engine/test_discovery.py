@@ -153,7 +153,25 @@ async def test_an_engine_found_in_etcd_sending_larger_tcp_segments_is_refused(et
         with pytest.raises(IncompatiblePeerError, match=r"at most 524288 bytes .* up to 1048576"):
             await engine.connect(engine_id=publisher.engine_id)
         assert not engine.peers
-        assert (await publisher.request(Stats()))["counters"].get("handshakes_served", 0) == 0
+        counters = (await publisher.request(Stats()))["counters"]
+        assert counters.get("handshakes_served", 0) == counters.get("handshakes_rejected", 0) == 0
+    finally:
+        await engine.close()
+
+
+@pytest.mark.parametrize(("segment", "version"), [(None, 1), (512 << 10, 2)])
+async def test_a_record_of_larger_tcp_segments_is_one_older_engines_refuse(etcd, nixl_peer_factory, segment, version):
+    """Engines from before tcp_segment_bytes adopt records without asking and know version 1 only:
+    a record whose engine sends larger segments than UCX's default carries version 2."""
+    publisher = _publisher(nixl_peer_factory, etcd, tcp_segment_bytes=segment)
+    record = msgspec.msgpack.decode(await _etcd_value(etcd, publisher.engine_id))
+    assert record["version"] == version
+    assert record["metadata"]["tcp_segment_bytes"] == (segment or 64 << 10)
+    engine = await _engine(_etcd_config(etcd))  # ours reads either
+    try:
+        engine.register("kv", _regions(), block_len=BLOCK)
+        peer = await engine.connect(engine_id=publisher.engine_id)
+        await engine.read(peer, [0], [0])
     finally:
         await engine.close()
 

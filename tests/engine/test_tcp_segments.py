@@ -6,15 +6,26 @@ first READ (NIXL_ERR_REMOTE_DISCONNECT, seen with NIXL 1.5.1 over ``UCX_TLS=tcp`
 run over TCP in two processes, where that would happen.
 """
 
+import asyncio
+import os
+import sys
+import time
+from pathlib import Path
+
 import numpy as np
 import pytest
+import zmq.asyncio
 
-from nixl_async import EngineConfig, IncompatiblePeerError, TransferEngine
+from nixl_async import EngineConfig, IncompatiblePeerError, TransferEngine, messages
+from nixl_async._agent import OwnedAgent
 from nixl_async.config import TCP_SEGMENT_BYTES, UCX_TCP_DEFAULT_SEGMENT, tcp_segment_in_use
+from nixl_async.handshake import fetch_metadata
+from nixl_async.layout import BlockLayout
 from nixl_async.testing import PeerCommandError, TransferCommand, assert_no_live_handles, verify_blocks
 
 BLOCK = 1 << 20
 BLOCKS = 16
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
@@ -34,6 +45,7 @@ def _regions():
         (TCP_SEGMENT_BYTES, {"UCX_TCP_RX_SEG_SIZE": "1m"}, 1 << 20),
         (None, {"UCX_TCP_RX_SEG_SIZE": "256kb"}, 256 << 10),
         (TCP_SEGMENT_BYTES, {"UCX_TCP_RX_SEG_SIZE": "131072"}, 128 << 10),
+        (TCP_SEGMENT_BYTES, {"UCX_TCP_RX_SEG_SIZE": " 2MB"}, 2 << 20),
         # the environment names a segment: the engine passes none, so UCX's default receive size holds
         (TCP_SEGMENT_BYTES, {"UCX_TCP_TX_SEG_SIZE": "16k"}, UCX_TCP_DEFAULT_SEGMENT),
     ],
@@ -42,9 +54,10 @@ def test_the_segment_in_use_follows_the_environment_then_the_config(configured, 
     assert tcp_segment_in_use(configured, environ) == expected
 
 
-def test_an_unreadable_environment_segment_is_refused():
+@pytest.mark.parametrize("given", ["lots", "512q", "\u0665\u0661\u0662k", "", "-1k"])
+def test_an_unreadable_environment_segment_is_refused(given):
     with pytest.raises(ValueError, match="not a UCX size"):
-        tcp_segment_in_use(TCP_SEGMENT_BYTES, {"UCX_TCP_RX_SEG_SIZE": "lots"})
+        tcp_segment_in_use(TCP_SEGMENT_BYTES, {"UCX_TCP_RX_SEG_SIZE": given})
 
 
 @pytest.mark.parametrize("value", [True, 1000, 128 << 20, "512k", 1.5])
@@ -130,3 +143,58 @@ async def test_larger_segments_read_from_a_peer_on_ucx_defaults_but_not_the_othe
     finally:
         await engine.close()
     assert_no_live_handles(engine)
+
+
+def _raw_read_state(reply: messages.MetadataReply, ucx_params: dict[str, str]) -> str:
+    """NIXL driven directly (no engine, no handshake check): READ every block, return the end state
+    and whether the data is the peer's pattern (seed 5)."""
+    agent = OwnedAgent(f"raw-{time.time_ns():x}", ("UCX",), {"UCX": ucx_params})
+    region = _regions()[0]
+    local = BlockLayout.from_regions("kv", [region.ctypes.data], num_blocks=BLOCKS, block_len=BLOCK)
+    agent.register(local.region_descriptors(), local.mem_type)
+    remote_name = agent.add_remote(reply.agent_metadata)
+    local_dl, remote_dl = agent.prep_view("", local.view()), agent.prep_view(remote_name, reply.layouts[0].view())
+    nixl = agent.public
+    handle = nixl.make_prepped_xfer("READ", local_dl, list(range(BLOCKS)), remote_dl, list(range(BLOCKS)))
+    state = str(nixl.transfer(handle))
+    deadline = time.monotonic() + 10
+    while state == "PROC" and time.monotonic() < deadline:
+        time.sleep(0.001)
+        state = str(nixl.check_xfer_state(handle))
+    intact = verify_blocks([region], BLOCK, list(range(BLOCKS)), list(range(BLOCKS)), seed=5) == []
+    return f"{state} {'intact' if intact else 'wrong'}"
+
+
+async def test_ucx_takes_the_segment_and_a_reader_on_its_default_cannot_read(nixl_peer_factory, tmp_path):
+    """What the handshake check guards against, with NIXL alone: the engine's 512 KiB segments reach
+    UCX, and a raw reader on UCX's 64 KiB cannot READ from it. It lost the link in one experiment
+    and corrupted its heap in another (UCX received 512 KiB messages into 64 KiB buffers; "free():
+    invalid next size"), so it runs in a child process. A raw reader on the same segments reads."""
+    peer_proc = nixl_peer_factory(num_regions=1, num_blocks=BLOCKS, block_len=BLOCK, tcp=True, seed=5)
+    asking = messages.MetadataRequest(engine_id="raw-reader", tcp_segment_bytes=TCP_SEGMENT_BYTES)
+    reply = await fetch_metadata(zmq.asyncio.Context.instance(), *peer_proc.address, asking, timeout=5,
+                                 max_frame_bytes=4 << 20)  # fmt: skip
+    assert reply.tcp_segment_bytes == TCP_SEGMENT_BYTES
+    (tmp_path / "reply").write_bytes(messages.encode(reply))
+    same = EngineConfig(link_timeout_s=None, cuda_ipc_get=False).backend_settings("UCX", {})
+    outcomes = []
+    for params in (same, {}):
+        child = (
+            "import json, sys; from pathlib import Path; from nixl_async import messages; "
+            "from tests.engine.test_tcp_segments import _raw_read_state; "
+            f"reply = messages.decode_reply(Path({str(tmp_path / 'reply')!r}).read_bytes()); "
+            f"print('STATE', _raw_read_state(reply, {params!r}), flush=True)"
+        )
+        done = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", child, env={**os.environ, "UCX_TLS": "tcp"}, cwd=REPO,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        )  # fmt: skip
+        out, _ = await asyncio.wait_for(done.communicate(), 60)
+        states = [
+            line.split(maxsplit=1)[1] for line in out.decode(errors="replace").splitlines() if line.startswith("STATE")
+        ]
+        outcomes.append((done.returncode, states))
+    assert outcomes[0] == (0, ["DONE intact"]), outcomes[0]
+    assert "DONE intact" not in outcomes[1][1], (
+        f"a reader on UCX's 64 KiB segments read from 512 KiB ones: {outcomes[1]}"
+    )
