@@ -76,7 +76,8 @@ def cpu_meter() -> Iterator[dict[str, float]]:
 
 def raw_ucx_params() -> dict[str, str]:
     """A raw baseline's UCX parameters: the engines' TCP segment size, which its peers require
-    (a reader receiving smaller segments than its peer sends loses the link), and nothing else."""
+    (a reader receiving smaller segments than its peer sends cannot read: UCX dropped its link or
+    it crashed), and nothing else."""
     return EngineConfig(link_timeout_s=None, cuda_ipc_get=False).backend_settings("UCX", os.environ)
 
 

@@ -197,8 +197,9 @@ class EngineConfig:
     # costs the receiver one progress call and the sender one send. UCX's 64 KiB moved 1.4-1.5
     # GB/s between two processes checking every ms here; 512 KiB 2.0-2.4 GB/s at ~40 % less CPU
     # per GB (README, Design). A peer that receives smaller segments than we send cannot READ
-    # from us (UCX drops the link), so the handshake refuses it by name. None: UCX's default
-    # (for peers on older versions). ``UCX_TCP_RX_SEG_SIZE`` in the environment still wins.
+    # from us (UCX dropped its link, or it crashed: UCX received into smaller buffers), so the
+    # handshake refuses it by name. None: UCX's default (for peers on older versions).
+    # ``UCX_TCP_RX_SEG_SIZE`` or ``UCX_TCP_TX_SEG_SIZE`` in the environment still win.
     tcp_segment_bytes: int | None = TCP_SEGMENT_BYTES
     # A peer unused this long (no connect, no transfer) with nothing in flight is forgotten: its
     # remote agent, descriptor lists and notification socket go (vLLM's engine TTL is 3600 s).

@@ -97,7 +97,7 @@ _KEPT_ALIVE: list[tuple[Any, list[Any], list[Transfer]]] = []
 def _segment_mismatch(reader_receives: int, server_sends: int) -> str:
     return (
         f"the reader receives UCX/TCP segments of at most {reader_receives} bytes and the server sends up to "
-        f"{server_sends}: UCX would drop the link on the reader's first READ. Set EngineConfig.tcp_segment_bytes "
+        f"{server_sends}: the reader's first READ would lose its link or crash it. Set EngineConfig.tcp_segment_bytes "
         "alike on both engines (None: UCX's default, as older engines use)"
     )
 
