@@ -108,8 +108,11 @@ def fetch_reply(host: str, port: int, timeout: float = 10.0) -> messages.Metadat
 class RawReader:
     """NIXL used directly, the way a hand-written loop would: one agent, no engine."""
 
-    def __init__(self, name: str, local: BlockLayout, address: tuple[str, int], *, progress_thread: bool) -> None:
-        self.agent = OwnedAgent(name, ("UCX",), {"UCX": raw_ucx_params()}, progress_thread=progress_thread)
+    def __init__(self, name: str, local: BlockLayout, address: tuple[str, int], *, progress_thread: bool,
+                 ucx_params: dict[str, str] | None = None) -> None:  # fmt: skip
+        """`ucx_params`: the UCX backend's parameters (default `raw_ucx_params()`)."""
+        params = raw_ucx_params() if ucx_params is None else ucx_params
+        self.agent = OwnedAgent(name, ("UCX",), {"UCX": params}, progress_thread=progress_thread)
         self.memory = self.agent.register(local.region_descriptors(), local.mem_type)
         reply = fetch_reply(*address)
         self.remote_name = self.agent.add_remote(reply.agent_metadata)

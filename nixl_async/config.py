@@ -89,6 +89,15 @@ def _memunits(text: str) -> int:
     return int(digits) * _MEMUNITS[unit]
 
 
+def _environment_sets_segment(environ: Mapping[str, str]) -> bool:
+    return any(f"UCX_{key}" in environ for key in _SEGMENT_KEYS)
+
+
+def _named_keys(engine_config: str) -> set[str]:
+    """The UCX settings an ``engine_config`` string ("KEY=value,...") names, upper-cased."""
+    return {item.split("=", 1)[0].strip().upper() for item in engine_config.split(",") if "=" in item}
+
+
 def tcp_segment_in_use(configured: int | None, environ: Mapping[str, str]) -> int:
     """The largest UCX/TCP segment an agent made with `configured` sends and receives.
 
@@ -96,7 +105,7 @@ def tcp_segment_in_use(configured: int | None, environ: Mapping[str, str]) -> in
     backend's own settings, and where it names a segment size the engine passes none of its own
     (`EngineConfig.backend_settings`): ``UCX_TCP_RX_SEG_SIZE`` then decides, or UCX's default.
     """
-    if any(f"UCX_{key}" in environ for key in _SEGMENT_KEYS):
+    if _environment_sets_segment(environ):
         given = environ.get("UCX_TCP_RX_SEG_SIZE")
         return UCX_TCP_DEFAULT_SEGMENT if given is None else _memunits(given)
     return UCX_TCP_DEFAULT_SEGMENT if configured is None else configured
@@ -269,10 +278,7 @@ class EngineConfig:
                 f"EngineConfig.tcp_segment_bytes must be whole bytes in {list(TCP_SEGMENT_RANGE)} or None, "
                 f"got {self.tcp_segment_bytes!r}"
             )
-        named = {
-            item.split("=", 1)[0].strip().upper() for item in self.backend_params.get("engine_config", "").split(",")
-        }
-        if clash := sorted(named & set(_SEGMENT_KEYS)):
+        if clash := sorted(_named_keys(self.backend_params.get("engine_config", "")) & set(_SEGMENT_KEYS)):
             raise ValueError(
                 f"backend_params['engine_config'] sets {', '.join(clash)}: set EngineConfig.tcp_segment_bytes "
                 "instead (peers check it at the handshake)"
@@ -299,10 +305,10 @@ class EngineConfig:
         settings = ucx_link_settings(self.link_timeout_s) if self.link_timeout_s is not None else {}
         if self.cuda_ipc_get:
             settings["CUDA_IPC_ENABLE_GET_ZCOPY"] = "on"  # unknown to a UCX without CUDA: ignored there
-        if self.tcp_segment_bytes is not None and not any(f"UCX_{key}" in (environ or {}) for key in _SEGMENT_KEYS):
+        if self.tcp_segment_bytes is not None and not _environment_sets_segment(environ or {}):
             settings.update(dict.fromkeys(_SEGMENT_KEYS, str(self.tcp_segment_bytes)))
         given = [item for item in params.get("engine_config", "").split(",") if "=" in item]
-        named = {item.split("=", 1)[0].strip().upper() for item in given}
+        named = _named_keys(",".join(given))
         ours = [f"{key}={value}" for key, value in settings.items() if key not in named]
         if given or ours:
             params["engine_config"] = ",".join(given + ours)

@@ -375,7 +375,7 @@ class TransferEngine:
                 compat_hash=self._compat_hash,
                 layouts=list(self._memory.layouts.values()),
                 extra=dict(self.extra),
-                tcp_segment_bytes=UCX_TCP_DEFAULT_SEGMENT if self._tcp_segment is None else self._tcp_segment,
+                tcp_segment_bytes=self._announced_segment,
             )
         return self._reply_cache
 
@@ -507,9 +507,7 @@ class TransferEngine:
                 self._zmq,
                 host,
                 port,
-                messages.MetadataRequest(
-                    engine_id=self.engine_id, tcp_segment_bytes=self._tcp_segment or UCX_TCP_DEFAULT_SEGMENT
-                ),
+                messages.MetadataRequest(engine_id=self.engine_id, tcp_segment_bytes=self._announced_segment),
                 timeout=timeout,
                 max_frame_bytes=self.config.max_frame_bytes,
                 secret=self.config.auth_secret,
@@ -524,6 +522,11 @@ class TransferEngine:
         self.stats.counters["handshakes"] += 1
         self.stats.histograms["handshake_us"].record(self._loop.time() - started)
         return peer
+
+    @property
+    def _announced_segment(self) -> int:
+        """The segment our handshakes state: ours, or UCX's default without a UCX backend (never checked then)."""
+        return UCX_TCP_DEFAULT_SEGMENT if self._tcp_segment is None else self._tcp_segment
 
     def _check_peer(self, reply: messages.MetadataReply, where: str) -> None:
         """Refuse a peer whose memory or wire we cannot use: compatibility hash, then TCP segments."""

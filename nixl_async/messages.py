@@ -24,6 +24,7 @@ from collections.abc import Mapping
 
 import msgspec
 
+from .config import UCX_TCP_DEFAULT_SEGMENT
 from .layout import BlockLayout
 
 __all__ = [
@@ -65,7 +66,7 @@ class MetadataRequest(msgspec.Struct, tag="metadata_request", frozen=True, kw_on
     nonce: bytes = b""
     mac: bytes = b""
     # The largest UCX/TCP segment the asker receives (absent: an older engine, UCX's default).
-    tcp_segment_bytes: int = 64 << 10
+    tcp_segment_bytes: int = UCX_TCP_DEFAULT_SEGMENT
 
 
 class MetadataReply(msgspec.Struct, tag="metadata", frozen=True, kw_only=True):
@@ -83,7 +84,7 @@ class MetadataReply(msgspec.Struct, tag="metadata", frozen=True, kw_only=True):
     # notifications to this server must carry it (b"": an older server that issues none).
     notify_session: bytes = b""
     # The largest UCX/TCP segment the server sends a reader (absent: an older engine, UCX's default).
-    tcp_segment_bytes: int = 64 << 10
+    tcp_segment_bytes: int = UCX_TCP_DEFAULT_SEGMENT
 
 
 class ErrorReply(msgspec.Struct, tag="error", frozen=True, kw_only=True):
@@ -192,7 +193,7 @@ def decode_published(data: bytes) -> PublishedEngine:
 
 # Request fields added after authentication was: signed only when not at their default, so an older
 # engine (which drops them when it re-encodes a request, or never sends them) computes the same MAC.
-_LATER_FIELDS: dict[str, object] = {"tcp_segment_bytes": 64 << 10}
+_LATER_FIELDS: dict[str, object] = {"tcp_segment_bytes": UCX_TCP_DEFAULT_SEGMENT}
 
 
 def request_mac(secret: bytes, request: Authenticated) -> bytes:

@@ -17,7 +17,6 @@ import pytest
 import zmq.asyncio
 
 from nixl_async import EngineConfig, IncompatiblePeerError, TransferEngine, messages
-from nixl_async._agent import OwnedAgent
 from nixl_async.config import TCP_SEGMENT_BYTES, UCX_TCP_DEFAULT_SEGMENT, tcp_segment_in_use
 from nixl_async.handshake import fetch_metadata
 from nixl_async.layout import BlockLayout
@@ -145,27 +144,24 @@ async def test_larger_segments_read_from_a_peer_on_ucx_defaults_but_not_the_othe
     assert_no_live_handles(engine)
 
 
-def _raw_read_state(reply: messages.MetadataReply, ucx_params: dict[str, str]) -> str:
-    """NIXL driven directly (no engine, no handshake check): READ every block, return the end state
-    and whether the data is the peer's pattern (seed 5)."""
-    agent = OwnedAgent(f"raw-{time.time_ns():x}", ("UCX",), {"UCX": ucx_params})
+def _raw_read_state(address: tuple[str, int], ucx_params: dict[str, str]) -> str:
+    """NIXL driven directly (the benchmarks' raw reader: no engine, no check of the reply's segment):
+    READ every block, return the end state and whether the data is the peer's pattern (seed 5)."""
+    from nixl_async_benchmarks.common import RawReader
+
     region = _regions()[0]
     local = BlockLayout.from_regions("kv", [region.ctypes.data], num_blocks=BLOCKS, block_len=BLOCK)
-    agent.register(local.region_descriptors(), local.mem_type)
-    remote_name = agent.add_remote(reply.agent_metadata)
-    local_dl, remote_dl = agent.prep_view("", local.view()), agent.prep_view(remote_name, reply.layouts[0].view())
-    nixl = agent.public
-    handle = nixl.make_prepped_xfer("READ", local_dl, list(range(BLOCKS)), remote_dl, list(range(BLOCKS)))
-    state = str(nixl.transfer(handle))
+    raw = RawReader(f"raw-{time.time_ns():x}", local, address, progress_thread=False, ucx_params=ucx_params)
+    handle, state = raw.post(np.arange(BLOCKS), np.arange(BLOCKS))
     deadline = time.monotonic() + 10
     while state == "PROC" and time.monotonic() < deadline:
         time.sleep(0.001)
-        state = str(nixl.check_xfer_state(handle))
+        state = raw.state(handle)
     intact = verify_blocks([region], BLOCK, list(range(BLOCKS)), list(range(BLOCKS)), seed=5) == []
     return f"{state} {'intact' if intact else 'wrong'}"
 
 
-async def test_ucx_takes_the_segment_and_a_reader_on_its_default_cannot_read(nixl_peer_factory, tmp_path):
+async def test_ucx_takes_the_segment_and_a_reader_on_its_default_cannot_read(nixl_peer_factory):
     """What the handshake check guards against, with NIXL alone: the engine's 512 KiB segments reach
     UCX, and a raw reader on UCX's 64 KiB cannot READ from it. It lost the link in one experiment
     and corrupted its heap in another (UCX received 512 KiB messages into 64 KiB buffers; "free():
@@ -175,15 +171,12 @@ async def test_ucx_takes_the_segment_and_a_reader_on_its_default_cannot_read(nix
     reply = await fetch_metadata(zmq.asyncio.Context.instance(), *peer_proc.address, asking, timeout=5,
                                  max_frame_bytes=4 << 20)  # fmt: skip
     assert reply.tcp_segment_bytes == TCP_SEGMENT_BYTES
-    (tmp_path / "reply").write_bytes(messages.encode(reply))
     same = EngineConfig(link_timeout_s=None, cuda_ipc_get=False).backend_settings("UCX", {})
     outcomes = []
     for params in (same, {}):
         child = (
-            "import json, sys; from pathlib import Path; from nixl_async import messages; "
             "from tests.engine.test_tcp_segments import _raw_read_state; "
-            f"reply = messages.decode_reply(Path({str(tmp_path / 'reply')!r}).read_bytes()); "
-            f"print('STATE', _raw_read_state(reply, {params!r}), flush=True)"
+            f"print('STATE', _raw_read_state({tuple(peer_proc.address)!r}, {params!r}), flush=True)"
         )
         done = await asyncio.create_subprocess_exec(
             sys.executable, "-c", child, env={**os.environ, "UCX_TLS": "tcp"}, cwd=REPO,
