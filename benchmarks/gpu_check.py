@@ -47,6 +47,7 @@ import json
 import os
 import platform
 import queue
+import re
 import socket
 import subprocess
 import sys
@@ -536,7 +537,10 @@ def check_imports() -> dict[str, Any]:
                "nixl_async_vllm.worker"]  # fmt: skip
     for name in modules:
         try:
-            importlib.import_module(name)
+            if name == "nixl_async_vllm.worker":
+                _import_adapter_worker()
+            else:
+                importlib.import_module(name)
         except Exception as exc:
             out["ok"] = False
             out["errors"][name] = f"{type(exc).__name__}: {exc}"
@@ -548,6 +552,20 @@ def check_imports() -> dict[str, Any]:
 
         out["versions"]["nixl_async"] = nixl_async.__version__
     return out
+
+
+def _import_adapter_worker() -> None:
+    """The adapter's worker, over vLLM's stand-ins where vLLM is not installed (the device has none).
+
+    Its modules keep what they bound at import (e.g. the push book's request-id helper).
+    """
+    try:
+        importlib.import_module("vllm")
+    except ImportError:
+        with _VllmStandIns().installed():
+            importlib.import_module("nixl_async_vllm.worker")
+    else:
+        importlib.import_module("nixl_async_vllm.worker")
 
 
 def environment(device: torch.device) -> dict[str, Any]:
@@ -608,6 +626,24 @@ def self_test(device: torch.device) -> dict[str, Any]:
         fa_ok = fa_ok and np.array_equal(exp_fa[r].cpu().numpy(), want.reshape(-1))
     ok = pattern_ok and block_copy_ok and fa_ok
     return {"ok": ok, "pattern": pattern_ok, "block_copy_oracle": block_copy_ok, "fa_oracle": fa_ok}
+
+
+@contextlib.contextmanager
+def busy_python_thread() -> Iterator[None]:
+    """Run a thread of pure Python (it holds the GIL but for the interpreter's switches) meanwhile."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            pass
+
+    thread = threading.Thread(target=spin, name="busy-python", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 # -- the checks ------------------------------------------------------------------------------------
@@ -882,15 +918,13 @@ class Checks:
             ids = list(range(n))
             copy = self.whole(src.seed or 0, src, dst.spec, ids, order)
             await self.engine.read(self.peer, [0], [0], local=name, remote=name)  # warm up the descriptor lists
-            engine_rates, cpu = [], []
-            for _ in range(repeats):
-                dst.fill(None, self.device)
-                cpu0, t0 = time.process_time(), time.perf_counter()
-                await self.engine.read(self.peer, ids, order, local=name, remote=name)
-                dt = time.perf_counter() - t0
-                engine_rates.append(self.tput_bytes / dt / 1e9)
-                cpu.append((time.process_time() - cpu0) / dt * 100)
+            engine_gbps, engine_cpu = await self._engine_reads(name, ids, order, repeats)
             engine_check = verify(dst, [copy], self.device)
+            # Beside a Python thread that holds the GIL whenever it can (a model thread, worst case):
+            # a post copies with the GIL released, and each one waits to get it back.
+            with busy_python_thread():
+                beside_busy, _ = await self._engine_reads(name, ids, order, repeats)
+            busy_check = verify(dst, [copy], self.device)
             # Raw NIXL loops over the same descriptors: with the engine's UCX settings (the same
             # transport: what the engine's own work costs) and with UCX's defaults (what a plain
             # NIXL agent, vLLM's NixlConnector among them, gets on this machine), but for the TCP
@@ -899,29 +933,66 @@ class Checks:
                 name, block_len, order, copy, self.engine.config.backend_settings("UCX", os.environ)
             )
             raw_default = await self._raw_read(name, block_len, order, copy, raw_ucx_params())
-            engine_gbps = float(np.median(engine_rates))
-            ok = ok and engine_check["ok"] and raw_same["ok"] and raw_default["ok"]
+            # The busy goal's baseline (#13): the same raw loop checking every 1 ms instead of spinning.
+            raw_paced = await self._raw_read(
+                name,
+                block_len,
+                order,
+                copy,
+                self.engine.config.backend_settings("UCX", os.environ),
+                check_every_s=0.001,
+            )
+            with busy_python_thread():
+                raw_beside_busy = await self._raw_read(
+                    name, block_len, order, copy, self.engine.config.backend_settings("UCX", os.environ)
+                )
+            checked = [engine_check, busy_check, raw_same, raw_default, raw_paced, raw_beside_busy]
+            ok = ok and all(c["ok"] for c in checked)
             rows.append({
                 "block": f"{block_len >> 10} KiB", "blocks": n, "MiB": self.tput_bytes >> 20,
                 "engine GB/s": engine_gbps, "raw NIXL GB/s": raw_same["gbps"],
                 "engine/raw": engine_gbps / raw_same["gbps"], "raw, UCX defaults GB/s": raw_default["gbps"],
-                "engine CPU %": float(np.median(cpu)), "raw CPU %": raw_same["cpu"],
+                "engine CPU %": engine_cpu, "raw CPU %": raw_same["cpu"],
+                "raw 1 ms GB/s": raw_paced["gbps"], "raw 1 ms CPU %": raw_paced["cpu"],
+                "engine CPU ms/GB": engine_cpu * 10 / engine_gbps,
+                "raw 1 ms CPU ms/GB": raw_paced["cpu"] * 10 / raw_paced["gbps"],
+                "engine, Python thread busy GB/s": beside_busy, "raw, Python thread busy GB/s": raw_beside_busy["gbps"],
                 "copy ceiling GB/s": ceiling,
-                "bytes ok": engine_check["ok"] and raw_same["ok"] and raw_default["ok"],
+                "bytes ok": all(c["ok"] for c in checked),
             })  # fmt: skip
         notes = [
             f"READ of {self.tput_bytes >> 20} MiB in random block order, median of {repeats} runs",
             "engine: `await engine.read(...)` with the default EngineConfig (slicing, 2 slices in flight)",
             "raw NIXL: one prepped transfer for the whole region, progress thread off, spinning until DONE; "
             "with the engine's UCX settings (engine/raw compares these), and with UCX's defaults",
+            "raw 1 ms: the raw loop with the engine's settings, sleeping 1 ms between state checks "
+            "(the busy goal's baseline: CPU per GB moved)",
+            "Python thread busy: the same reads while another thread of this process runs pure Python "
+            "(holding the GIL but for the interpreter's switches), as a model thread might",
             "CPU %: this process's CPU time over the transfer's wall time (100 % = one core)",
             "copy ceiling: torch copy_ of the same bytes on the same device (bytes moved per second)",
         ]
         return {"ok": ok, "rows": rows, "notes": notes}
 
+    async def _engine_reads(self, name: str, ids: list[int], order: list[int], repeats: int) -> tuple[float, float]:
+        """`repeats` engine READs of the whole layout: median GB/s and this process's CPU % while they ran."""
+        rates, cpu = [], []
+        for _ in range(repeats):
+            self.mem[name].fill(None, self.device)
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            await self.engine.read(self.peer, ids, order, local=name, remote=name)
+            dt = time.perf_counter() - t0
+            rates.append(self.tput_bytes / dt / 1e9)
+            cpu.append((time.process_time() - cpu0) / dt * 100)
+        return float(np.median(rates)), float(np.median(cpu))
+
     async def _raw_read(self, name: str, block_len: int, order: list[int], copy: BlockCopy,
-                        ucx_params: dict[str, str]) -> dict[str, Any]:  # fmt: skip
-        """READ `name`'s blocks in `order` with a raw NIXL agent of its own (UCX `ucx_params`), checked."""
+                        ucx_params: dict[str, str], check_every_s: float = 0.0) -> dict[str, Any]:  # fmt: skip
+        """READ `name`'s blocks in `order` with a raw NIXL agent of its own (UCX `ucx_params`), checked.
+
+        Its state is checked without pause, or every `check_every_s` (a blocking sleep: nothing
+        else runs in this process meanwhile).
+        """
         from nixl_async import BlockLayout, MemType
         from nixl_async._agent import OwnedAgent
         from nixl_async.layout import pair_descriptor_ids
@@ -953,6 +1024,8 @@ class Checks:
                 handle = agent.make_xfer("READ", local_dl, lidx, remote_dl, ridx)
                 state = agent.post(handle)
                 while state == "PROC":
+                    if check_every_s:
+                        time.sleep(check_every_s)
                     state = agent.state(handle)
                 dt = time.perf_counter() - t0
                 agent.release_xfer(handle)
@@ -1097,6 +1170,7 @@ class _VllmStandIns:
                  "vllm.distributed.kv_transfer.kv_connector.v1",
                  "vllm.distributed.kv_transfer.kv_connector.v1.nixl",
                  "vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata",
+                 "vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils",
                  "vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats", "vllm.v1",
                  "vllm.v1.kv_cache_interface"]  # fmt: skip
         mods = {name: module(name) for name in names}
@@ -1113,6 +1187,10 @@ class _VllmStandIns:
             lambda *args, **kwargs: "gpu-check"
         )
         mods["vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats"].NixlKVConnectorStats = Stats  # type: ignore[attr-defined]
+        # vLLM suffixes request ids with "-" and 8 hex digits; its helper strips that suffix.
+        mods["vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils"].get_base_request_id = (  # type: ignore[attr-defined]
+            lambda request_id: re.sub(r"-[0-9a-fA-F]{8}$", "", request_id)
+        )
         self.saved = {name: sys.modules[name] for name in mods if name in sys.modules}
         sys.modules.update(mods)
         try:
