@@ -1,9 +1,11 @@
 """How big a slice to post, and when a transfer in flight may end: rates learned from posts (no I/O).
 
-Over UCX's CMA transport a post is a synchronous copy inside `transfer()`, so the slice size
-bounds how long one post stalls the event loop; the engine aims at `post_target_s` per post.
-Only posts that complete inline tell us a copy rate: the estimate drops at once on a slow
-post (an overestimate means a long stall) and recovers gradually.
+Over UCX's CMA transport (and cuda_ipc between GPUs) a post is a synchronous copy inside
+`transfer()`, so the slice size bounds how long one post stalls the event loop; the engine aims
+at `post_target_s` of copying per post. Only posts that complete inline tell us a copy rate:
+the estimate drops at once on a slow copy (an overestimate means a long stall) and recovers
+gradually. Time a post spends waiting (for the GIL, mostly) is not copying: it stretches the
+slices instead of shrinking them (`CopyRate`).
 
 Over transports that do not copy inside the post (TCP, RDMA, GPU memory) a post costs little
 whatever its size, and small slices only leave the wire short of work: there a slice carries
@@ -20,21 +22,34 @@ _INITIAL_COPY_RATE = 4e9  # a conservative first guess (CMA here does 4-12 GB/s)
 
 
 class CopyRate:
-    __slots__ = ("_config", "bytes_per_s")
+    """How fast posts that complete inline copy, and what waiting around each post costs.
+
+    The copy runs on the loop's thread with the GIL released, so it is timed by the thread's
+    CPU time. The rest of a post's wall time is waiting: for the GIL (another Python thread of
+    the process runs meanwhile, e.g. vLLM's model thread), for a core, for a DMA engine. It
+    comes with every post whatever its size, so slices are made long enough to outweigh it.
+    """
+
+    __slots__ = ("_config", "bytes_per_s", "wait_s")
+
+    WAIT_SHARE = 0.5  # a slice's copy takes at least WAIT_SHARE**-1 times the wait around it
 
     def __init__(self, config: EngineConfig, initial: float = _INITIAL_COPY_RATE) -> None:
         self._config = config
         self.bytes_per_s = initial
+        self.wait_s = 0.0  # a running mean
 
-    def observe(self, nbytes: int, seconds: float) -> None:
-        """A post of `nbytes` completed inside the call in `seconds`."""
-        if nbytes >= self._config.min_post_bytes and seconds > 0:  # big enough to measure
-            self.bytes_per_s = min(nbytes / seconds, self.bytes_per_s * 1.25)
+    def observe(self, nbytes: int, copy_s: float, wall_s: float) -> None:
+        """A post of `nbytes` completed inside the call: `copy_s` of this thread's CPU, `wall_s` in all."""
+        if nbytes >= self._config.min_post_bytes and copy_s > 0:  # big enough to measure
+            self.bytes_per_s = min(nbytes / copy_s, self.bytes_per_s * 1.25)
+        self.wait_s += (max(0.0, wall_s - copy_s) - self.wait_s) / 4
 
     def slice_bytes(self) -> int:
-        """Bytes per post so that an inline copy takes about `post_target_s`."""
+        """Bytes per post so that an inline copy takes about `post_target_s`, or twice the wait if longer."""
         cfg = self._config
-        return int(min(cfg.max_post_bytes, max(cfg.min_post_bytes, self.bytes_per_s * cfg.post_target_s)))
+        seconds = max(cfg.post_target_s, self.wait_s / self.WAIT_SHARE)
+        return int(min(cfg.max_post_bytes, max(cfg.min_post_bytes, self.bytes_per_s * seconds)))
 
 
 class WireRate:

@@ -76,6 +76,28 @@ def test_slices_are_sized_for_the_loop_on_inline_copies_and_for_the_wire_otherwi
     assert slice_bytes(cfg, copy, link) == 8_000_000
 
 
+def test_inline_copies_are_timed_by_cpu_and_waiting_around_posts_stretches_the_slices():
+    cfg = EngineConfig(post_target_s=0.002, min_post_bytes=1 << 20, max_post_bytes=64 << 20)
+    copy = CopyRate(cfg, initial=4e9)
+    copy.observe(8_000_000, 0.002, 0.002)  # 4 GB/s, nothing waited
+    assert copy.wait_s == 0.0 and copy.slice_bytes() == 8_000_000
+    # Another Python thread holds the GIL: each post copies 2 ms, then waits 5 ms to get it back.
+    # Timed by the wall, the rate would fall to 1.1 GB/s and the slices with it (and fall again
+    # on the next, smaller, equally delayed post); timed by the CPU it stays, and the slices grow.
+    for _ in range(12):
+        copy.observe(copy.slice_bytes(), copy.slice_bytes() / 4e9, copy.slice_bytes() / 4e9 + 0.005)
+    assert copy.bytes_per_s == pytest.approx(4e9, rel=0.01)
+    assert copy.wait_s == pytest.approx(0.005, rel=0.05)
+    assert copy.slice_bytes() == pytest.approx(4e9 * 0.010, rel=0.05)  # 10 ms of copying: twice the wait
+    copy.observe(8_000_000, 0.008, 0.008)  # a slow copy (1 GB/s) is still believed at once
+    assert copy.bytes_per_s == pytest.approx(1e9)
+    for _ in range(30):  # the wait goes, the slices shrink back to the loop's target
+        copy.observe(2_000_000, 0.002, 0.002)
+    assert copy.slice_bytes() == 2_000_000
+    copy.observe(512 << 10, 0.0001, 0.005)  # too small to time a rate, but its wait counts
+    assert copy.bytes_per_s == pytest.approx(1e9) and copy.wait_s > 0.001
+
+
 def test_a_peer_is_hinted_busy_unless_its_posts_copy_inline_and_renewed_before_the_hint_runs_out():
     link = LinkRates()
     assert link.busy_hint_due(10.0)  # nothing known yet: the first transfer may be in flight
