@@ -7,7 +7,7 @@ the estimate drops at once on a slow copy (an overestimate means a long stall) a
 gradually. Time a post spends waiting (for the GIL, mostly) is not copying: it stretches the
 slices instead of shrinking them (`CopyRate`).
 
-Over transports that do not copy inside the post (TCP, RDMA, GPU memory) a post costs little
+Over transports that do not copy inside the post (TCP, RDMA) a post costs little
 whatever its size, and small slices only leave the wire short of work: there a slice carries
 `slice_flight_s` of wire time at the rate recent transfers to that peer moved at (`LinkRates`).
 """

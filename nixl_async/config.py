@@ -178,7 +178,7 @@ class EngineConfig:
     max_post_bytes: int = 64 << 20
     max_post_descriptors: int = 8192
     slices_in_flight: int = 2
-    # Over transports that do not copy inside the post (TCP, RDMA, GPU memory), a slice instead
+    # Over transports that do not copy inside the post (TCP, RDMA), a slice instead
     # carries about this much wire time at the rate recent transfers to that peer moved at
     # (None: size every slice as an inline copy, as before).
     slice_flight_s: float | None = 0.025
