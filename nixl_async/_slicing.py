@@ -26,13 +26,16 @@ class CopyRate:
 
     The copy runs on the loop's thread with the GIL released, so it is timed by the thread's
     CPU time. The rest of a post's wall time is waiting: for the GIL (another Python thread of
-    the process runs meanwhile, e.g. vLLM's model thread), for a core, for a DMA engine. It
-    comes with every post whatever its size, so slices are made long enough to outweigh it.
+    the process runs meanwhile, e.g. vLLM's model thread) or for a core. It comes with every
+    post whatever its size, so slices are made long enough to outweigh it (`COPY_OVER_WAIT`).
+    A copy that a DMA engine does while the thread sleeps would read as fast and waited for,
+    so its slices come out longer than the target; a cuda_ipc READ's post kept a core busy for
+    its whole time on an H100 (docs/gpu.md).
     """
 
     __slots__ = ("_config", "bytes_per_s", "wait_s")
 
-    WAIT_SHARE = 0.5  # a slice's copy takes at least WAIT_SHARE**-1 times the wait around it
+    COPY_OVER_WAIT = 2.0  # a slice copies for at least this many times the mean wait
 
     def __init__(self, config: EngineConfig, initial: float = _INITIAL_COPY_RATE) -> None:
         self._config = config
@@ -48,7 +51,7 @@ class CopyRate:
     def slice_bytes(self) -> int:
         """Bytes per post so that an inline copy takes about `post_target_s`, or twice the wait if longer."""
         cfg = self._config
-        seconds = max(cfg.post_target_s, self.wait_s / self.WAIT_SHARE)
+        seconds = max(cfg.post_target_s, self.wait_s * self.COPY_OVER_WAIT)
         return int(min(cfg.max_post_bytes, max(cfg.min_post_bytes, self.bytes_per_s * seconds)))
 
 
