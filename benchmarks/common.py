@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -62,6 +63,29 @@ def run_tcp_child(module: str, quick: bool) -> Any:
 def percentiles(samples: list[float] | np.ndarray, *qs: float) -> list[float]:
     arr = np.asarray(samples, dtype=float)
     return [float(np.percentile(arr, q)) if arr.size else float("nan") for q in qs]
+
+
+@contextmanager
+def busy_python_thread() -> Iterator[list[int]]:
+    """A thread of pure Python meanwhile, counting into the list it yields (one item).
+
+    It holds the GIL but for the interpreter's switches, as a model thread's Python does at its
+    worst: a reader beside it waits up to a switch interval whenever it gives the GIL up.
+    """
+    stop = threading.Event()
+    count = [0]
+
+    def spin() -> None:
+        while not stop.is_set():
+            count[0] += 1
+
+    thread = threading.Thread(target=spin, name="busy-python", daemon=True)
+    thread.start()
+    try:
+        yield count
+    finally:
+        stop.set()
+        thread.join()
 
 
 @contextmanager

@@ -628,24 +628,6 @@ def self_test(device: torch.device) -> dict[str, Any]:
     return {"ok": ok, "pattern": pattern_ok, "block_copy_oracle": block_copy_ok, "fa_oracle": fa_ok}
 
 
-@contextlib.contextmanager
-def busy_python_thread() -> Iterator[None]:
-    """Run a thread of pure Python (it holds the GIL but for the interpreter's switches) meanwhile."""
-    stop = threading.Event()
-
-    def spin() -> None:
-        while not stop.is_set():
-            pass
-
-    thread = threading.Thread(target=spin, name="busy-python", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
-
-
 # -- the checks ------------------------------------------------------------------------------------
 class Checks:
     """Every check, sharing one main engine connected to one peer."""
@@ -903,7 +885,7 @@ class Checks:
 
     # throughput --------------------------------------------------------------------------------
     async def throughput(self) -> dict[str, Any]:
-        from .common import raw_ucx_params
+        from .common import busy_python_thread, raw_ucx_params
 
         assert self.proc is not None
         repeats = 3 if self.args.quick else 5

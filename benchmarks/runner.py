@@ -24,6 +24,7 @@ SCENARIOS: dict[str, tuple[str, bool]] = {
     "descriptors": ("descriptors", True),
     "inflight": ("inflight", True),
     "busy": ("busy", True),
+    "beside_python": ("beside_python", True),
     "discovery": ("discovery", False),  # 16 peers through etcd vs the side channel (needs an etcd binary)
     "vllm": ("vllm", False),  # real vLLM servers: minutes; run it by name
     "vllm_hybrid": ("vllm_hybrid", False),  # the same on hybrid models
