@@ -454,7 +454,7 @@ class TransferDriver:
                 state = agent.post(handle)
             except NIXL_ERRORS as exc:
                 state = f"ERR ({exc})"
-            took = time.perf_counter() - started
+            took, copy_s = time.perf_counter() - started, time.thread_time() - cpu_started
             actions = core.posted(index, state)  # first: the core knows of the handle before anything can raise
             transfer.post_seconds += took
             self._stats.histograms["post_us"].record(took)
@@ -463,7 +463,7 @@ class TransferDriver:
                 # The copy is this thread's CPU time; the rest is waiting (for the GIL, mostly). Counted
                 # as copying, that wait shrank the slices, and smaller slices meant more waits (H100,
                 # 1 GiB read beside a busy Python thread: 1 MiB slices, 0.1 GB/s).
-                self._copy_rate.observe(len(lidx) * transfer.piece_len, time.thread_time() - cpu_started, took)
+                self._copy_rate.observe(len(lidx) * transfer.piece_len, copy_s, took)
             if not notif:  # (a notification can keep a post in flight that copied inline)
                 transfer.link.posted(state)
             self._apply(transfer, actions)

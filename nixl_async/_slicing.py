@@ -14,6 +14,8 @@ whatever its size, and small slices only leave the wire short of work: there a s
 
 from __future__ import annotations
 
+import sys
+
 from .config import EngineConfig
 
 __all__ = ["CopyRate", "LinkRates", "WireRate", "slice_bytes"]
@@ -43,13 +45,22 @@ class CopyRate:
         self.wait_s = 0.0  # a running mean
 
     def observe(self, nbytes: int, copy_s: float, wall_s: float) -> None:
-        """A post of `nbytes` completed inside the call: `copy_s` of this thread's CPU, `wall_s` in all."""
+        """A post of `nbytes` completed inside the call: `copy_s` of this thread's CPU, `wall_s` in all.
+
+        A wait counts up to Python's switch interval, about the longest the GIL takes to come
+        back. Time off a core mid-copy grows with the slice, and counted whole it would double
+        the slices on every post of an oversubscribed host.
+        """
         if nbytes >= self._config.min_post_bytes and copy_s > 0:  # big enough to measure
             self.bytes_per_s = min(nbytes / copy_s, self.bytes_per_s * 1.25)
-        self.wait_s += (max(0.0, wall_s - copy_s) - self.wait_s) / 4
+        wait = min(max(0.0, wall_s - copy_s), sys.getswitchinterval())
+        self.wait_s += (wait - self.wait_s) / 4
 
     def slice_bytes(self) -> int:
-        """Bytes per post so that an inline copy takes about `post_target_s`, or twice the wait if longer."""
+        """Bytes per post so that an inline copy takes about `post_target_s`, or twice the wait if longer.
+
+        So beside a busy thread a slice copies for up to twice the switch interval (10 ms).
+        """
         cfg = self._config
         seconds = max(cfg.post_target_s, self.wait_s * self.COPY_OVER_WAIT)
         return int(min(cfg.max_post_bytes, max(cfg.min_post_bytes, self.bytes_per_s * seconds)))

@@ -170,9 +170,11 @@ class EngineConfig:
     # Backpressure: a submit beyond either limit waits for room.
     max_inflight_transfers: int = 4096
     max_inflight_bytes: int = 4 << 30
-    # A post over CMA is a synchronous copy inside `transfer()`; slicing bounds the loop stall.
-    # Slices are sized to take about `post_target_s` at the copy rate measured on recent
-    # posts, within [min_post_bytes, max_post_bytes] and at most `max_post_descriptors`.
+    # A post over CMA (or cuda_ipc) is a synchronous copy inside `transfer()`; slicing bounds the
+    # loop stall. Slices are sized to copy for about `post_target_s` at the rate measured on
+    # recent posts, within [min_post_bytes, max_post_bytes] and at most `max_post_descriptors`;
+    # while posts wait to get the GIL back (a busy Python thread beside us), for up to twice
+    # that wait instead (at most twice Python's switch interval), so fewer posts pay it.
     post_target_s: float = 0.002
     min_post_bytes: int = 1 << 20
     max_post_bytes: int = 64 << 20

@@ -49,6 +49,7 @@ def test_dry_run_without_vllm_imports_the_adapter_over_stand_ins(tmp_path):
         f"runpy.run_module({MODULE!r}, run_name='__main__')"
     )
     proc = subprocess.run([sys.executable, "-c", hide_vllm], capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert (tmp_path / "gpu-check.json").exists(), proc.stdout[-2000:] + proc.stderr[-2000:]
     summary = json.loads((tmp_path / "gpu-check.json").read_text())
     imports = next(c for c in summary["checks"] if c["name"] == "imports")
     assert imports["details"]["errors"] == {}, imports

@@ -1,5 +1,7 @@
 """The poller's pacing policy and the latency histogram (pure logic)."""
 
+import sys
+
 import pytest
 
 from nixl_async._poller import AdaptivePacer
@@ -96,6 +98,20 @@ def test_inline_copies_are_timed_by_cpu_and_waiting_around_posts_stretches_the_s
     assert copy.slice_bytes() == 2_000_000
     copy.observe(512 << 10, 0.0001, 0.005)  # too small to time a rate, but its wait counts
     assert copy.bytes_per_s == pytest.approx(1e9) and copy.wait_s > 0.001
+
+
+def test_waits_count_up_to_the_switch_interval(monkeypatch):
+    """Off a core half the time, a post's wait grows with its slice: the stretch must stop somewhere."""
+    monkeypatch.setattr(sys, "getswitchinterval", lambda: 0.005)
+    cfg = EngineConfig(post_target_s=0.002, min_post_bytes=1 << 20, max_post_bytes=1 << 30)
+    copy = CopyRate(cfg, initial=4e9)
+    for _ in range(40):
+        seconds = copy.slice_bytes() / 4e9
+        copy.observe(copy.slice_bytes(), seconds, 2 * seconds)  # the wall twice the CPU, whatever the size
+    assert copy.wait_s == pytest.approx(0.005, rel=0.01)
+    assert copy.slice_bytes() == pytest.approx(4e9 * 0.010, rel=0.01)  # twice the interval, not 1 GiB
+    copy.observe(40_000_000, 0.010, 0.210)  # one post 200 ms late moves the mean by no more than an interval
+    assert copy.wait_s <= 0.005 + 1e-9
 
 
 def test_a_peer_is_hinted_busy_unless_its_posts_copy_inline_and_renewed_before_the_hint_runs_out():
