@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .common import TCP, RawReader, Result, busy_python_thread, run_tcp_child
+from .common import BRISK_PEER_POLL_S, TCP, RawReader, Result, busy_python_thread, run_tcp_child
 
 SIZE = 64 << 20
 BLOCK = {"cma": 1 << 20, "tcp": 64 << 10}
@@ -67,7 +67,13 @@ async def _measure(transport: str, quick: bool) -> dict[str, list[tuple[float, f
     ids = np.arange(blocks)
     idle = _idle_speed()
     samples: dict[str, list[tuple[float, float]]] = {}
-    spec = PeerSpec(engine_id=f"beside-python-peer-{transport}", num_regions=1, num_blocks=blocks, block_len=block)
+    spec = PeerSpec(
+        engine_id=f"beside-python-peer-{transport}",
+        num_regions=1,
+        num_blocks=blocks,
+        block_len=block,
+        idle_poll_s=BRISK_PEER_POLL_S if transport == "tcp" else None,
+    )
     layout = BlockLayout.from_regions("kv", [region.ctypes.data], num_blocks=blocks, block_len=block)
     with PeerProcess(spec, env=TCP if transport == "tcp" else None) as peer:
         raw = RawReader(f"beside-python-raw-{transport}", layout, peer.address, progress_thread=False)

@@ -31,7 +31,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from .common import TCP, Result, percentiles, run_tcp_child
+from .common import BRISK_PEER_POLL_S, TCP, Result, percentiles, run_tcp_child
 
 BLOCK = 64 << 10
 SIZES = [4 << 20, 32 << 20, 192 << 20]
@@ -82,7 +82,13 @@ def _child(quick: bool) -> dict[str, Any]:
     rounds, per_round = (2, 3) if quick else (4, 5)
     region = np.ones(max(SIZES), dtype=np.uint8)
     samples: dict[str, dict[int, list[tuple]]] = {s: {size: [] for size in SIZES} for s in SETUPS}
-    spec = PeerSpec(engine_id="busy-peer", num_regions=1, num_blocks=max(SIZES) // BLOCK, block_len=BLOCK)
+    spec = PeerSpec(
+        engine_id="busy-peer",
+        num_regions=1,
+        num_blocks=max(SIZES) // BLOCK,
+        block_len=BLOCK,
+        idle_poll_s=BRISK_PEER_POLL_S,
+    )
     ucx_spec = msgspec.structs.replace(spec, engine_id="busy-peer-ucx-segments", tcp_segment_bytes=None)
     with PeerProcess(spec, env=TCP) as ours, PeerProcess(ucx_spec, env=TCP) as ucx_segments:
         for round_ in range(rounds):

@@ -46,6 +46,13 @@ def format_figure(value: object, missing: str = "-") -> str:
 
 TCP = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
 
+# Over TCP a READ moves only while the peer's UCX worker is progressed. An engine hints its peer
+# busy while it reads (the peer then checks every 2 ms); a raw loop sends no hints, and a peer
+# at its idle backoff (50 ms) served its reads at 0.24-0.63 GB/s instead of 1.6-1.9 here. So the
+# TCP scenarios' peers check every 2 ms whoever reads, as a hinted peer does (vLLM's prefill,
+# with NIXL's progress thread on, progresses all the time).
+BRISK_PEER_POLL_S = 0.002
+
 
 def run_tcp_child(module: str, quick: bool) -> Any:
     """Run ``python -m nixl_async_benchmarks.<module> --child quick|full`` with UCX over TCP only.

@@ -25,7 +25,7 @@ from nixl_async import EngineConfig, TransferEngine
 from nixl_async.layout import BlockLayout, pair_descriptor_ids
 from nixl_async.testing.peer_process import PeerProcess, PeerSpec
 
-from .common import RawReader, Result
+from .common import BRISK_PEER_POLL_S, RawReader, Result
 
 BLOCK = 4096
 BLOCKS = 1024
@@ -122,7 +122,13 @@ def _raw(address, n: int) -> float:
 
 def run(quick: bool) -> Result:
     n, rounds = 10_000, 2 if quick else 5
-    spec = PeerSpec(engine_id="bench-inflight-peer", num_regions=1, num_blocks=BLOCKS, block_len=BLOCK)
+    spec = PeerSpec(
+        engine_id="bench-inflight-peer",
+        num_regions=1,
+        num_blocks=BLOCKS,
+        block_len=BLOCK,
+        idle_poll_s=BRISK_PEER_POLL_S,
+    )
     with PeerProcess(spec, env={"UCX_TLS": "tcp"}) as peer:
         single, batched, batch_rows, raw, memory = asyncio.run(_engine(peer.address, n, rounds))
     single_s, batched_s, raw_s = statistics.median(single), statistics.median(batched), statistics.median(raw)

@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from .common import TCP, RawReader, Result, run_tcp_child
+from .common import BRISK_PEER_POLL_S, TCP, RawReader, Result, run_tcp_child
 
 TOTAL = 128 << 20
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20]
@@ -85,7 +85,7 @@ def _child(quick: bool) -> dict[str, dict]:
         out[str(block_len)] = {}
         for name, order in orders.items():
             spec = PeerSpec(engine_id=f"tcp-tput-peer-{block_len}-{name}", num_regions=1, num_blocks=blocks,
-                            block_len=block_len)  # fmt: skip
+                            block_len=block_len, idle_poll_s=BRISK_PEER_POLL_S)  # fmt: skip
             with PeerProcess(spec, env=TCP) as peer:
                 got = asyncio.run(_one_order(peer.address, region, block_len, order, rounds, per_round))
             out[str(block_len)][name] = got

@@ -1,12 +1,13 @@
 """The peer-process harness's `Reincarnate`: a new engine, agent and address over the same memory."""
 
+import asyncio
 import socket
 
 import numpy as np
 import pytest
 
 from nixl_async import HandshakeTimeout
-from nixl_async.testing import Checksums, PeerCommandError, Reincarnate, verify_blocks
+from nixl_async.testing import Checksums, PeerCommandError, Reincarnate, Stats, verify_blocks
 
 BLOCK = 4096
 
@@ -44,3 +45,18 @@ async def test_a_failed_reincarnation_reports_and_the_harness_still_stops(nixl_p
         with pytest.raises(PeerCommandError, match="ZMQError"):
             await proc.request(Reincarnate(engine_id="x", port=taken.getsockname()[1]))
     assert await proc.astop() == 0
+
+
+async def test_idle_poll_keeps_an_idle_peer_progressing(nixl_peer_factory):
+    """`idle_poll_s`: the TCP benchmarks' peers check every 2 ms when idle, as a hinted peer does, since raw
+    NIXL loops send no busy hints (a peer at its 50 ms idle backoff serves their TCP reads at a fraction)."""
+    brisk = nixl_peer_factory(num_regions=1, num_blocks=4, block_len=BLOCK, idle_poll_s=0.002)
+    backing_off = nixl_peer_factory(num_regions=1, num_blocks=4, block_len=BLOCK)
+
+    async def polls_in_a_second(proc) -> int:
+        before = (await proc.request(Stats()))["counters"]["polls"]
+        await asyncio.sleep(1.0)
+        return (await proc.request(Stats()))["counters"]["polls"] - before
+
+    brisk_polls, idle_polls = await asyncio.gather(polls_in_a_second(brisk), polls_in_a_second(backing_off))
+    assert brisk_polls >= 150 and idle_polls <= 60, (brisk_polls, idle_polls)  # ~2-3 ms apart; 50 ms apart

@@ -30,7 +30,7 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from ..config import TCP_SEGMENT_BYTES
+from ..config import TCP_SEGMENT_BYTES, PollConfig
 from ..layout import LayoutKind
 from .patterns import fill_pattern, verify_blocks
 
@@ -79,6 +79,12 @@ class PeerSpec(msgspec.Struct, kw_only=True):
     etcd_namespace: str = "nixl_async"
     etcd_lease_ttl_s: int = 10
     tcp_segment_bytes: int | None = TCP_SEGMENT_BYTES  # EngineConfig's (None: UCX's default)
+    idle_poll_s: float | None = None  # the poller's interval when idle (None: the engine's backoff, to 50 ms)
+
+
+def _idle_every(seconds: float) -> PollConfig:
+    """A poller that, idle, checks every `seconds` (and never backs off further)."""
+    return PollConfig(idle_interval_s=seconds, backoff_start_s=min(PollConfig.backoff_start_s, seconds))
 
 
 class Verify(msgspec.Struct, tag="verify", kw_only=True):
@@ -203,6 +209,7 @@ class _PeerServer:
                 auth_secret=spec.auth_secret,
                 etcd=etcd,
                 tcp_segment_bytes=spec.tcp_segment_bytes,
+                poll=PollConfig() if spec.idle_poll_s is None else _idle_every(spec.idle_poll_s),
             )
         )
         await engine.start()
