@@ -105,8 +105,7 @@ def _run_measure(transport: str, quick: bool) -> dict[str, list[tuple[float, flo
         import uvloop
     except ImportError:
         return asyncio.run(_measure(transport, quick))
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(_measure(transport, quick))
+    return uvloop.run(_measure(transport, quick))
 
 
 def run(quick: bool = False) -> Result:

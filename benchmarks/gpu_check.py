@@ -892,6 +892,7 @@ class Checks:
         rows: list[dict[str, Any]] = []
         ok = True
         ceiling = self._copy_ceiling(self.tput_bytes)
+        engine_ucx = self.engine.config.backend_settings("UCX", os.environ)
         for block_len in TPUT_BLOCK_LENS:
             name = f"tput_{block_len >> 10}k"
             dst, src = self.mem[name], self.peer_spec(name)
@@ -911,23 +912,12 @@ class Checks:
             # transport: what the engine's own work costs) and with UCX's defaults (what a plain
             # NIXL agent, vLLM's NixlConnector among them, gets on this machine), but for the TCP
             # segment size, which the peer requires of its readers.
-            raw_same = await self._raw_read(
-                name, block_len, order, copy, self.engine.config.backend_settings("UCX", os.environ)
-            )
+            raw_same = await self._raw_read(name, block_len, order, copy, engine_ucx)
             raw_default = await self._raw_read(name, block_len, order, copy, raw_ucx_params())
             # The busy goal's baseline (#13): the same raw loop checking every 1 ms instead of spinning.
-            raw_paced = await self._raw_read(
-                name,
-                block_len,
-                order,
-                copy,
-                self.engine.config.backend_settings("UCX", os.environ),
-                check_every_s=0.001,
-            )
+            raw_paced = await self._raw_read(name, block_len, order, copy, engine_ucx, check_every_s=0.001)
             with busy_python_thread():
-                raw_beside_busy = await self._raw_read(
-                    name, block_len, order, copy, self.engine.config.backend_settings("UCX", os.environ)
-                )
+                raw_beside_busy = await self._raw_read(name, block_len, order, copy, engine_ucx)
             checked = [engine_check, busy_check, raw_same, raw_default, raw_paced, raw_beside_busy]
             ok = ok and all(c["ok"] for c in checked)
             rows.append({
