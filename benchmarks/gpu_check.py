@@ -74,6 +74,7 @@ ROW = 2 * HEAD_DIM * ELT  # bytes of one head's K and V for one token
 PEER_BS, DECODE_BS = 16, 32  # tokens per block: producer, and a reader with block-size ratio 2
 BLOCKS = 64
 TPUT_BLOCK_LENS = (64 << 10, 1 << 20)
+LARGE_POST_BYTES = 1 << 30  # max_post_bytes of the throughput check's second engine
 CHECK_TIMEOUT_S = 150.0
 ENGINE_CHECKS = frozenset({
     "vram_read_blocks", "vram_write_blocks", "vram_read_tp_head_slice", "vram_write_tp_head_slice",
@@ -908,6 +909,7 @@ class Checks:
             with busy_python_thread():
                 beside_busy, _ = await self._engine_reads(name, ids, order, repeats)
             busy_check = verify(dst, [copy], self.device)
+            large = await self._large_slice_reads(name, ids, order, repeats, copy)
             # Raw NIXL loops over the same descriptors: with the engine's UCX settings (the same
             # transport: what the engine's own work costs) and with UCX's defaults (what a plain
             # NIXL agent, vLLM's NixlConnector among them, gets on this machine), but for the TCP
@@ -918,7 +920,7 @@ class Checks:
             raw_paced = await self._raw_read(name, block_len, order, copy, engine_ucx, check_every_s=0.001)
             with busy_python_thread():
                 raw_beside_busy = await self._raw_read(name, block_len, order, copy, engine_ucx)
-            checked = [engine_check, busy_check, raw_same, raw_default, raw_paced, raw_beside_busy]
+            checked = [engine_check, busy_check, large, raw_same, raw_default, raw_paced, raw_beside_busy]
             ok = ok and all(c["ok"] for c in checked)
             rows.append({
                 "block": f"{block_len >> 10} KiB", "blocks": n, "MiB": self.tput_bytes >> 20,
@@ -929,6 +931,8 @@ class Checks:
                 "engine CPU ms/GB": engine_cpu * 10 / engine_gbps,
                 "raw 1 ms CPU ms/GB": raw_paced["cpu"] * 10 / raw_paced["gbps"],
                 "engine, Python thread busy GB/s": beside_busy, "raw, Python thread busy GB/s": raw_beside_busy["gbps"],
+                "engine, slices to 1 GiB GB/s": large["gbps"], "same, Python thread busy GB/s": large["busy_gbps"],
+                "slices to 1 GiB, per read": large["slices"],
                 "copy ceiling GB/s": ceiling,
                 "bytes ok": all(c["ok"] for c in checked),
             })  # fmt: skip
@@ -941,22 +945,55 @@ class Checks:
             "(the busy goal's baseline: CPU per GB moved)",
             "Python thread busy: the same reads while another thread of this process runs pure Python "
             "(holding the GIL but for the interpreter's switches), as a model thread might",
+            "slices to 1 GiB: an engine of its own with max_post_bytes=1 GiB (the default caps a slice at "
+            "64 MiB, under 1 ms of a GPU copy): whether fewer, longer posts close the gap to the raw loop",
             "CPU %: this process's CPU time over the transfer's wall time (100 % = one core)",
             "copy ceiling: torch copy_ of the same bytes on the same device (bytes moved per second)",
         ]
         return {"ok": ok, "rows": rows, "notes": notes}
 
-    async def _engine_reads(self, name: str, ids: list[int], order: list[int], repeats: int) -> tuple[float, float]:
-        """`repeats` engine READs of the whole layout: median GB/s and this process's CPU % while they ran."""
+    async def _engine_reads(self, name: str, ids: list[int], order: list[int], repeats: int, *,
+                            engine: Any = None, peer: Any = None, memory: Memory | None = None
+                            ) -> tuple[float, float]:  # fmt: skip
+        """`repeats` READs of the whole layout by the main engine (or `engine` from `peer` into `memory`):
+        median GB/s and this process's CPU % while they ran."""
+        engine, peer, memory = engine or self.engine, peer or self.peer, memory or self.mem[name]
         rates, cpu = [], []
         for _ in range(repeats):
-            self.mem[name].fill(None, self.device)
+            memory.fill(None, self.device)
             cpu0, t0 = time.process_time(), time.perf_counter()
-            await self.engine.read(self.peer, ids, order, local=name, remote=name)
+            await engine.read(peer, ids, order, local=name, remote=name)
             dt = time.perf_counter() - t0
             rates.append(self.tput_bytes / dt / 1e9)
             cpu.append((time.process_time() - cpu0) / dt * 100)
         return float(np.median(rates)), float(np.median(cpu))
+
+    async def _large_slice_reads(self, name: str, ids: list[int], order: list[int], repeats: int,
+                                 copy: BlockCopy) -> dict[str, Any]:  # fmt: skip
+        """The same READs by an engine whose slices may grow to 1 GiB, alone and beside a busy Python thread.
+
+        The main engine caps a slice at 64 MiB; a GPU copies that in well under the 2 ms a slice aims
+        at, so each read is many posts and every post pays the engine's own work and a GIL wait.
+        """
+        from nixl_async import EngineConfig, TransferEngine
+
+        from .common import busy_python_thread
+
+        assert self.proc is not None
+        memory = Memory(self.mem[name].spec, self.device)
+        config = EngineConfig(engine_id=f"gpu-check-large-{name}", transfer_timeout_s=60.0,
+                              max_post_bytes=LARGE_POST_BYTES)  # fmt: skip
+        async with TransferEngine(config) as engine:
+            engine.register(name, memory.regions, block_len=memory.spec.block_bytes)
+            peer = await engine.connect(*self.proc.address)
+            await engine.read(peer, [0], [0], local=name, remote=name)
+            gbps, _ = await self._engine_reads(name, ids, order, repeats, engine=engine, peer=peer, memory=memory)
+            slices = (await engine.read(peer, ids, order, local=name, remote=name)).slices
+            with busy_python_thread():
+                busy_gbps, _ = await self._engine_reads(name, ids, order, repeats, engine=engine, peer=peer,
+                                                        memory=memory)  # fmt: skip
+            check = verify(memory, [copy], self.device)
+        return {"ok": check["ok"], "gbps": gbps, "busy_gbps": busy_gbps, "slices": slices}
 
     async def _raw_read(self, name: str, block_len: int, order: list[int], copy: BlockCopy,
                         ucx_params: dict[str, str], check_every_s: float = 0.0) -> dict[str, Any]:  # fmt: skip
