@@ -404,10 +404,14 @@ class SyncEngine:
 
     def _cancel_on_loop(self, request_id: str) -> None:
         task = self._running.get(request_id)
-        if task is None:
-            self._cancel_asked.add(request_id)  # its task has not started yet
-        else:
+        if task is not None:
             task.cancel()
+            return
+        with self._lock:
+            # Its task has not started yet; or it ended since `cancel()` looked, and the cancel lapses
+            # (kept, it would cancel the next request with this id, such as a push to the same rank).
+            if request_id in self._inflight:
+                self._cancel_asked.add(request_id)
 
     def wait_activity(self, timeout: float, *, poke_every: float | None = None) -> bool:
         """Block this thread until a request ends or a fed notification arrives, or `timeout` passes.

@@ -106,6 +106,36 @@ def test_cancel_from_a_thread(sync_engine, nixl_peer_factory):
     assert not sync_engine.live_handles().get("xfers")
 
 
+def test_a_cancel_that_comes_after_its_request_ended_does_not_cancel_the_next_with_that_id(sync_engine):
+    """cancel() saw the request in flight, but by the time the loop ran it the request had ended:
+    the cancel must lapse, not wait for the next request to reuse the id (a push's id comes back)."""
+    gate = sync_engine.call(asyncio.Event)
+
+    async def held(_engine):
+        await gate.wait()
+
+    sync_engine.submit("req", held)
+    time.sleep(0.05)
+
+    def end_then_hold_the_loop():
+        gate.set()  # the request ends on the loop's next turns, before cancel's callback runs
+        time.sleep(0.05)
+
+    sync_engine.call_soon(end_then_hold_the_loop)
+    time.sleep(0.01)
+    assert sync_engine.cancel("req")  # still in flight as seen from this thread
+    done, failed = _wait_finished(sync_engine, 1)
+    assert done == {"req"} and not failed
+
+    async def quick(_engine):
+        return None
+
+    time.sleep(0.05)  # the cancel's callback has run by now
+    sync_engine.submit("req", quick)
+    done, failed = _wait_finished(sync_engine, 1)
+    assert done == {"req"}, f"a new request with the id was reported {failed}"
+
+
 def test_notifications_finish_a_request(sync_engine, nixl_peer_factory):
     host, port = sync_engine.serve()
     sync_engine.register("kv", [np.zeros(BLOCK, np.uint8)], block_len=BLOCK)
