@@ -114,6 +114,7 @@ class TransferEngine:
         self._server: HandshakeServer | None = None
         self._poller: asyncio.Task[None] | None = None
         self._closing = False
+        self._closer: asyncio.Future[None] | None = None  # close()'s work, which a cancelled caller leaves running
         self._compat_hash = messages.compat_hash(self.config.compat)
         self._reply_cache: messages.MetadataReply | None = None
         # The largest UCX/TCP segment our agent sends and receives (set by start; None: no UCX backend).
@@ -192,11 +193,17 @@ class TransferEngine:
         `TransferFenced` after the grace). If NIXL still holds a handle then, that memory is never
         deregistered or freed: the agent and the memory are kept alive (and logged) instead.
         """
-        if self._agent is None or self._closing:
+        if self._agent is None:
             return
-        self._closing = True
-        self._admission.close()  # waiters wake and fail with EngineClosedError
-        agent = self._agent
+        if self._closer is None:
+            self._closing = True
+            self._admission.close()  # waiters wake and fail with EngineClosedError
+            self._closer = asyncio.ensure_future(self._close(self._agent))
+        # A caller cancelled meanwhile (`asyncio.timeout`, a TaskGroup) stops waiting, not closing:
+        # stopped halfway the engine would refuse work yet hold its agent, memory and poller for good.
+        await asyncio.shield(self._closer)
+
+    async def _close(self, agent: OwnedAgent) -> None:
         assert self._loop is not None
         if self._follower is not None:
             self._follower.cancel()

@@ -152,6 +152,27 @@ async def test_engine_close(tcp_engine, tcp_peer, as_batch):
     await _assert_quiet_after(tcp_engine, regions, error)
 
 
+async def test_a_close_cancelled_midway_still_finishes(tcp_engine, tcp_peer):
+    """`asyncio.timeout` around `close()`, or a TaskGroup cancelling `__aexit__`: the close goes on
+    (its transfers quiet, its handles released, its agent dropped) and a later `close()` waits for it."""
+    regions, peer = await _setup(tcp_engine, tcp_peer)
+    transfer = await _in_flight(tcp_engine, peer)
+    closing = asyncio.ensure_future(tcp_engine.close())
+    await asyncio.sleep(0.002)  # close() now waits for the read to go quiet
+    assert not closing.done()
+    closing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    assert not tcp_engine.running
+    await tcp_engine.close()
+    assert tcp_engine._agent is None, "the close stopped where it was cancelled: agent, memory and poller kept"
+    error = transfer.exception()
+    assert isinstance(error, TransferCancelled | TransferFenced)
+    if not isinstance(error, TransferFenced):
+        assert tcp_engine.live_handles() == {}
+    await _assert_quiet_after(tcp_engine, regions, error)
+
+
 async def test_fenced_when_nixl_holds_past_the_grace(monkeypatch, tcp_peer, as_batch):
     """A zero grace: the caller hears at once that the memory is fenced; it clears later."""
     monkeypatch.setenv("UCX_TLS", "tcp")
