@@ -20,9 +20,11 @@ it, so two WRITEs never race for the same bytes.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["LayerCoverage", "LayerReady", "PrefillStep", "ProgressiveFeed", "RequestDone"]
+__all__ = ["LayerCoverage", "LayerReady", "PrefillFollower", "PrefillStep", "ProgressiveFeed", "RequestDone"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,59 @@ class PrefillStep:
         if self.stop >= self.prompt_len:
             return self.prompt_blocks(block_size)
         return self.stop // block_size
+
+
+class PrefillFollower:
+    """Follows requests through prefill, step by step, from vLLM's scheduler output (scheduler side).
+
+    The output lists a request's blocks whole when it is first scheduled (or resumed after a
+    preemption) and only its new blocks after that; a step computes tokens ``[num_computed,
+    num_computed + scheduled)``. Progressive push hands each step on to the workers; host staging
+    copies the blocks each step wrote.
+    """
+
+    def __init__(self) -> None:
+        self._followed: dict[str, tuple[int, list[list[int]]]] = {}  # request -> (prompt tokens, blocks so far)
+
+    def __bool__(self) -> bool:
+        return bool(self._followed)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._followed
+
+    def follow(self, request_id: str, prompt_len: int) -> None:
+        self._followed.setdefault(request_id, (prompt_len, []))
+
+    def forget(self, request_id: str) -> None:
+        self._followed.pop(request_id, None)
+
+    def steps(self, out: Any) -> Iterator[tuple[str, PrefillStep, bool]]:
+        """(request, its `PrefillStep`, fresh) per followed request whose prompt `out` computes some of.
+
+        Fresh: its blocks came whole in this step (its first, or it was resumed).
+        """
+        scheduled = out.num_scheduled_tokens
+        for new in out.scheduled_new_reqs:
+            if new.req_id in self._followed:
+                yield from self._step(new.req_id, new.num_computed_tokens, new.block_ids, True, scheduled)
+        cached = out.scheduled_cached_reqs
+        for i, request_id in enumerate(cached.req_ids):
+            if request_id in self._followed:
+                yield from self._step(request_id, cached.num_computed_tokens[i], cached.new_block_ids[i],
+                                      request_id in cached.resumed_req_ids, scheduled)  # fmt: skip
+
+    def _step(self, request_id: str, start: int, blocks: Any, whole: bool, scheduled: dict[str, int]
+              ) -> Iterator[tuple[str, PrefillStep, bool]]:  # fmt: skip
+        prompt, held = self._followed[request_id]
+        resumed = whole and bool(held)  # blocks given anew after a preemption: they may have changed
+        if whole:
+            held[:] = [list(group) for group in blocks]
+        elif blocks is not None:
+            for mine, new in zip(held, blocks, strict=True):
+                mine.extend(new)
+        stop = min(prompt, start + scheduled.get(request_id, 0))
+        if start < prompt:
+            yield request_id, PrefillStep(tuple(list(g) for g in held), start, stop, prompt, resumed), whole
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,10 @@ leases on blocks held for a reader), so it is reused as is. What differs:
   that may already belong to another request;
 - each step's metadata says whether it schedules anything (``idle_step``): a worker may then
   wait for its transfers instead of returning to a loop that calls it again at once;
+- host staging (``kv_buffer_device=cpu`` on a GPU) copies, each step, every block the step wrote
+  to the host copy NIXL serves. vLLM's lists only the blocks new in a step, so a block one chunk
+  of a chunked prefill left part-filled was never copied again once the next chunk filled it
+  (nor at all when the prompt's last chunk needed no new block): the reader got stale KV;
 - push mode with ``push_progressive``: prefill's scheduler also tells its workers, every step,
   which requests for decode it computes, in which blocks and up to which token
   (``push_steps``), so they can push each layer as soon as it is computed.
@@ -27,7 +31,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import NixlPushConnectorScheduler
 
-from .progressive import PrefillStep
+from .progressive import PrefillFollower, PrefillStep
 from .settings import AdapterSettings
 
 __all__ = ["AdapterPushScheduler", "AdapterScheduler"]
@@ -65,8 +69,37 @@ class AdapterScheduler(_MarksIdleSteps, _WorkersServeHandshakes, NixlPullConnect
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, engine_id, kv_cache_config)
         self.settings = _adapt(self, vllm_config)
+        self._saving = PrefillFollower()  # host staging: requests for decode still computing
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        if request.request_id in self._reqs_need_save:  # host staging, a request for decode
+            self._saving.follow(request.request_id, request.num_prompt_tokens)
+
+    def _build_save_meta(self, meta: Any, scheduler_output: Any) -> None:
+        """Host staging: which blocks the workers copy to the host after this step's forward pass.
+
+        Every block the step's tokens went into, the one an earlier chunk left part-filled
+        included; in a request's first step (or once resumed) also the blocks its prefix hit
+        found, as vLLM's does. A request leaves once its prompt is computed.
+        """
+        sizes = [group.kv_cache_spec.block_size for group in self.kv_cache_config.kv_cache_groups]
+        for request_id, step, fresh in list(self._saving.steps(scheduler_output)):
+            request = self._reqs_need_save.get(request_id)
+            if request is None:  # aborted (vLLM's request_finished dropped it)
+                self._saving.forget(request_id)
+                continue
+            written = tuple(blocks[0 if fresh else step.start // size : -(-step.stop // size)]
+                            for blocks, size in zip(step.blocks, sizes, strict=True))  # fmt: skip
+            meta.add_new_req_to_save(request_id=request_id,
+                                     local_block_ids=self.get_exchange_clipped_blocks(written, clip_ssm=False),
+                                     kv_transfer_params=request.kv_transfer_params)  # fmt: skip
+            if step.stop >= step.prompt_len:
+                self._reqs_need_save.pop(request_id, None)
+                self._saving.forget(request_id)
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        self._saving.forget(request.request_id)
         delay, params = super().request_finished(request, block_ids)
         deadline = self._reqs_need_send.get(request.request_id)
         if delay and params is not None and deadline is not None and params.get("do_remote_prefill"):
@@ -87,12 +120,12 @@ class AdapterPushScheduler(_MarksIdleSteps, _WorkersServeHandshakes, NixlPushCon
         super().__init__(vllm_config, engine_id, kv_cache_config)
         self.settings = _adapt(self, vllm_config)
         self._push_registration_timeout = self.settings.push_registration_timeout_s
-        self._computing: dict[str, tuple[int, list[list[int]]]] = {}  # request -> (prompt tokens, blocks so far)
+        self._computing = PrefillFollower()  # prefill's requests for decode, with progressive push
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = request.kv_transfer_params or {}
         if self.settings.push_progressive and params.get("do_remote_decode"):
-            self._computing.setdefault(request.request_id, (request.num_prompt_tokens, []))
+            self._computing.follow(request.request_id, request.num_prompt_tokens)
         super().update_state_after_alloc(request, blocks, num_external_tokens)
         staged = self._reqs_need_recv.get(request.request_id)
         if staged is not None and staged[2] == () and num_external_tokens > 0:
@@ -102,7 +135,7 @@ class AdapterPushScheduler(_MarksIdleSteps, _WorkersServeHandshakes, NixlPushCon
             self._reqs_need_recv[request.request_id] = (staged[0], staged[1], hits, staged[3])
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
-        self._computing.pop(request.request_id, None)
+        self._computing.forget(request.request_id)
         return super().request_finished(request, block_ids)
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
@@ -113,27 +146,4 @@ class AdapterPushScheduler(_MarksIdleSteps, _WorkersServeHandshakes, NixlPushCon
 
     def _prefill_steps(self, out: Any) -> dict[str, PrefillStep]:
         """What each followed request computes in this step (its blocks as the step's forward sees them)."""
-        steps: dict[str, PrefillStep] = {}
-        scheduled = out.num_scheduled_tokens
-
-        def follow(request_id: str, start: int, blocks: Any, replace: bool) -> None:
-            prompt, held = self._computing[request_id]
-            resumed = replace and bool(held)  # blocks given anew after a preemption: they may have changed
-            if replace:
-                held[:] = [list(group) for group in blocks]
-            elif blocks is not None:
-                for mine, new in zip(held, blocks, strict=True):
-                    mine.extend(new)
-            stop = min(prompt, start + scheduled.get(request_id, 0))
-            if start < prompt:
-                steps[request_id] = PrefillStep(tuple(list(g) for g in held), start, stop, prompt, resumed)
-
-        for new in out.scheduled_new_reqs:
-            if new.req_id in self._computing:
-                follow(new.req_id, new.num_computed_tokens, new.block_ids, replace=True)
-        cached = out.scheduled_cached_reqs
-        for i, request_id in enumerate(cached.req_ids):
-            if request_id in self._computing:
-                replace = request_id in cached.resumed_req_ids
-                follow(request_id, cached.num_computed_tokens[i], cached.new_block_ids[i], replace)
-        return steps
+        return {request_id: step for request_id, step, _fresh in self._computing.steps(out)}

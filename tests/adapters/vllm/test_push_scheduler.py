@@ -18,7 +18,7 @@ if os.environ.get("NIXL_ASYNC_REQUIRE_VLLM") != "1":
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import NixlPushConnectorScheduler
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
-from nixl_async_vllm.progressive import PrefillStep
+from nixl_async_vllm.progressive import PrefillFollower, PrefillStep
 from nixl_async_vllm.scheduler import AdapterPushScheduler
 
 PROMPT = 300  # tokens: 3 blocks of 128
@@ -38,7 +38,7 @@ def scheduler(monkeypatch) -> AdapterPushScheduler:
     sched = object.__new__(AdapterPushScheduler)
     sched.settings = SimpleNamespace(push_progressive=True)
     sched._reqs_need_recv = {}
-    sched._computing = {}
+    sched._computing = PrefillFollower()
     return sched
 
 

@@ -1,0 +1,127 @@
+"""Host staging (``kv_buffer_device=cpu`` on a GPU): after each step the workers copy to the host
+copy NIXL serves every block that step wrote, so a reader never gets a block's stale host bytes.
+
+Pure logic: `AdapterScheduler._build_save_meta` on vLLM's own metadata and KV cache config
+classes, fed scheduler outputs of a chunked prefill; vLLM 0.32's `_build_save_meta` is run on the
+same steps as the baseline. (vLLM-CPU never stages through the host, so no server run reaches it.)
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+if os.environ.get("NIXL_ASYNC_REQUIRE_VLLM") != "1":
+    pytest.importorskip("vllm", reason="vLLM not installed (bash scripts/setup-vllm.sh)")
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+
+from nixl_async_vllm.progressive import PrefillFollower
+from nixl_async_vllm.scheduler import AdapterScheduler
+
+BS = 16  # tokens per block
+
+# One step of a chunked prefill: (first step?, tokens computed before it, tokens it computes, blocks new in it).
+Step = tuple[bool, int, int, list[int] | None]
+
+
+def _scheduler(window: int | None = None) -> AdapterScheduler:
+    """An AdapterScheduler with what `_build_save_meta` reads (vLLM's constructor needs a whole VllmConfig)."""
+    spec: Any = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float16)
+    if window is not None:
+        spec = SlidingWindowSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float16, sliding_window=window)
+    sched = object.__new__(AdapterScheduler)
+    sched.kv_cache_config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
+                                          kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])  # fmt: skip
+    sched._is_hma_required = window is not None
+    sched.blocks_per_sw = [-(-window // BS) + 1 if window else 0]
+    sched._ssm_spec_blocks = [None]
+    sched._reqs_need_save = {}
+    sched._saving = PrefillFollower()
+    return sched
+
+
+def _output(request_id: str, step: Step) -> SimpleNamespace:
+    first, start, count, blocks = step
+    new = [SimpleNamespace(req_id=request_id, block_ids=(blocks,), num_computed_tokens=start)] if first else []
+    cached = SimpleNamespace(req_ids=[] if first else [request_id], resumed_req_ids=set(),
+                             new_block_ids=[] if first else [None if blocks is None else (blocks,)],
+                             num_computed_tokens=[] if first else [start])  # fmt: skip
+    scheduled = {request_id: count}
+    return SimpleNamespace(scheduled_new_reqs=new, scheduled_cached_reqs=cached, num_scheduled_tokens=scheduled)
+
+
+def _saves(build: Any, sched: AdapterScheduler, prompt: int, steps: list[Step]) -> list[set[int]]:
+    """Blocks each step's metadata tells the workers to copy, running `build` (a `_build_save_meta`)."""
+    request = SimpleNamespace(request_id="p", num_prompt_tokens=prompt, num_computed_tokens=0,
+                              kv_transfer_params={"do_remote_decode": True})  # fmt: skip
+    sched._reqs_need_save["p"] = request
+    sched._saving.follow("p", prompt)
+    saved = []
+    for step in steps:
+        request.num_computed_tokens = step[1]
+        meta = NixlConnectorMetadata()
+        build(sched, meta, _output("p", step))
+        saved.append({b for group in meta.reqs_to_save["p"].local_block_ids for b in group}
+                     if "p" in meta.reqs_to_save else set())  # fmt: skip
+    return saved
+
+
+def _last_writes(prompt: int, steps: list[Step]) -> dict[int, int]:
+    """Block id -> the last step whose tokens went into it (after which its host copy must be taken)."""
+    blocks: list[int] = []
+    last: dict[int, int] = {}
+    for n, (_first, start, count, new) in enumerate(steps):
+        blocks += new or []
+        for token in range(start, min(prompt, start + count)):
+            last[blocks[token // BS]] = n
+    return last
+
+
+# A prompt of 40 tokens in chunks of 20, 12 and 8: block 6 is half filled by the first chunk and
+# filled by the second, which needs no new block (so vLLM lists nothing for it at all).
+CHUNKS_40: list[Step] = [(True, 0, 20, [5, 6]), (False, 20, 12, None), (False, 32, 8, [9])]
+# A prompt of 30 tokens whose last chunk needs no new block: the prefill's final step.
+LAST_CHUNK_IN_OLD_BLOCK: list[Step] = [(True, 0, 20, [5, 6]), (False, 20, 10, None)]
+
+
+@pytest.mark.parametrize(("prompt", "steps"), [(40, CHUNKS_40), (30, LAST_CHUNK_IN_OLD_BLOCK)],
+                         ids=["middle_chunk", "last_chunk"])  # fmt: skip
+def test_every_block_is_copied_after_the_last_step_that_writes_it(prompt, steps):
+    sched = _scheduler()
+    saved = _saves(AdapterScheduler._build_save_meta, sched, prompt, steps)
+    for block, step in _last_writes(prompt, steps).items():
+        assert block in saved[step], f"block {block} was last written in step {step}, which copied {saved[step]}"
+    assert "p" not in sched._reqs_need_save and "p" not in sched._saving, "done once its prompt is computed"
+    # vLLM 0.32's own copies a block only in the step it is new: block 6 keeps the first chunk's bytes
+    baseline = _saves(NixlPullConnectorScheduler._build_save_meta, _scheduler(), prompt, steps)
+    assert 6 not in baseline[1]
+
+
+def test_a_step_copies_only_what_it_wrote_and_the_first_includes_the_prefix_hit():
+    # 32 tokens of the prompt were found in the local prefix cache (blocks 1, 2): the first step
+    # copies them too, as vLLM's does (a block cached by another request may never have been copied)
+    steps: list[Step] = [(True, 32, 20, [1, 2, 3, 4]), (False, 52, 20, [7]), (False, 72, 8, None)]
+    saved = _saves(AdapterScheduler._build_save_meta, _scheduler(), 80, steps)
+    assert saved == [{1, 2, 3, 4}, {4, 7}, {7}]
+
+
+def test_a_sliding_window_group_copies_the_in_window_tail_of_what_a_step_wrote():
+    # a 32-token window: 3 blocks kept (vLLM's count, one for the boundary); the first step writes 5 blocks
+    steps: list[Step] = [(True, 0, 80, [1, 2, 3, 4, 5]), (False, 80, 8, [6])]
+    saved = _saves(AdapterScheduler._build_save_meta, _scheduler(window=32), 88, steps)
+    assert saved == [{3, 4, 5}, {6}]
+
+
+def test_an_aborted_request_is_dropped():
+    sched = _scheduler()
+    sched._saving.follow("p", 40)  # vLLM's request_finished dropped it from _reqs_need_save on abort
+    meta = NixlConnectorMetadata()
+    AdapterScheduler._build_save_meta(sched, meta, _output("p", CHUNKS_40[1]))
+    assert not meta.reqs_to_save and "p" not in sched._saving
