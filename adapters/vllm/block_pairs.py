@@ -75,6 +75,8 @@ def pair_blocks(group: GroupBlocks, ratio: int, *, paged: bool = False) -> tuple
         if paged:  # a partly filled last block: only the pages both sides have for the prompt
             pairs = min(len(local), -(-len(remote) // ratio))
             local, remote = local[:pairs], remote[: pairs * ratio]
+        elif group.local_hit is not None:  # paired from the front: producer blocks past ours hold nothing we
+            remote = remote[: len(local) * ratio]  # load (lookahead slots of speculative decoding)
         return list(local), list(remote)
     if group.kind == "window":
         if len(group.local) > len(group.remote):

