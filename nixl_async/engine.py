@@ -1104,7 +1104,10 @@ class TransferEngine:
                 errors.ok()
             except Exception as exc:  # a bug must not silently stop every deadline and completion
                 errors.record(exc)
-                self._fail_in_flight(f"engine poller error: {type(exc).__name__}")
+                try:
+                    self._fail_in_flight(f"engine poller error: {type(exc).__name__}")
+                except Exception as again:  # nor one that breaks failing them: the next sweep tries again
+                    errors.record(again)
                 await asyncio.sleep(errors.backoff_s)
 
     def _fail_in_flight(self, reason: str) -> None:
