@@ -218,6 +218,8 @@ class SyncEngine:
             self._cancel_asked.discard(request_id)
             with self._lock:
                 self._inflight.pop(request_id, None)
+        if error is None:  # a transfer it started but never awaited may have failed, or been settled (cancelled)
+            error = next((t.exception() for t in started if t.done() and t.exception() is not None), None)
         self._report(request_id, "done" if error is None else "failed", error)
 
     async def _quiesce(self, request_id: str, started: list[Any], error: BaseException | None) -> None:
@@ -232,7 +234,9 @@ class SyncEngine:
                 settled = await engine.settle(pending, timeout=engine.config.release_grace_s + 0.5)
         if settled:
             return
-        fenced = next((t.exception() for t in pending if isinstance(t.exception(), TransferFenced)), None)
+        # (a transfer not told yet, the poller late past the grace, has no exception to look at)
+        fenced = next((t.exception() for t in pending if t.done() and isinstance(t.exception(), TransferFenced)),
+                      None)  # fmt: skip
         self._report(request_id, "fenced", fenced or error)
         while not all(t.quiet for t in pending):
             with contextlib.suppress(asyncio.CancelledError):
@@ -443,6 +447,7 @@ class SyncEngine:
             except queue.Empty:
                 return out
             if outcome == "done":
+                out.fenced.pop(request_id, None)
                 out.done.add(request_id)
             elif outcome == "fenced":
                 out.fenced[request_id] = error if error is not None else RuntimeError("fenced")

@@ -66,3 +66,21 @@ def test_reported_only_once_quiet(tcp_sync_engine, nixl_peer_factory, how):
     got = _collect(tcp_sync_engine, "req")
     assert "req" in got.failed, got
     _assert_quiet(regions, got.failed["req"])
+
+
+def test_a_request_that_leaves_its_read_unawaited_is_reported_failed_not_done(tcp_sync_engine, nixl_peer_factory):
+    """Its coroutine returned while the read was in flight: the facade settles (cancels) the read
+    before naming the request, and the request did not get its bytes, so it is named failed."""
+    proc = nixl_peer_factory(num_regions=2, num_blocks=BLOCKS, block_len=BLOCK, seed=3, tcp=True)
+    regions = [np.full(BLOCKS * BLOCK, 0xAA, np.uint8) for _ in range(2)]
+    tcp_sync_engine.register("kv", regions, block_len=BLOCK)
+    info = tcp_sync_engine.connect(*proc.address)
+    ids = list(range(BLOCKS))
+
+    async def start_and_leave(engine):
+        await engine.start_read(engine.peer(info.engine_id), ids, ids)
+
+    tcp_sync_engine.submit("req", start_and_leave)
+    got = _collect(tcp_sync_engine, "req")
+    assert "req" in got.failed and "req" not in got.done, got
+    _assert_quiet(regions, got.failed["req"])
