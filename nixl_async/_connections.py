@@ -10,11 +10,12 @@ still be moving that transfer's bytes), so a peer is *retiring* in between.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
 from . import messages
-from ._agent import OwnedAgent
+from ._agent import NIXL_ERRORS, OwnedAgent
 from ._driver import TransferDriver
 from ._memory import MemoryRegistry
 from ._notify_transport import NotificationTransport
@@ -130,7 +131,8 @@ class Connections:
         peer.connected = False
         self.table.remove(peer)
         self.retiring[peer.agent_name] = peer
-        self.drop_quiet()
+        with contextlib.suppress(*NIXL_ERRORS):  # what NIXL would not let go of stays: the poller tries again
+            self.drop_quiet()
 
     def drop_quiet(self) -> None:
         """Remove what forgotten peers left once no live transfer uses it."""
@@ -138,8 +140,8 @@ class Connections:
             in_use = {id(t.remote_dlist) for t in self._driver.live()}
             agent = self._agent()
             for handle in [h for h in self._orphan_dlists if id(h) not in in_use]:
-                self._orphan_dlists.remove(handle)
                 agent.release_dlist(handle)
+                self._orphan_dlists.remove(handle)  # (released: a list NIXL refused stays, to try again)
         if self.retiring:
             busy = self._driver.busy_agents()
             for name, peer in list(self.retiring.items()):
@@ -164,11 +166,12 @@ class Connections:
         self.drop_quiet()  # lists replaced by a refresh
 
     def _drop_remote(self, peer: Peer) -> None:
-        if self.retiring.pop(peer.agent_name, None) is None:
+        if peer.agent_name not in self.retiring:
             return
         agent = self._agent()
         self._memory.drop_remote(agent, peer.agent_name)
         agent.remove_remote(peer.agent_name)
+        del self.retiring[peer.agent_name]  # (unloaded: an agent NIXL would not unload stays, to try again)
 
     def _agent(self) -> OwnedAgent:
         assert self.agent is not None

@@ -78,7 +78,7 @@ class ErrorThrottle:
         self._suppressed = 0
         self.backoff_s = 0.01
 
-    def record(self, exc: Exception) -> None:
+    def record(self, exc: BaseException) -> None:
         now = time.monotonic()
         if now - self._last_logged >= self._interval:
             more = f" ({self._suppressed} more since the last report)" if self._suppressed else ""

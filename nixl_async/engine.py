@@ -42,7 +42,7 @@ import zmq.asyncio
 
 from . import messages
 from ._admission import Admission
-from ._agent import OwnedAgent
+from ._agent import NIXL_ERRORS, OwnedAgent
 from ._connections import Connections
 from ._driver import COLLECTOR, TransferDriver
 from ._memory import MemoryRegistry, ViewLike, layout_of_memory
@@ -115,6 +115,7 @@ class TransferEngine:
         self._poller: asyncio.Task[None] | None = None
         self._closing = False
         self._closer: asyncio.Future[None] | None = None  # close()'s work, which a cancelled caller leaves running
+        self._housekeeping_errors = ErrorThrottle(log, "NIXL error draining notifications or unloading a peer")
         self._compat_hash = messages.compat_hash(self.config.compat)
         self._reply_cache: messages.MetadataReply | None = None
         # The largest UCX/TCP segment our agent sends and receives (set by start; None: no UCX backend).
@@ -1120,12 +1121,18 @@ class TransferEngine:
         counters["polls"] += 1
         # Incoming notifications are not "activity": they promise no more work for us, and
         # spinning on them would steal the core a peer's copy needs (2-core machines).
-        self._notify.drain(agent, self._peers.table)
+        try:
+            self._notify.drain(agent, self._peers.table)
+        except NIXL_ERRORS as exc:  # NIXL's trouble draining, or unloading a peer: no reason to fail transfers
+            self._housekeeping_errors.record(exc)
         driver = self._driver
         activity = await driver.sweep(agent, loop) if driver.active or driver.fenced else False
-        self._peers.drop_quiet()
         now = loop.time()
-        self._peers.evict_idle(now)
+        try:
+            self._peers.drop_quiet()
+            self._peers.evict_idle(now)
+        except NIXL_ERRORS as exc:
+            self._housekeeping_errors.record(exc)
         if activity:
             self._pacer.activity(now)
         # Fenced transfers do not keep the poller hot: NIXL may hold them for a long time.
