@@ -164,8 +164,8 @@ class OwnedAgent:
 
     def remove_remote(self, agent_name: str) -> None:
         self._check()
-        self.live["remote_agents"] -= 1
         self._agent.remove_remote_agent(agent_name)
+        self.live["remote_agents"] -= 1  # (once NIXL let go: one it kept still counts)
 
     # -- descriptor lists -----------------------------------------------------------------
     def prep_view(self, agent_name: str, view: BlockView) -> DlistHandle:
@@ -177,8 +177,8 @@ class OwnedAgent:
 
     def release_dlist(self, handle: DlistHandle) -> None:
         self._check()
-        self.live["dlists"] -= 1
         self._agent.release_dlist_handle(handle)
+        self.live["dlists"] -= 1
 
     # -- transfers ------------------------------------------------------------------------
     # Requests are plain int handles from NIXL's bindings, not `nixl_xfer_handle` objects: with

@@ -10,7 +10,7 @@ still be moving that transfer's bytes), so a peer is *retiring* in between.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +25,8 @@ from .exceptions import HandshakeRejected, TransferCancelled
 from .stats import EngineStats
 
 __all__ = ["Connections"]
+
+log = logging.getLogger("nixl_async.engine")
 
 
 class Connections:
@@ -131,17 +133,24 @@ class Connections:
         peer.connected = False
         self.table.remove(peer)
         self.retiring[peer.agent_name] = peer
-        with contextlib.suppress(*NIXL_ERRORS):  # what NIXL would not let go of stays: the poller tries again
-            self.drop_quiet()
+        self.drop_quiet()
 
     def drop_quiet(self) -> None:
-        """Remove what forgotten peers left once no live transfer uses it."""
+        """Remove what forgotten peers left once no live transfer uses it.
+
+        What NIXL refuses to let go of is logged and left to it (`live_handles()` still counts
+        it): a refusal is no reason to fail transfers or a close, and retried on every pass it
+        would only be refused again.
+        """
         if self._orphan_dlists:
             in_use = {id(t.remote_dlist) for t in self._driver.live()}
             agent = self._agent()
             for handle in [h for h in self._orphan_dlists if id(h) not in in_use]:
-                agent.release_dlist(handle)
-                self._orphan_dlists.remove(handle)  # (released: a list NIXL refused stays, to try again)
+                self._orphan_dlists.remove(handle)
+                try:
+                    agent.release_dlist(handle)
+                except NIXL_ERRORS as exc:
+                    log.warning("NIXL refused to release a descriptor list of a forgotten peer: %s", exc)
         if self.retiring:
             busy = self._driver.busy_agents()
             for name, peer in list(self.retiring.items()):
@@ -166,12 +175,17 @@ class Connections:
         self.drop_quiet()  # lists replaced by a refresh
 
     def _drop_remote(self, peer: Peer) -> None:
-        if peer.agent_name not in self.retiring:
+        if self.retiring.pop(peer.agent_name, None) is None:
             return
         agent = self._agent()
-        self._memory.drop_remote(agent, peer.agent_name)
-        agent.remove_remote(peer.agent_name)
-        del self.retiring[peer.agent_name]  # (unloaded: an agent NIXL would not unload stays, to try again)
+        try:
+            self._memory.drop_remote(agent, peer.agent_name)
+        except NIXL_ERRORS as exc:
+            log.warning("NIXL refused to release a descriptor list of %s: %s", peer.engine_id, exc)
+        try:
+            agent.remove_remote(peer.agent_name)
+        except NIXL_ERRORS as exc:
+            log.warning("NIXL refused to unload the remote agent of %s (%s): leaving it loaded", peer.engine_id, exc)
 
     def _agent(self) -> OwnedAgent:
         assert self.agent is not None

@@ -115,7 +115,7 @@ class TransferEngine:
         self._poller: asyncio.Task[None] | None = None
         self._closing = False
         self._closer: asyncio.Future[None] | None = None  # close()'s work, which a cancelled caller leaves running
-        self._housekeeping_errors = ErrorThrottle(log, "NIXL error draining notifications or unloading a peer")
+        self._housekeeping_errors = ErrorThrottle(log, "NIXL error draining notifications")
         self._compat_hash = messages.compat_hash(self.config.compat)
         self._reply_cache: messages.MetadataReply | None = None
         # The largest UCX/TCP segment our agent sends and receives (set by start; None: no UCX backend).
@@ -240,8 +240,14 @@ class TransferEngine:
             _KEPT_ALIVE.append((agent, self._memory.keepalives(), fenced))
             self._memory.forget()
         else:
-            self._peers.release_all()
-            self._memory.release_all(agent)
+            self._peers.release_all()  # (logs what NIXL refuses to unload)
+            try:
+                self._memory.release_all(agent)
+            except NIXL_ERRORS as exc:  # the close goes on; what NIXL may still hold is never freed
+                log.error("closing: NIXL refused to release our memory (%s): keeping the agent and its memory alive",
+                          exc)  # fmt: skip
+                _KEPT_ALIVE.append((agent, self._memory.keepalives(), []))
+                self._memory.forget()
         self._notify.close()
         if self._zmq is not None:
             self._zmq.destroy(linger=0)
@@ -1123,16 +1129,13 @@ class TransferEngine:
         # spinning on them would steal the core a peer's copy needs (2-core machines).
         try:
             self._notify.drain(agent, self._peers.table)
-        except NIXL_ERRORS as exc:  # NIXL's trouble draining, or unloading a peer: no reason to fail transfers
+        except NIXL_ERRORS as exc:  # NIXL's trouble draining is no reason to fail every transfer
             self._housekeeping_errors.record(exc)
         driver = self._driver
         activity = await driver.sweep(agent, loop) if driver.active or driver.fenced else False
+        self._peers.drop_quiet()  # (logs what NIXL refuses to let go of)
         now = loop.time()
-        try:
-            self._peers.drop_quiet()
-            self._peers.evict_idle(now)
-        except NIXL_ERRORS as exc:
-            self._housekeeping_errors.record(exc)
+        self._peers.evict_idle(now)
         if activity:
             self._pacer.activity(now)
         # Fenced transfers do not keep the poller hot: NIXL may hold them for a long time.

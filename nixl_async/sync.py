@@ -250,7 +250,9 @@ class SyncEngine:
         """Run ``await func(engine, *args)`` on the loop as `request_id`; returns at once.
 
         For work that must look at a peer before deciding what to move (an adapter planning
-        reads from the peer's layout). The outcome shows in `get_finished()`.
+        reads from the peer's layout). The outcome shows in `get_finished()`: done only if the
+        coroutine returned and every transfer it started succeeded (one it caught, or left
+        unawaited and the facade settled, makes the request failed).
         """
         self._submit(request_id, func(self.engine, *args))
 
@@ -401,21 +403,23 @@ class SyncEngine:
     def cancel(self, request_id: str) -> bool:
         """Cancel a request's work; it then shows as failed in `get_finished()` once its memory is quiet."""
         with self._lock:
-            if request_id not in self._inflight:
-                return False
-        self._loop.call_soon_threadsafe(self._cancel_on_loop, request_id)
+            run = self._inflight.get(request_id)
+        if run is None:
+            return False
+        self._loop.call_soon_threadsafe(self._cancel_on_loop, request_id, run)
         return True
 
-    def _cancel_on_loop(self, request_id: str) -> None:
+    def _cancel_on_loop(self, request_id: str, run: Any) -> None:
+        with self._lock:
+            # It ended since `cancel()` looked (a new request may have its id now): the cancel lapses.
+            # (Kept, it would cancel the next request with this id, such as a push to the same rank.)
+            if self._inflight.get(request_id) is not run:
+                return
         task = self._running.get(request_id)
         if task is not None:
             task.cancel()
-            return
-        with self._lock:
-            # Its task has not started yet; or it ended since `cancel()` looked, and the cancel lapses
-            # (kept, it would cancel the next request with this id, such as a push to the same rank).
-            if request_id in self._inflight:
-                self._cancel_asked.add(request_id)
+        else:
+            self._cancel_asked.add(request_id)  # its task has not started yet
 
     def wait_activity(self, timeout: float, *, poke_every: float | None = None) -> bool:
         """Block this thread until a request ends or a fed notification arrives, or `timeout` passes.
@@ -467,9 +471,9 @@ class SyncEngine:
             return
         self._closed = True
         with self._lock:
-            pending = list(self._inflight)
-        for request_id in pending:
-            self._loop.call_soon_threadsafe(self._cancel_on_loop, request_id)
+            pending = list(self._inflight.items())
+        for request_id, run in pending:
+            self._loop.call_soon_threadsafe(self._cancel_on_loop, request_id, run)
         try:
             self._portal.call(self._stop_background)
             self._portal.call(self.engine.close)

@@ -108,14 +108,14 @@ class AdapterScheduler(_MarksIdleSteps, _WorkersServeHandshakes, NixlPullConnect
         if delay and params is not None and deadline is not None and params.get("do_remote_prefill"):
             params["remote_blocks_expiry_time"] = time.time() + (deadline - time.perf_counter())
         if delay and params is not None and params.get("do_remote_prefill"):
-            computed = self._computed_blocks(request.num_computed_tokens, block_ids)
+            computed = self._computed_blocks(min(request.num_computed_tokens, request.num_prompt_tokens), block_ids)
             if computed is not None:
                 params["remote_block_ids"] = computed
         return delay, params
 
     def _computed_blocks(self, tokens: int, block_ids: Any) -> Any:
-        """The blocks to offer a reader: those holding the `tokens` computed, clipped as vLLM clips; None if
-        that is every block.
+        """The blocks to offer a reader: those holding the prompt's first `tokens` (the ones computed),
+        clipped as vLLM clips; None if that is every block.
 
         With speculative decoding vLLM gives a prefill lookahead slots past the prompt, often a
         block more. Offered, that block ends the list: a reader pairing a sliding window from the

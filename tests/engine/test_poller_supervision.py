@@ -8,7 +8,7 @@ import contextlib
 import numpy as np
 import pytest
 
-from nixl_async import TransferFailed
+from nixl_async import EngineConfig, TransferEngine, TransferFailed
 from nixl_async._agent import NIXL_ERRORS
 
 BLOCK, BLOCKS = 1 << 20, 32
@@ -53,20 +53,79 @@ def _quiet_poller_errors(caplog):
     caplog.set_level("CRITICAL", logger="nixl_async.engine")
 
 
-@pytest.mark.parametrize("where", ["notifications", "remove_remote"])
-async def test_nixl_trouble_draining_or_unloading_a_peer_fails_no_transfer(nixl_engine, nixl_peer_factory, monkeypatch,
-                                                                          where):  # fmt: skip
-    """Draining notifications and unloading a forgotten peer are the poller's housekeeping: a NIXL
-    error there is logged, and the reads in flight go on (they all failed, as after a bug)."""
+async def test_nixl_trouble_draining_notifications_fails_no_transfer(nixl_engine, nixl_peer_factory, monkeypatch):
+    """Draining notifications is the poller's housekeeping: a NIXL error there is logged, and the
+    reads in flight go on (they all failed, as after a bug)."""
     proc = nixl_peer_factory(num_regions=1, num_blocks=BLOCKS, block_len=BLOCK, seed=4, tcp=True)
-    other = nixl_peer_factory(num_regions=1, num_blocks=1, block_len=BLOCK, tcp=True)
     nixl_engine.register("kv", [np.zeros(BLOCKS * BLOCK, np.uint8)], block_len=BLOCK)
     peer = await nixl_engine.connect(*proc.address)
-    gone = await nixl_engine.connect(*other.address)
-    agent = nixl_engine._agent
-    _break_once(monkeypatch, agent, where, NIXL_ERRORS[0]("NIXL_ERR_BACKEND"))
+    _break_once(monkeypatch, nixl_engine._agent, "notifications", NIXL_ERRORS[0]("NIXL_ERR_BACKEND"))
     transfer = await nixl_engine.start_read(peer, range(BLOCKS), range(BLOCKS), timeout=10)
-    nixl_engine.disconnect(gone)  # its remote agent is unloaded by the poller's next pass
     result = await asyncio.wait_for(transfer.wait(), 15)
     assert result.nbytes == BLOCKS * BLOCK
     assert nixl_engine.snapshot().counters.get("transfers_failures", 0) == 0
+
+
+class _Refusing:
+    """NIXL's agent, refusing to unload one remote agent (or every descriptor list) for good."""
+
+    def __init__(self, agent, refuse_agent=None, refuse_dlists=False):
+        self._agent, self._refuse_agent, self._refuse_dlists = agent, refuse_agent, refuse_dlists
+        self.refused = 0
+
+    def remove_remote_agent(self, name):
+        if name == self._refuse_agent:
+            self.refused += 1
+            raise NIXL_ERRORS[0]("NIXL_ERR_BACKEND")
+        return self._agent.remove_remote_agent(name)
+
+    def release_dlist_handle(self, handle):
+        if self._refuse_dlists:
+            self.refused += 1
+            raise NIXL_ERRORS[0]("NIXL_ERR_BACKEND")
+        return self._agent.release_dlist_handle(handle)
+
+    def __getattr__(self, name):
+        return getattr(self._agent, name)
+
+
+@pytest.mark.parametrize("what", ["remote_agents", "dlists"])
+async def test_what_nixl_will_not_unload_is_left_to_it_and_counted(nixl_peer_factory, monkeypatch, what):
+    """Forgotten peers whose remote agent (or lists) NIXL refuses to unload: the refusal is logged,
+    the other peers are unloaded, reads in flight go on, the engine still closes, and its live
+    handles say what NIXL kept. Asked once: the poller does not ask again on every pass."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    proc = nixl_peer_factory(num_regions=1, num_blocks=BLOCKS, block_len=BLOCK, seed=4, tcp=True)
+    forgotten = [nixl_peer_factory(num_regions=1, num_blocks=1, block_len=BLOCK, tcp=True) for _ in range(3)]
+    engine = TransferEngine(EngineConfig(engine_id="refused-unload"))
+    await engine.start()
+    try:
+        engine.register("kv", [np.zeros(BLOCKS * BLOCK, np.uint8)], block_len=BLOCK)
+        peer = await engine.connect(*proc.address)
+        gone = [await engine.connect(*p.address) for p in forgotten]
+        for p in gone:
+            await engine.read(p, [0], [0])  # prepares its descriptor lists
+        agent = engine._agent
+        before = agent.live_handles()
+        refusing = _Refusing(agent._agent, refuse_agent=gone[0].agent_name if what == "remote_agents" else None,
+                             refuse_dlists=what == "dlists")  # fmt: skip
+        monkeypatch.setattr(agent, "_agent", refusing)
+        transfer = await engine.start_read(peer, range(BLOCKS), range(BLOCKS), timeout=10)
+        for p in gone:
+            engine.disconnect(p)
+        result = await asyncio.wait_for(transfer.wait(), 15)
+        assert result.nbytes == BLOCKS * BLOCK
+        asked = refusing.refused
+        assert asked >= 1
+        await asyncio.sleep(0.2)  # many poller passes
+        assert refusing.refused == asked, "asked again on later passes"
+        if what == "remote_agents":
+            assert agent.live_handles()["remote_agents"] == before["remote_agents"] - 2, "the others are unloaded"
+    finally:
+        await asyncio.wait_for(engine.close(), 15)
+    assert engine._agent is None, "the close finished"
+    kept = engine.live_handles()
+    if what == "remote_agents":
+        assert kept == {"remote_agents": 1}, kept
+    else:  # every release refused, ours at close too: the memory stays registered (and alive), never freed
+        assert kept["dlists"] >= len(gone) and kept["registrations"] == 1, kept

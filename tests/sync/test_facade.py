@@ -136,6 +136,36 @@ def test_a_cancel_that_comes_after_its_request_ended_does_not_cancel_the_next_wi
     assert done == {"req"}, f"a new request with the id was reported {failed}"
 
 
+def test_a_late_cancel_lapses_even_when_a_new_request_has_taken_its_id(sync_engine):
+    """The request ended and was reported, and the id submitted again, all before the loop ran the
+    old request's cancel: that cancel must not fall on the new request."""
+    gate = sync_engine.call(asyncio.Event)
+
+    async def held(_engine):
+        await gate.wait()
+
+    sync_engine.submit("req", held)
+    time.sleep(0.05)
+
+    def end_then_keep_the_loop_busy():
+        gate.set()  # the request ends on the loop's next turns...
+        asyncio.get_running_loop().call_soon(time.sleep, 0.3)  # ...then the loop is busy, before the cancel runs
+        time.sleep(0.05)  # (cancel() below looks meanwhile: the request is still in flight)
+
+    sync_engine.call_soon(end_then_keep_the_loop_busy)
+    time.sleep(0.01)
+    assert sync_engine.cancel("req")
+    done, failed = _wait_finished(sync_engine, 1)
+    assert done == {"req"} and not failed
+
+    async def quick(_engine):
+        await asyncio.sleep(0.01)
+
+    sync_engine.submit("req", quick)  # the loop is still busy: the old cancel runs before this starts
+    done, failed = _wait_finished(sync_engine, 1)
+    assert done == {"req"}, f"the new request was reported {failed}"
+
+
 def test_notifications_finish_a_request(sync_engine, nixl_peer_factory):
     host, port = sync_engine.serve()
     sync_engine.register("kv", [np.zeros(BLOCK, np.uint8)], block_len=BLOCK)
