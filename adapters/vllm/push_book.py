@@ -31,11 +31,13 @@ __all__ = [
     "PushGroup",
     "PushRegistration",
     "base_request_id",
+    "push_failure_notification",
     "push_notification",
 ]
 
 PUSH_TOPIC = "kv_push"
 PUSH_PREFIX = b"push:"
+PUSH_FAILED_PREFIX = b"push-failed:"
 GONE = "gone"  # a registration for a request prefill has freed
 GONE_REMEMBERED = 4096  # freed requests remembered to answer late registrations
 
@@ -43,6 +45,11 @@ GONE_REMEMBERED = 4096  # freed requests remembered to answer late registrations
 def push_notification(decode_request_id: str, prefill_rank: int) -> bytes:
     """What prefill rank `prefill_rank`'s WRITE carries to decode: decode counts one per writing rank."""
     return PUSH_PREFIX + f"{decode_request_id}:{prefill_rank}".encode()
+
+
+def push_failure_notification(decode_request_id: str, prefill_rank: int) -> bytes:
+    """What prefill rank `prefill_rank` sends decode when its push failed with none of its WRITEs left in NIXL."""
+    return PUSH_FAILED_PREFIX + f"{decode_request_id}:{prefill_rank}".encode()
 
 
 class PushGroup(msgspec.Struct, frozen=True, array_like=True):

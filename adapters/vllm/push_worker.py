@@ -9,7 +9,9 @@ carrying the plan's views and decode's block ids). Then wait for each writing ra
 notification, which NIXL delivers after the WRITE's data. Registrations carry ``write_by``
 (decode's wall clock): prefill starts no WRITE after it, and cancels one still running then.
 Decode gives up only at ``write_by`` plus a margin, so when vLLM hears a request failed and
-reuses its blocks, no WRITE can still land in them.
+reuses its blocks, no WRITE can still land in them. A prefill rank whose push failed, once none
+of its WRITEs is left in NIXL, says so (`push_or_tell`): when every writing rank has answered,
+decode fails the request after a short margin instead of at ``write_by``.
 
 Block sizes: as with vLLM's push connector, prefill's blocks may hold k times decode's tokens
 (never fewer). Each prefill block is then cut into k pieces, one per decode block: by token runs
@@ -45,6 +47,9 @@ from nixl_async import (
     LeaseExpired,
     Transfer,
     TransferEngine,
+    TransferError,
+    TransferFailed,
+    TransferFenced,
     TransferResult,
 )
 
@@ -56,14 +61,16 @@ from .push_book import (
     PushRegistration,
     decode_registration,
     encode_registration,
+    push_failure_notification,
     push_notification,
 )
 from .push_plan import WHOLE, WritePart, layer_parts, make_registration, registrations_for, write_parts
-from .settings import UnsupportedSetting, connect_rank
+from .settings import UnsupportedSetting, connect_rank, rank_engine_id
 from .tp_mapping import expected_consumers, remote_ranks
 from .worker import LAYOUT, ConnectorWorker, KVGeometry, RecvJob, connect_job_rank
 
-__all__ = ["PushConnectorWorker", "PushRefused", "push", "push_progressively", "receive_pushed"]
+__all__ = ["PushConnectorWorker", "PushFailed", "PushRefused", "push", "push_or_tell", "push_progressively",
+           "receive_pushed"]  # fmt: skip
 
 log = logging.getLogger(f"vllm.{__name__}")
 
@@ -72,6 +79,10 @@ PUSH_ID = "push>"  # facade request ids of prefill's pushes: "push>{request}>{de
 
 class PushRefused(LeaseExpired):
     """Prefill no longer holds the request (freed before decode registered): nothing will be written."""
+
+
+class PushFailed(TransferFailed):
+    """A prefill rank said its push failed, with none of its WRITEs left in NIXL: nothing more comes from it."""
 
 
 class PushConnectorWorker(ConnectorWorker):
@@ -226,7 +237,7 @@ class PushConnectorWorker(ConnectorWorker):
     async def _push(self, engine: TransferEngine, blocks: tuple[list[int], ...], reg: PushRegistration) -> None:
         if self.geometry is None:
             raise LayoutError("register_kv_caches() has not run")
-        result = await push(engine, self.geometry, blocks, reg)
+        result = await push_or_tell(engine, self.geometry, blocks, reg)
         self._results.put(result)
 
     def _readers(self, registration: PushRegistration) -> int:
@@ -288,9 +299,11 @@ async def receive_pushed(
     """Decode: register `job`'s blocks with every prefill rank it needs and wait for their WRITEs.
 
     `deadline` is this host's wall clock. Raises `PushRefused` when prefill freed the request
-    already, `LayoutError` for what push cannot place (before any registration is sent), and
+    already, `LayoutError` for what push cannot place (before any registration is sent),
     `NotificationTimeout` at `deadline` (never earlier once a registration was sent: a prefill
-    rank may write until ``deadline - margin_s``).
+    rank may write until ``deadline - margin_s``), and `PushFailed` once every writing rank
+    answered and one said its push failed with none of its WRITEs left (after `WRITE_MARGIN_S`
+    more: bytes a stopped WRITE had sent may still be landing).
     """
     write_by = deadline - margin_s
     ranks = remote_ranks(local_tp=geometry.tp_size, local_rank=geometry.tp_rank, remote_tp=job.remote_tp)
@@ -306,12 +319,9 @@ async def receive_pushed(
                                       write_by=write_by)  # fmt: skip
     peers = await asyncio.gather(*(connect_job_rank(engine, job, rank) for rank, _ in registrations))
     # Wait first: a fast WRITE's notification may arrive before the registration's reply.
-    waits = [
-        asyncio.ensure_future(engine.wait_notifications(push_notification(job.request_id, rank), 1,
-                                                        timeout=max(0.0, deadline - time.time())))
-        for rank, registration in registrations if registration.write
-    ]  # fmt: skip
-    await asyncio.sleep(0)  # the waiters are registered before anything can be written
+    waits = [asyncio.ensure_future(_pushed_from(engine, job, rank, deadline))
+             for rank, registration in registrations if registration.write]  # fmt: skip
+    await asyncio.sleep(0)
     maybe_writing = False  # some prefill rank may have taken a registration to write
     try:
         for i, ((_rank, registration), peer) in enumerate(zip(registrations, peers, strict=True)):
@@ -321,13 +331,66 @@ async def receive_pushed(
                 maybe_writing = any(r.write for _, r in registrations[:i])
                 raise PushRefused(f"prefill {peer.engine_id} no longer holds request {job.remote_request_id}",
                                   peer=peer.engine_id)  # fmt: skip
-        await asyncio.gather(*waits)
+        outcomes = await asyncio.gather(*waits, return_exceptions=True)
+        errors = [o for o in outcomes if isinstance(o, BaseException)]
+        if errors and all(isinstance(e, PushFailed) for e in errors):
+            # Every writing rank answered, and those that failed hold no WRITE any more: no need to wait
+            # for the deadline, only for bytes a stopped WRITE had already sent (the notice may overtake them).
+            maybe_writing = False
+            await asyncio.sleep(max(0.0, min(WRITE_MARGIN_S, deadline - time.time())))
+        if errors:
+            raise errors[0]
     except BaseException:
         for wait in waits:
             wait.cancel()
         await asyncio.gather(*waits, return_exceptions=True)
         if maybe_writing:  # a rank may write until write_by: vLLM must not get the blocks back before
             await asyncio.sleep(max(0.0, deadline - time.time()))
+        raise
+
+
+async def _pushed_from(engine: TransferEngine, job: RecvJob, rank: int, deadline: float) -> None:
+    """Until prefill rank `rank`'s push arrived (its WRITE's notification), or it said the push failed
+    (`PushFailed`); `NotificationTimeout` at `deadline` (this host's wall clock)."""
+    timeout = max(0.0, deadline - time.time())
+    arrived = asyncio.ensure_future(engine.wait_notifications(push_notification(job.request_id, rank), 1,
+                                                              timeout=timeout))  # fmt: skip
+    failed = asyncio.ensure_future(engine.wait_notifications(push_failure_notification(job.request_id, rank), 1,
+                                                             timeout=timeout))  # fmt: skip
+    try:
+        await asyncio.wait([arrived, failed], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in (arrived, failed):
+            wait.cancel()
+        await asyncio.gather(arrived, failed, return_exceptions=True)
+    if not arrived.cancelled() and arrived.exception() is None:
+        return
+    if not failed.cancelled() and failed.exception() is None:
+        prefill = rank_engine_id(job.remote_engine_id, rank)
+        raise PushFailed(f"prefill {prefill} could not push request {job.remote_request_id}", peer=prefill)
+    errors = [w.exception() for w in (arrived, failed) if not w.cancelled()]
+    raise next(e for e in errors if e is not None)
+
+
+async def push_or_tell(
+    engine: TransferEngine, geometry: KVGeometry, blocks: tuple[list[int], ...], reg: PushRegistration
+) -> TransferResult:
+    """`push`; if it fails and none of its WRITEs is left in NIXL, tell decode at once.
+
+    Decode would otherwise hold the request's blocks until ``write_by`` (vLLM's push connector
+    does the same), minutes by default: told, it fails the request (vLLM recomputes it) after
+    only the margin that bytes a stopped WRITE had sent may take to land.
+    """
+    try:
+        return await push(engine, geometry, blocks, reg)
+    except BaseException as exc:
+        if not isinstance(exc, TransferFenced):  # (fenced: NIXL may still write into decode's blocks)
+            try:
+                peer = await connect_rank(engine, reg.decode_host, reg.decode_port, reg.decode_engine_id)
+                await engine.notify(peer, push_failure_notification(reg.decode_request_id, geometry.tp_rank))
+            except Exception as again:  # decode waits until write_by, as it would have
+                log.info("could not tell %s that the push of %s failed: %s", reg.decode_engine_id, reg.request_id,
+                         again)  # fmt: skip
         raise
 
 
@@ -369,10 +432,14 @@ async def push(
                                          lease_expires_at=reg.write_by)  # fmt: skip
         started.append(final)
         results.append(await final)
-    except BaseException:
+    except BaseException as exc:
         if not await engine.settle(started, timeout=engine.config.release_grace_s + 0.5):
             log.error("push of %s to %s: NIXL still holds WRITEs after cancelling them", reg.request_id,
                       reg.decode_engine_id)  # fmt: skip
+            reason = exc if isinstance(exc, TransferError) else TransferFailed(
+                f"push of {reg.request_id} to {reg.decode_engine_id} stopped: {type(exc).__name__}: {exc}",
+                peer=reg.decode_engine_id)  # fmt: skip
+            raise TransferFenced.of(reason, slices=sum(not t.quiet for t in started)) from exc
         raise
     return msgspec.structs.replace(
         results[-1], nbytes=sum(r.nbytes for r in results), descriptors=sum(r.descriptors for r in results),

@@ -45,7 +45,7 @@ from nixl_async_vllm.block_pairs import GroupBlocks
 from nixl_async_vllm.kv_layout import describe_cache
 from nixl_async_vllm.push_book import PUSH_TOPIC, PushGroup, PushRegistration, decode_registration, push_notification
 from nixl_async_vllm.push_plan import WritePart, registrations_for, write_parts
-from nixl_async_vllm.push_worker import push, receive_pushed
+from nixl_async_vllm.push_worker import WRITE_MARGIN_S, PushFailed, push, push_or_tell, receive_pushed
 from nixl_async_vllm.settings import rank_engine_id
 from nixl_async_vllm.tp_mapping import remote_ranks
 from nixl_async_vllm.worker import KVGeometry, RecvJob, connect_job_rank
@@ -411,6 +411,48 @@ async def test_a_failed_part_settles_the_others_and_decode_is_never_notified(mon
         with pytest.raises(PeerCommandError, match="NotificationTimeout"):
             await decode.request(WaitNotifications(message=push_notification("req-fail", rank), count=1, timeout=0.5))
         assert await decode.request(Checksums(blocks=BIG.decode_ids)) == ended, "bytes landed after the push failed"
+
+
+async def test_decode_hears_a_failed_push_and_gives_up_without_waiting_for_write_by(monkeypatch):
+    """Prefill's push fails partway (UCX over TCP, WRITEs in flight): it settles its WRITEs, then
+    tells decode, which fails the request after `WRITE_MARGIN_S`, not at ``write_by`` a minute
+    away; nothing lands in decode's blocks after that."""
+    monkeypatch.setenv("UCX_TLS", "tcp")  # read when the agents' UCX workers are created
+    async with _prefill(BIG) as prefill, contextlib.AsyncExitStack() as stack:
+        engine, geometry = prefill.engines[0], prefill.geometries[0]
+        plain_start, calls, pushes = engine.start_write, itertools.count(), []
+
+        async def start_write(*args, **kwargs):
+            if next(calls) == 2:  # two parts are under way
+                raise RuntimeError("injected: the third part cannot start")
+            return await plain_start(*args, **kwargs)
+
+        monkeypatch.setattr(engine, "start_write", start_write)
+
+        def answer(_sender: str, payload: bytes) -> bytes:
+            registration = decode_registration(payload)
+            pushes.append(asyncio.get_running_loop().create_task(
+                push_or_tell(engine, geometry, (BIG.prefill_ids,), registration)))  # fmt: skip
+            return b"ok"
+
+        engine.handle_calls(PUSH_TOPIC, answer)
+        decode = await stack.enter_async_context(TransferEngine(EngineConfig(engine_id="push-decode-told")))
+        mine = [torch.zeros(BIG.shape(1, BIG.decode_block_size, BIG.decode_cache_blocks), dtype=torch.bfloat16)
+                for _ in range(LAYERS)]  # fmt: skip
+        decode.register("kv", mine, num_blocks=BIG.decode_cache_blocks)
+        address = await decode.serve("127.0.0.1", 0)
+        job = _job(BIG, prefill.name, prefill.port, "req-told")
+        began = time.monotonic()
+        with pytest.raises(PushFailed):
+            await receive_pushed(decode, _geometry(BIG, 1, 0, BIG.decode_block_size), job, address,
+                                 deadline=time.time() + 60, margin_s=2.0)  # fmt: skip
+        took = time.monotonic() - began
+        assert WRITE_MARGIN_S <= took < WRITE_MARGIN_S + 10, f"decode gave up after {took:.1f}s"
+        with pytest.raises(RuntimeError, match="injected"):
+            await pushes[0]
+        ended = [c.clone() for c in mine]
+        await asyncio.sleep(0.5)  # decode's poller keeps progressing UCX meanwhile
+        assert all(torch.equal(a, b) for a, b in zip(ended, mine, strict=True)), "bytes landed after decode gave up"
 
 
 # -- refused before anything is sent or written --------------------------------------------------
