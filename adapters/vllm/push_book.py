@@ -47,9 +47,13 @@ def push_notification(decode_request_id: str, prefill_rank: int) -> bytes:
     return PUSH_PREFIX + f"{decode_request_id}:{prefill_rank}".encode()
 
 
-def push_failure_notification(decode_request_id: str, prefill_rank: int) -> bytes:
-    """What prefill rank `prefill_rank` sends decode when its push failed with none of its WRITEs left in NIXL."""
-    return PUSH_FAILED_PREFIX + f"{decode_request_id}:{prefill_rank}".encode()
+def push_failure_notification(decode_request_id: str, prefill_rank: int, write_by: float) -> bytes:
+    """What prefill rank `prefill_rank` sends decode when its push failed with none of its WRITEs left in NIXL.
+
+    It names the registration's `write_by` too: one left over from an earlier registration of the
+    same request id must not end a later one's wait.
+    """
+    return PUSH_FAILED_PREFIX + f"{decode_request_id}:{prefill_rank}:{write_by!r}".encode()
 
 
 class PushGroup(msgspec.Struct, frozen=True, array_like=True):

@@ -319,7 +319,7 @@ async def receive_pushed(
                                       write_by=write_by)  # fmt: skip
     peers = await asyncio.gather(*(connect_job_rank(engine, job, rank) for rank, _ in registrations))
     # Wait first: a fast WRITE's notification may arrive before the registration's reply.
-    waits = [asyncio.ensure_future(_pushed_from(engine, job, rank, deadline))
+    waits = [asyncio.ensure_future(_pushed_from(engine, job, rank, write_by, deadline))
              for rank, registration in registrations if registration.write]  # fmt: skip
     await asyncio.sleep(0)
     maybe_writing = False  # some prefill rank may have taken a registration to write
@@ -349,14 +349,14 @@ async def receive_pushed(
         raise
 
 
-async def _pushed_from(engine: TransferEngine, job: RecvJob, rank: int, deadline: float) -> None:
+async def _pushed_from(engine: TransferEngine, job: RecvJob, rank: int, write_by: float, deadline: float) -> None:
     """Until prefill rank `rank`'s push arrived (its WRITE's notification), or it said the push failed
     (`PushFailed`); `NotificationTimeout` at `deadline` (this host's wall clock)."""
     timeout = max(0.0, deadline - time.time())
     arrived = asyncio.ensure_future(engine.wait_notifications(push_notification(job.request_id, rank), 1,
                                                               timeout=timeout))  # fmt: skip
-    failed = asyncio.ensure_future(engine.wait_notifications(push_failure_notification(job.request_id, rank), 1,
-                                                             timeout=timeout))  # fmt: skip
+    failed = asyncio.ensure_future(engine.wait_notifications(push_failure_notification(job.request_id, rank, write_by),
+                                                             1, timeout=timeout))  # fmt: skip
     try:
         await asyncio.wait([arrived, failed], return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -387,7 +387,8 @@ async def push_or_tell(
         if not isinstance(exc, TransferFenced):  # (fenced: NIXL may still write into decode's blocks)
             try:
                 peer = await connect_rank(engine, reg.decode_host, reg.decode_port, reg.decode_engine_id)
-                await engine.notify(peer, push_failure_notification(reg.decode_request_id, geometry.tp_rank))
+                await engine.notify(peer, push_failure_notification(reg.decode_request_id, geometry.tp_rank,
+                                                                     reg.write_by))  # fmt: skip
             except Exception as again:  # decode waits until write_by, as it would have
                 log.info("could not tell %s that the push of %s failed: %s", reg.decode_engine_id, reg.request_id,
                          again)  # fmt: skip
@@ -408,32 +409,19 @@ async def push(
     parts = write_parts(geometry, blocks, reg)  # refused here, before anything is written
     peer = await connect_rank(engine, reg.decode_host, reg.decode_port, reg.decode_engine_id)
     notify = push_notification(reg.decode_request_id, geometry.tp_rank)
-    if len(parts) <= 1:  # one WRITE (or only the notification: nothing to write)
-        part = parts[0] if parts else WritePart([], [], WHOLE, WHOLE)
-        return await engine.write(peer, part.prefill_blocks, part.decode_blocks, local=part.prefill_view,
-                                  remote=part.decode_view, notify=notify, lease_expires_at=reg.write_by)  # fmt: skip
-    last = min(range(len(parts)), key=lambda i: len(parts[i].decode_blocks))
-    began = time.perf_counter()
     started: list[Transfer] = []
     try:
-        for part in parts[:last] + parts[last + 1 :]:
+        if len(parts) <= 1:  # one WRITE (or only the notification: nothing to write)
+            part = parts[0] if parts else WritePart([], [], WHOLE, WHOLE)
             started.append(await engine.start_write(peer, part.prefill_blocks, part.decode_blocks,
-                                                    local=part.prefill_view, remote=part.decode_view,
+                                                    local=part.prefill_view, remote=part.decode_view, notify=notify,
                                                     lease_expires_at=reg.write_by))  # fmt: skip
-        await asyncio.wait([t.future for t in started], return_when=asyncio.FIRST_EXCEPTION)
-        for transfer in started:
-            error = transfer.exception() if transfer.done() else None
-            if error is not None:
-                raise error
-        results = [t.result() for t in started]
-        part = parts[last]
-        final = await engine.start_write(peer, part.prefill_blocks, part.decode_blocks, local=part.prefill_view,
-                                         remote=part.decode_view, notify=notify,
-                                         lease_expires_at=reg.write_by)  # fmt: skip
-        started.append(final)
-        results.append(await final)
+            return await started[0]
+        return await _write_parts(engine, peer, parts, notify, reg, started)
     except BaseException as exc:
-        if not await engine.settle(started, timeout=engine.config.release_grace_s + 0.5):
+        # Quiet, or TransferFenced: a cancelled task resumes with CancelledError even when its WRITE
+        # was reported fenced, and `push_or_tell` must not tell decode the push is over then.
+        if not await _settled(engine, started):
             log.error("push of %s to %s: NIXL still holds WRITEs after cancelling them", reg.request_id,
                       reg.decode_engine_id)  # fmt: skip
             reason = exc if isinstance(exc, TransferError) else TransferFailed(
@@ -441,12 +429,43 @@ async def push(
                 peer=reg.decode_engine_id)  # fmt: skip
             raise TransferFenced.of(reason, slices=sum(not t.quiet for t in started)) from exc
         raise
+
+
+async def _write_parts(engine: TransferEngine, peer: Any, parts: list[WritePart], notify: bytes,
+                       reg: PushRegistration, started: list[Transfer]) -> TransferResult:  # fmt: skip
+    """`push` of several parts: the smallest carries the notification, started once all others completed."""
+    last = min(range(len(parts)), key=lambda i: len(parts[i].decode_blocks))
+    began = time.perf_counter()
+    for part in parts[:last] + parts[last + 1 :]:
+        started.append(await engine.start_write(peer, part.prefill_blocks, part.decode_blocks,
+                                                local=part.prefill_view, remote=part.decode_view,
+                                                lease_expires_at=reg.write_by))  # fmt: skip
+    await asyncio.wait([t.future for t in started], return_when=asyncio.FIRST_EXCEPTION)
+    for transfer in started:
+        error = transfer.exception() if transfer.done() else None
+        if error is not None:
+            raise error
+    results = [t.result() for t in started]
+    part = parts[last]
+    final = await engine.start_write(peer, part.prefill_blocks, part.decode_blocks, local=part.prefill_view,
+                                     remote=part.decode_view, notify=notify, lease_expires_at=reg.write_by)  # fmt: skip
+    started.append(final)
+    results.append(await final)
     return msgspec.structs.replace(
         results[-1], nbytes=sum(r.nbytes for r in results), descriptors=sum(r.descriptors for r in results),
         slices=sum(r.slices for r in results), seconds=time.perf_counter() - began,
         post_seconds=sum(r.post_seconds for r in results),
         wire_seconds=max(r.wire_seconds for r in results[:-1]) + results[-1].wire_seconds,
     )  # fmt: skip
+
+
+async def _settled(engine: TransferEngine, started: list[Transfer]) -> bool:
+    """Cancel what is left of a failed push and wait until NIXL holds none of it; False if it still does
+    after the grace (or the wait was cancelled: then nobody knows)."""
+    try:
+        return await engine.settle(started, timeout=engine.config.release_grace_s + 0.5)
+    except asyncio.CancelledError:
+        return False
 
 
 # -- prefill: progressive push ----------------------------------------------------------------

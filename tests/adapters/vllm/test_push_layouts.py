@@ -23,13 +23,14 @@ import time
 import zlib
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, replace
+from typing import Any
 
 import msgspec
 import numpy as np
 import pytest
 import torch
 
-from nixl_async import EngineConfig, LayoutError, TransferEngine, ViewSpec
+from nixl_async import EngineConfig, LayoutError, TransferEngine, TransferFenced, ViewSpec
 from nixl_async.testing import (
     Checksums,
     Fill,
@@ -43,7 +44,14 @@ from nixl_async.testing import (
 )
 from nixl_async_vllm.block_pairs import GroupBlocks
 from nixl_async_vllm.kv_layout import describe_cache
-from nixl_async_vllm.push_book import PUSH_TOPIC, PushGroup, PushRegistration, decode_registration, push_notification
+from nixl_async_vllm.push_book import (
+    PUSH_TOPIC,
+    PushGroup,
+    PushRegistration,
+    decode_registration,
+    push_failure_notification,
+    push_notification,
+)
 from nixl_async_vllm.push_plan import WritePart, registrations_for, write_parts
 from nixl_async_vllm.push_worker import WRITE_MARGIN_S, PushFailed, push, push_or_tell, receive_pushed
 from nixl_async_vllm.settings import rank_engine_id
@@ -204,8 +212,9 @@ class Prefill:
 
 
 @contextlib.asynccontextmanager
-async def _prefill(case: Case, backend: str | None = None, block_size: int | None = None) -> AsyncIterator[Prefill]:
-    """Prefill ranks in this process: caches filled with the pattern, serving at port + rank."""
+async def _prefill(case: Case, backend: str | None = None, block_size: int | None = None,
+                   **config: Any) -> AsyncIterator[Prefill]:  # fmt: skip
+    """Prefill ranks in this process: caches filled with the pattern, serving at port + rank (EngineConfig `config`)."""
     name, port = f"push-prefill-{next(_names)}", free_port_base(case.tp_p)
     block_size = block_size or case.prefill_block_size
     async with contextlib.AsyncExitStack() as stack:
@@ -214,7 +223,8 @@ async def _prefill(case: Case, backend: str | None = None, block_size: int | Non
             caches = [torch.zeros(case.shape(case.tp_p, block_size, PREFILL_BLOCKS), dtype=torch.bfloat16)
                       for _ in range(LAYERS)]  # fmt: skip
             fill_pattern([c.view(torch.uint8).numpy().reshape(-1) for c in caches], _seed(case, p))
-            engine = await stack.enter_async_context(TransferEngine(EngineConfig(engine_id=rank_engine_id(name, p))))
+            engine = await stack.enter_async_context(TransferEngine(EngineConfig(engine_id=rank_engine_id(name, p),
+                                                                                 **config)))  # fmt: skip
             engine.register("kv", caches, num_blocks=PREFILL_BLOCKS)
             engine.set_extra(block_size=str(block_size))
             await engine.serve("127.0.0.1", port + p)
@@ -453,6 +463,41 @@ async def test_decode_hears_a_failed_push_and_gives_up_without_waiting_for_write
         ended = [c.clone() for c in mine]
         await asyncio.sleep(0.5)  # decode's poller keeps progressing UCX meanwhile
         assert all(torch.equal(a, b) for a, b in zip(ended, mine, strict=True)), "bytes landed after decode gave up"
+
+
+ONE = Case(1, 1, 1, blocks=24, head_dim=128, block_size=256, decode_cache_blocks=24)  # 24 MiB in one WRITE
+
+
+async def test_a_cancelled_push_tells_decode_only_once_nixl_let_go_of_its_write(monkeypatch, decode_pool):
+    """A push of one WRITE cancelled in flight (prefill's lease ran out), with no grace: the WRITE is
+    fenced at once and the cancelled task resumes then. Decode must hear of the failure only once
+    NIXL holds the WRITE no more: told earlier, it would hand back blocks the WRITE still fills."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    (decode,) = await decode_pool.take(ONE, 1, tcp=True)
+    async with _prefill(ONE, release_grace_s=0.0) as prefill, _inspector(ONE) as inspector:
+        ((rank, registration),) = (await _plan(ONE, inspector, prefill, [decode], "req-cancelled"))[0]
+        engine, geometry = prefill.engines[0], prefill.geometries[0]
+        assert len(write_parts(geometry, (ONE.prefill_ids,), registration)) == 1
+        writes_held_when_told = []
+        plain_notify = engine.notify
+
+        async def notify(peer, message):
+            writes_held_when_told.append(engine.live_handles().get("xfers", 0))
+            await plain_notify(peer, message)
+
+        monkeypatch.setattr(engine, "notify", notify)
+        pushing = asyncio.create_task(push_or_tell(engine, geometry, (ONE.prefill_ids,), registration))
+        while not engine.live_handles().get("xfers"):  # the WRITE is posted
+            await asyncio.sleep(0)
+        pushing.cancel()
+        with pytest.raises((asyncio.CancelledError, TransferFenced)) as info:
+            await pushing
+        if isinstance(info.value, TransferFenced):  # still held after the settle: nothing said
+            assert writes_held_when_told == []
+            return
+        assert writes_held_when_told == [0], "decode was told while NIXL still held the WRITE"
+        told = push_failure_notification("req-cancelled", rank, registration.write_by)
+        assert await decode.request(WaitNotifications(message=told, count=1, timeout=10)) == [engine.engine_id]
 
 
 # -- refused before anything is sent or written --------------------------------------------------
