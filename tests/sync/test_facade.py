@@ -106,9 +106,11 @@ def test_cancel_from_a_thread(sync_engine, nixl_peer_factory):
     assert not sync_engine.live_handles().get("xfers")
 
 
-def test_a_cancel_that_comes_after_its_request_ended_does_not_cancel_the_next_with_that_id(sync_engine):
-    """cancel() saw the request in flight, but by the time the loop ran it the request had ended:
-    the cancel must lapse, not wait for the next request to reuse the id (a push's id comes back)."""
+@pytest.mark.parametrize("resubmitted", ["after_the_cancel_ran", "before_the_cancel_ran"])
+def test_a_cancel_that_comes_after_its_request_ended_lapses(sync_engine, resubmitted):
+    """cancel() saw the request in flight, but by the time the loop ran it the request had ended: the
+    cancel lapses. It must not wait for the next request with the id (a push's id comes back), nor fall
+    on one that took the id meanwhile (the loop kept busy until that one was submitted)."""
     gate = sync_engine.call(asyncio.Event)
 
     async def held(_engine):
@@ -116,43 +118,15 @@ def test_a_cancel_that_comes_after_its_request_ended_does_not_cancel_the_next_wi
 
     sync_engine.submit("req", held)
     time.sleep(0.05)
+    busy_after = 0.3 if resubmitted == "before_the_cancel_ran" else 0.0
 
     def end_then_hold_the_loop():
         gate.set()  # the request ends on the loop's next turns, before cancel's callback runs
-        time.sleep(0.05)
-
-    sync_engine.call_soon(end_then_hold_the_loop)
-    time.sleep(0.01)
-    assert sync_engine.cancel("req")  # still in flight as seen from this thread
-    done, failed = _wait_finished(sync_engine, 1)
-    assert done == {"req"} and not failed
-
-    async def quick(_engine):
-        return None
-
-    time.sleep(0.05)  # the cancel's callback has run by now
-    sync_engine.submit("req", quick)
-    done, failed = _wait_finished(sync_engine, 1)
-    assert done == {"req"}, f"a new request with the id was reported {failed}"
-
-
-def test_a_late_cancel_lapses_even_when_a_new_request_has_taken_its_id(sync_engine):
-    """The request ended and was reported, and the id submitted again, all before the loop ran the
-    old request's cancel: that cancel must not fall on the new request."""
-    gate = sync_engine.call(asyncio.Event)
-
-    async def held(_engine):
-        await gate.wait()
-
-    sync_engine.submit("req", held)
-    time.sleep(0.05)
-
-    def end_then_keep_the_loop_busy():
-        gate.set()  # the request ends on the loop's next turns...
-        asyncio.get_running_loop().call_soon(time.sleep, 0.3)  # ...then the loop is busy, before the cancel runs
+        if busy_after:
+            asyncio.get_running_loop().call_soon(time.sleep, busy_after)  # ...and the loop stays busy after
         time.sleep(0.05)  # (cancel() below looks meanwhile: the request is still in flight)
 
-    sync_engine.call_soon(end_then_keep_the_loop_busy)
+    sync_engine.call_soon(end_then_hold_the_loop)
     time.sleep(0.01)
     assert sync_engine.cancel("req")
     done, failed = _wait_finished(sync_engine, 1)
@@ -161,9 +135,11 @@ def test_a_late_cancel_lapses_even_when_a_new_request_has_taken_its_id(sync_engi
     async def quick(_engine):
         await asyncio.sleep(0.01)
 
-    sync_engine.submit("req", quick)  # the loop is still busy: the old cancel runs before this starts
+    if not busy_after:
+        time.sleep(0.05)  # the cancel's callback has run by now
+    sync_engine.submit("req", quick)
     done, failed = _wait_finished(sync_engine, 1)
-    assert done == {"req"}, f"the new request was reported {failed}"
+    assert done == {"req"}, f"a new request with the id was reported {failed}"
 
 
 def test_notifications_finish_a_request(sync_engine, nixl_peer_factory):
