@@ -318,10 +318,10 @@ async def receive_pushed(
     registrations = registrations_for(geometry, job, first, decode_engine_id=engine.engine_id, decode_address=address,
                                       write_by=write_by)  # fmt: skip
     peers = await asyncio.gather(*(connect_job_rank(engine, job, rank) for rank, _ in registrations))
-    # Wait first: a fast WRITE's notification may arrive before the registration's reply.
+    # Waiting from now: a fast WRITE's notification may come before the registration's reply (one that
+    # comes before its waiter is kept for it).
     waits = [asyncio.ensure_future(_pushed_from(engine, job, rank, write_by, deadline))
              for rank, registration in registrations if registration.write]  # fmt: skip
-    await asyncio.sleep(0)
     maybe_writing = False  # some prefill rank may have taken a registration to write
     try:
         for i, ((_rank, registration), peer) in enumerate(zip(registrations, peers, strict=True)):
