@@ -317,6 +317,11 @@ class TransferDriver:
             if agent_name is None or transfer.remote_agent == agent_name:
                 self.end(transfer, make_error(transfer))
 
+    def fence_releasing(self) -> None:
+        """No grace left (the engine is closing): report every transfer NIXL still holds fenced now."""
+        for transfer in list(self.active.values()):
+            self._apply(transfer, transfer.core.tick(_NEVER))
+
     def _on_awaiter_cancelled(self, transfer_id: int) -> None:
         """A task awaiting the transfer was cancelled (see `TransferFuture`): end the transfer."""
         transfer = self.active.get(transfer_id)

@@ -199,12 +199,21 @@ class TransferEngine:
         if self._closer is None:
             self._closing = True
             self._admission.close()  # waiters wake and fail with EngineClosedError
+            self._notifications.close(EngineClosedError("the engine was closed"))
+            self._driver.end_all(lambda t: TransferCancelled("the engine was closed", transfer_id=t.id, peer=t.peer))
             self._closer = asyncio.ensure_future(self._close(self._agent))
         # A caller cancelled meanwhile (`asyncio.timeout`, a TaskGroup) stops waiting, not closing:
         # stopped halfway the engine would refuse work yet hold its agent, memory and poller for good.
         await asyncio.shield(self._closer)
 
     async def _close(self, agent: OwnedAgent) -> None:
+        try:
+            await self._wind_down()
+        finally:  # also when cancelled midway: `asyncio.run`'s shutdown cancels every task left, this one too
+            self._release(agent)
+
+    async def _wind_down(self) -> None:
+        """Stop serving and connecting, end every transfer, and give NIXL the grace to let go of them."""
         assert self._loop is not None
         if self._follower is not None:
             self._follower.cancel()
@@ -218,8 +227,6 @@ class TransferEngine:
         if self._directory is not None:  # our record goes (lease revoked) before our memory does
             await self._directory.close()
         driver = self._driver
-        driver.end_all(lambda t: TransferCancelled("the engine was closed", transfer_id=t.id, peer=t.peer))
-        self._notifications.close(EngineClosedError("the engine was closed"))
         # The poller carries ended transfers to quiet (or fenced, after the grace). Notifications
         # sent moments ago leave only as the worker is progressed: give them a moment too.
         recent = self._loop.time() - self._notify.last_sent_at < WIREUP_BRISK_S
@@ -232,6 +239,13 @@ class TransferEngine:
             self._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poller
+
+    def _release(self, agent: OwnedAgent) -> None:
+        """Release what NIXL no longer holds and drop the agent; keep both alive where it still holds some."""
+        if self._poller is not None:
+            self._poller.cancel()
+        driver = self._driver
+        driver.fence_releasing()  # cut short, or past the grace: a caller not told yet hears now
         fenced = [t for t in driver.live() if not t.quiet]
         if fenced:
             # NIXL may still write into (or read from) that memory: never deregister or free it.

@@ -12,6 +12,7 @@ import asyncio
 import numpy as np
 import pytest
 
+import nixl_async.engine as engine_module
 from nixl_async import (
     EngineConfig,
     TransferCancelled,
@@ -211,3 +212,30 @@ async def test_batch_deadline(tcp_engine, tcp_peer):
     with pytest.raises((TransferTimeout, TransferFenced)) as info:
         await (await tcp_engine.start_read_batch(peer, rows, rows, timeout=0.004))
     await _assert_quiet_after(tcp_engine, regions, info.value)
+
+
+def test_a_close_cancelled_by_the_loops_shutdown_still_ends(monkeypatch, tcp_peer):
+    """`asyncio.run` cancels every task left when its coroutine returns, the close's too: the close
+    still ends (a transfer NIXL still holds is reported fenced, and agent and memory are kept alive),
+    and a later `close()` returns."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    engine = TransferEngine(EngineConfig(engine_id="shutdown-reader"))
+    seen: dict[str, object] = {}
+
+    async def main():
+        await engine.start()
+        seen["regions"], peer = await _setup(engine, tcp_peer)
+        seen["transfer"] = await _in_flight(engine, peer)
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.002):  # returns while the close waits for the read to go quiet
+                await engine.close()
+
+    asyncio.run(main())
+    assert engine._agent is None, "the close stopped where the loop's shutdown cancelled it"
+    error = seen["transfer"].exception()
+    assert isinstance(error, TransferCancelled | TransferFenced)
+    if isinstance(error, TransferFenced):
+        assert any(kept[0] is not None and kept[2] for kept in engine_module._KEPT_ALIVE), "fenced memory freed"
+    else:
+        assert engine.live_handles() == {}
+    asyncio.run(engine.close())  # closed: returns
