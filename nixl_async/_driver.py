@@ -521,6 +521,7 @@ class TransferDriver:
             expired = LeaseExpired(f"the lease from {transfer.peer} ran out during the {transfer.op}",
                                    peer=transfer.peer)  # fmt: skip
             return core.end(expired, self.loop.time())
+        transfer.done_seen_at = time.perf_counter()
         if transfer.op == "READ" and transfer.notify is not None:
             try:
                 peer = self._table.of_agent(transfer.remote_agent)
@@ -528,14 +529,28 @@ class TransferDriver:
                     raise KeyError(f"no connected peer has agent {transfer.remote_agent}")
                 self._notify.send(peer, transfer.notify)
             except NOTIFY_ERRORS as exc:
-                error = TransferFailed(f"the data was read but notifying {transfer.peer} failed: {exc}",
-                                       transfer_id=transfer.id, peer=transfer.peer)  # fmt: skip
+                error = NotificationFailed(f"the data was read, but notifying {transfer.peer} failed: {exc}",
+                                           transfer_id=transfer.id, peer=transfer.peer)  # fmt: skip
+                error.result = self._result(transfer, self.loop.time(), notified=False)  # the blocks hold the data
                 return core.end(error, self.loop.time())
         return core.succeed()
 
+    def _result(self, transfer: Transfer, now: float, *, notified: bool) -> TransferResult:
+        return TransferResult(
+            transfer.id,
+            transfer.op,
+            transfer.peer,
+            transfer.nbytes,
+            transfer.descriptors,
+            transfer.num_slices,
+            now - transfer.submitted_at,
+            notified,
+            transfer.post_seconds,
+            transfer.done_seen_at - (transfer.first_post_at or transfer.done_seen_at),
+        )
+
     def _complete(self, transfer: Transfer) -> None:
         assert self.loop is not None
-        transfer.done_seen_at = time.perf_counter()
         if transfer.first_post_at:
             transfer.link.wire.observe(transfer.nbytes, transfer.done_seen_at - transfer.first_post_at)
         now = self.loop.time()
@@ -550,20 +565,7 @@ class TransferDriver:
             self._notify.sent(now)
         self._stats.histograms["transfer_us"].record(elapsed)
         transfer.mark_quiet()
-        transfer.finish(
-            TransferResult(
-                transfer.id,
-                transfer.op,
-                transfer.peer,
-                transfer.nbytes,
-                transfer.descriptors,
-                transfer.num_slices,
-                elapsed,
-                transfer.notify is not None,
-                transfer.post_seconds,
-                transfer.done_seen_at - (transfer.first_post_at or transfer.done_seen_at),
-            )
-        )
+        transfer.finish(self._result(transfer, now, notified=transfer.notify is not None))
 
     def _failed(self, transfer: Transfer, error: TransferError) -> None:
         """A transfer ended with `error` and its memory is quiet: tell the caller."""

@@ -26,6 +26,10 @@ remote ones (what a peer said or failed to say), so a caller can tell "fix my ca
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .transfer import TransferResult
 
 __all__ = [
     "BatchRowsFailed",
@@ -132,7 +136,13 @@ class BatchRowsFailed(TransferFailed):
 
 
 class NotificationFailed(TransferFailed):
-    """A notification could not be sent (the peer is unknown to NIXL, or its queue is full)."""
+    """A notification could not be sent (the peer is unknown to NIXL, or its queue is full).
+
+    `result` is the `TransferResult` of a READ whose data did arrive, and only its completion
+    notice could not be sent: its blocks hold the data (and NIXL holds none of their handles).
+    """
+
+    result: TransferResult | None = None
 
 
 class TransferTimeout(TransferError, TimeoutError):

@@ -11,6 +11,7 @@ from nixl_async import (
     EngineConfig,
     LayoutError,
     LayoutKind,
+    NotificationFailed,
     PeerUnknownError,
     PollConfig,
     TransferCancelled,
@@ -22,6 +23,7 @@ from nixl_async import (
     ViewSpec,
     WrongThreadError,
 )
+from nixl_async._agent import NIXL_ERRORS
 from nixl_async.testing import (
     Stats,
     Verify,
@@ -75,6 +77,25 @@ async def test_read_round_trip_and_notification(nixl_engine, nixl_peer):
     assert not regions[0][3 * BLOCK : 40 * BLOCK].any(), "blocks not asked for must stay untouched"
     senders = await nixl_peer.request(WaitNotifications(message=b"req-1:1", timeout=10))
     assert senders == [nixl_engine.engine_id]
+
+
+async def test_a_read_whose_notification_fails_says_its_data_arrived(nixl_engine, nixl_peer, monkeypatch):
+    """The data landed and only the completion notice failed: the error carries the read's result, so a
+    caller (vLLM's adapter) can keep the blocks instead of reading or computing them again."""
+    regions = _regions()
+    nixl_engine.register("kv", regions, block_len=BLOCK)
+    peer = await nixl_engine.connect(*nixl_peer.address)
+
+    def refuse(peer, message):
+        raise NIXL_ERRORS[0]("NIXL_ERR_NOT_FOUND")
+
+    monkeypatch.setattr(nixl_engine._notify, "send", refuse)
+    with pytest.raises(NotificationFailed) as info:
+        await nixl_engine.read(peer, [0, 1], [5, 6], notify=b"req-2:1")
+    assert info.value.result is not None and info.value.result.nbytes == 2 * 2 * BLOCK
+    assert not info.value.result.notified
+    assert verify_blocks(regions, BLOCK, [0, 1], [5, 6], seed=1) == []
+    assert nixl_engine.live_handles().get("xfers", 0) == 0
 
 
 async def test_write_round_trip_from_torch_tensors(nixl_engine, nixl_peer):
