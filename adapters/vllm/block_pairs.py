@@ -20,7 +20,15 @@ from dataclasses import dataclass
 
 from nixl_async.exceptions import LayoutError
 
-__all__ = ["KINDS", "GroupBlocks", "in_kernel_pages", "kernel_pages", "pair_blocks", "select_remote_blocks"]
+__all__ = [
+    "KINDS",
+    "GroupBlocks",
+    "in_kernel_pages",
+    "kernel_pages",
+    "pair_blocks",
+    "select_remote_blocks",
+    "window_pages_of_prompt",
+]
 
 KINDS = ("full", "window", "state")
 
@@ -59,6 +67,30 @@ def in_kernel_pages(group: GroupBlocks, local_pages: int, remote_pages: int) -> 
     hit = None if group.local_hit is None else group.local_hit * local_pages
     return dataclasses.replace(group, local=kernel_pages(group.local, local_pages),
                                remote=kernel_pages(group.remote, remote_pages), local_hit=hit)  # fmt: skip
+
+
+def window_pages_of_prompt(group: GroupBlocks, num_tokens: int | None, page_tokens: int, local_pages: int,
+                           remote_pages: int) -> GroupBlocks:  # fmt: skip
+    """A sliding-window group in kernel pages, each side cut to the pages that hold prompt tokens.
+
+    Both lists end at the prompt's last block, but that block's trailing pages hold nothing, and
+    with other pages per block on each side (equal pages, other ``--block-size``) their counts
+    differ: paired from the end as they stand, every page would take its neighbour's tokens.
+    Without the prompt's length (`num_tokens`) that case is refused.
+    """
+    if num_tokens is None:
+        if local_pages != remote_pages:
+            raise LayoutError(f"a sliding-window group in blocks of {local_pages} pages cannot be read from blocks "
+                              f"of {remote_pages} without the prompt's length (remote_num_tokens)")  # fmt: skip
+        return group
+    pages = -(-num_tokens // page_tokens)
+
+    def of_prompt(ids: list[int], per_block: int) -> list[int]:
+        past = -(-pages // per_block) * per_block - pages  # empty pages in the last block
+        return ids[: len(ids) - past] if past else ids
+
+    return dataclasses.replace(group, local=of_prompt(group.local, local_pages),
+                               remote=of_prompt(group.remote, remote_pages))  # fmt: skip
 
 
 def pair_blocks(group: GroupBlocks, ratio: int, *, paged: bool = False) -> tuple[list[int], list[int]]:

@@ -44,7 +44,7 @@ from nixl_async import (
 )
 
 from . import cpu_quirks
-from .block_pairs import GroupBlocks, in_kernel_pages, kernel_pages, pair_blocks
+from .block_pairs import GroupBlocks, in_kernel_pages, kernel_pages, pair_blocks, window_pages_of_prompt
 from .kv_layout import CacheLayout, describe_cache
 from .leases import LEASE_TOPIC, LearnedLeases, answer_renewal, heartbeat
 from .push_book import PUSH_PREFIX
@@ -100,6 +100,7 @@ class RecvJob:
     remote_tp: int
     groups: tuple[GroupBlocks, ...]  # per KV cache group that transfers, in vLLM's order
     expires_at: float | None  # producer's wall clock
+    num_tokens: int | None = None  # the prompt tokens the producer computed, if it said
 
     @property
     def local_blocks(self) -> list[int]:
@@ -361,6 +362,7 @@ class ConnectorWorker:
             remote_tp=int(req.tp_size),
             groups=self._group_blocks(req),
             expires_at=expires_at,
+            num_tokens=None if remote.num_tokens is None else int(remote.num_tokens),
         )
 
     def _start_receive(self, request_id: str, req: Any) -> None:
@@ -580,6 +582,13 @@ def plan_request(geometry: KVGeometry, job: RecvJob, first: Peer) -> RequestPlan
     groups = job.groups
     if paged:  # read kernel pages: block sizes, ratios and head windows below are a page's
         groups = tuple(in_kernel_pages(g, geometry.pages_per_block, remote_pages) for g in groups)
+        if any(g.kind == "window" for g in groups):
+            groups = tuple(
+                g if g.kind != "window"
+                else window_pages_of_prompt(g, job.num_tokens, geometry.block_size, geometry.pages_per_block,
+                                            remote_pages)
+                for g in groups
+            )  # fmt: skip
     remote_layout = first.layout(LAYOUT)
     remote_block_size = int(first.extra.get("block_size", geometry.block_size))
     if remote_block_size <= 0 or geometry.block_size % remote_block_size:

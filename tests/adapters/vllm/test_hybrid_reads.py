@@ -17,7 +17,13 @@ import torch
 
 from nixl_async import EngineConfig, LayoutError, TransferEngine
 from nixl_async.testing import WaitNotifications, free_port_base, pattern_block
-from nixl_async_vllm.block_pairs import GroupBlocks, in_kernel_pages, kernel_pages, pair_blocks
+from nixl_async_vllm.block_pairs import (
+    GroupBlocks,
+    in_kernel_pages,
+    kernel_pages,
+    pair_blocks,
+    window_pages_of_prompt,
+)
 from nixl_async_vllm.kv_layout import describe_cache
 from nixl_async_vllm.settings import rank_engine_id
 from nixl_async_vllm.worker import KVGeometry, RecvJob, _kv_regions, receive
@@ -150,6 +156,58 @@ def test_logical_blocks_become_kernel_pages():
     assert kernel_pages([3, 0], 2) == [6, 7, 0, 1]
     paged = in_kernel_pages(GroupBlocks("full", [3], [1, 4], 1), local_pages=2, remote_pages=4)
     assert (paged.local, paged.remote, paged.local_hit) == ([6, 7], [4, 5, 6, 7, 16, 17, 18, 19], 2)
+
+
+def _window_side(num_tokens, block, page, window, first_id, hit=0):
+    """One side's sliding-window blocks as vLLM's scheduler clips them (the window's blocks plus one, after
+    the prefix hit), and the prompt tokens each of their kernel pages holds."""
+    k = block // page
+    blocks = list(range(first_id, first_id + -(-num_tokens // block)))
+    tokens = {b * k + j: (i * block + j * page, min(i * block + (j + 1) * page, num_tokens))
+              for i, b in enumerate(blocks) for j in range(k)}  # fmt: skip
+    kept = -(-window // block) + 1
+    return blocks[hit:][-kept:], k, tokens
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "window", "local_block", "remote_block", "hit", "vllm_right"),
+    [
+        (300, 128, 64, 128, 0, False),
+        (330, 128, 64, 128, 0, True),  # the producer's last block is full to its last page
+        (560, 256, 128, 64, 4, False),
+        (300, 128, 128, 128, 0, True),
+    ],
+)
+def test_window_pages_pair_by_token_with_other_pages_per_block(num_tokens, window, local_block, remote_block, hit,
+                                                               vllm_right):  # fmt: skip
+    """Kernel pages of 64 tokens on both sides, other --block-size: each page takes the tokens it holds
+    (vLLM 0.32 pairs the page lists' tails: where one side's last block has an empty page and the other's
+    not, every page takes a neighbour's tokens)."""
+    page = 64
+    local, local_pages, local_tokens = _window_side(num_tokens, local_block, page, window, 100, hit)
+    remote, remote_pages, remote_tokens = _window_side(num_tokens, remote_block, page, window, 300)
+    group = in_kernel_pages(GroupBlocks("window", local, remote, hit), local_pages, remote_pages)
+    ours = pair_blocks(window_pages_of_prompt(group, num_tokens, page, local_pages, remote_pages), 1, paged=True)
+    pairs = [(local_tokens[a], remote_tokens[b]) for a, b in zip(*ours, strict=True)]
+    assert pairs and all(mine == theirs for mine, theirs in pairs), pairs
+    assert local_tokens[ours[0][-1]][1] == num_tokens, "the prompt's last page is read"
+
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker
+
+    (vllm_local,), (vllm_remote,) = NixlBaseConnectorWorker._apply_prefix_caching(
+        SimpleNamespace(_has_mamba=False), [group.local], [group.remote], local_pages, remote_pages
+    )
+    vllm_pairs = [(local_tokens[a], remote_tokens[b]) for a, b in zip(vllm_local, vllm_remote, strict=False)]
+    assert all(mine == theirs for mine, theirs in vllm_pairs) is vllm_right, vllm_pairs
+
+
+def test_window_pages_without_the_prompt_length_need_equal_blocks():
+    group = GroupBlocks("window", [4, 5], [8, 9, 10])
+    assert window_pages_of_prompt(group, None, 64, 2, 2) is group
+    with pytest.raises(LayoutError, match="remote_num_tokens"):
+        window_pages_of_prompt(group, None, 64, 1, 2)
 
 
 @pytest.mark.parametrize(
