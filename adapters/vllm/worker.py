@@ -21,8 +21,9 @@ import dataclasses
 import logging
 import queue
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -246,6 +247,7 @@ class ConnectorWorker:
         self._awaiting: dict[str, list[int]] = {}  # request -> local blocks, for requests vLLM parked
         self._invalid_blocks: set[int] = set()
         self._results: queue.SimpleQueue[TransferResult] = queue.SimpleQueue()
+        self._loop_failures: queue.SimpleQueue[str] = queue.SimpleQueue()  # stats series, counted on the loop
         self._sends = SendBook()  # producer side
         self._leases = LearnedLeases()  # reader side: renewals producers acknowledged (loop thread)
         self._lease_extension_s = self.settings.lease_s * 2 / 3  # per renewal, as NixlConnector
@@ -395,10 +397,16 @@ class ConnectorWorker:
         expires_at = self._leases.expiry(job.remote_engine_id, job.remote_request_id, job.expires_at)
         job = dataclasses.replace(job, expires_at=expires_at)
         try:
-            for result in await receive(engine, self.geometry, job, lease_margin_s=self._lease_margin_s):
+            results = await receive(engine, self.geometry, job, lease_margin_s=self._lease_margin_s,
+                                    notice_failed=self._notice_failed)  # fmt: skip
+            for result in results:
                 self._results.put(result)
         finally:
             self._leases.forget(job.remote_engine_id, job.remote_request_id)
+
+    def _notice_failed(self, error: NotificationFailed) -> None:
+        """(On the loop) a producer rank was not told we are done: counted as vLLM counts it."""
+        self._loop_failures.put("num_failed_notifications")
 
     def wait_for_save(self, metadata: Any) -> None:
         """Host staging only: copy the blocks a producer just computed to the registered host copy."""
@@ -466,11 +474,7 @@ class ConnectorWorker:
             # Readers' operations can wait on our UCX worker (it acknowledges their notifications):
             # progress it once per step while anyone may read from us, as vLLM's own worker does.
             self.sync.poke()
-        while True:
-            try:
-                note = self._notifications.get_nowait()
-            except queue.Empty:
-                break
+        for note in _drain(self._notifications):
             if note.message.startswith(PUSH_PREFIX):
                 continue  # a push's completion: its request's waiter took it
             if not self._sends.notified(note.message):
@@ -499,15 +503,13 @@ class ConnectorWorker:
 
     def get_kv_connector_stats(self) -> Any:
         stats = self._stats_object()
-        while True:
-            try:
-                result = self._results.get_nowait()
-            except queue.Empty:
-                break
+        for result in _drain(self._results):
             stats.data["transfer_duration"].append(result.wire_seconds)  # NIXL's time, not queueing
             stats.data["post_duration"].append(result.post_seconds)
             stats.data["bytes_transferred"].append(result.nbytes)
             stats.data["num_descriptors"].append(result.descriptors)
+        for series in _drain(self._loop_failures):
+            stats.data[series].append(1)
         return None if stats.is_empty() else stats.clone_and_reset()
 
     def shutdown(self) -> None:
@@ -519,6 +521,18 @@ LEASE_MARGIN_S = 2.0  # at most: a read must be done this long before the produc
 
 # While an idle step waits: progress our UCX worker this often (see `idle_step_wait`).
 IDLE_POKE_S = 0.00025
+
+
+_T = TypeVar("_T")
+
+
+def _drain(items: queue.SimpleQueue[_T]) -> Iterator[_T]:
+    """What another thread put in `items` so far."""
+    while True:
+        try:
+            yield items.get_nowait()
+        except queue.Empty:
+            return
 
 
 @dataclass(frozen=True)
@@ -614,7 +628,12 @@ def plan_request(geometry: KVGeometry, job: RecvJob, first: Peer) -> RequestPlan
 
 
 async def receive(
-    engine: TransferEngine, geometry: KVGeometry, job: RecvJob, *, lease_margin_s: float = LEASE_MARGIN_S
+    engine: TransferEngine,
+    geometry: KVGeometry,
+    job: RecvJob,
+    *,
+    lease_margin_s: float = LEASE_MARGIN_S,
+    notice_failed: Callable[[NotificationFailed], None] | None = None,
 ) -> list[TransferResult]:
     """Pull one request on the engine's loop: handshake, plan from the producer's layout, read, notify.
 
@@ -622,13 +641,29 @@ async def receive(
     notifies) hears ``"{remote_request_id}:{readers}"`` once this rank is done with it. If any
     part fails, every other part is cancelled and settled (NIXL holds none of their handles)
     before the error is raised: vLLM may reuse the request's blocks as soon as it hears of it.
+    A notice that cannot be sent fails nothing (the data is here; that rank frees its blocks
+    when its lease ends, as with vLLM's connector): it is logged and given to `notice_failed`.
     """
     notify = f"{job.remote_request_id}:{expected_consumers(remote_tp=job.remote_tp, local_tp=geometry.tp_size)}"
+    message = notify.encode()
+
+    def untold(error: NotificationFailed) -> None:
+        log.warning("request %s: telling producer %s its blocks are free failed (%s); it frees them when the lease "
+                    "ends", job.request_id, error.peer, error)  # fmt: skip
+        if notice_failed is not None:
+            notice_failed(error)
+
+    async def tell(peer: Peer) -> None:
+        try:
+            await engine.notify(peer, message)
+        except NotificationFailed as error:
+            untold(error)
+
     ranks = remote_ranks(local_tp=geometry.tp_size, local_rank=geometry.tp_rank, remote_tp=job.remote_tp)
     if not job.local_blocks:  # nothing to read (a full prefix hit, an aborted request): only let them free
         peers = await asyncio.gather(*(connect_job_rank(engine, job, rank) for rank in ranks))
         for peer in peers:
-            await engine.notify(peer, notify.encode())
+            await tell(peer)
         return []
     first = await connect_job_rank(engine, job, ranks[0])  # every producer rank has the same geometry
     plan = plan_request(geometry, job, first)
@@ -645,20 +680,28 @@ async def receive(
 
     async def one_rank(step: RankRead, peer: Peer) -> None:
         if not step.read:  # an MLA sibling: its copy is not read, only freed
-            await engine.notify(peer, notify.encode())
+            await tell(peer)
             return
         parts = split_for_block_ratio(step, local_blocks, remote_blocks, ratio=ratio,
                                       local_part_len=geometry.part_len, run_len=geometry.run_len)  # fmt: skip
-        piggyback = notify.encode() if len(parts) == 1 else None  # else one notification after all parts
+        piggyback = message if len(parts) == 1 else None  # else one notification after all parts
         mine = []
         for p in parts:
             transfer = await engine.start_read(peer, p.local_blocks, p.remote_blocks, local=p.local, remote=p.remote,
                                                notify=piggyback, lease_expires_at=lease)  # fmt: skip
             started.append(transfer)
             mine.append(transfer)
-        results.extend(await asyncio.gather(*mine))
         if piggyback is None:
-            await engine.notify(peer, notify.encode())
+            results.extend(await asyncio.gather(*mine))
+            await tell(peer)
+            return
+        try:
+            results.append(await mine[0])
+        except NotificationFailed as error:
+            if error.result is None:
+                raise
+            results.append(error.result)  # the data arrived
+            untold(error)
 
     try:
         async with asyncio.TaskGroup() as group:

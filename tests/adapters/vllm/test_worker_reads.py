@@ -19,12 +19,14 @@ import numpy as np
 import pytest
 import torch
 
-from nixl_async import EngineConfig, LayoutError, LeaseExpired, TransferEngine
+from nixl_async import EngineConfig, LayoutError, LeaseExpired, NotificationFailed, TransferEngine
+from nixl_async._agent import NIXL_ERRORS
+from nixl_async._notify_transport import NotificationTransport
 from nixl_async.testing import WaitNotifications, free_port_base, pattern_block
 from nixl_async_vllm.block_pairs import GroupBlocks
 from nixl_async_vllm.kv_layout import describe_cache
 from nixl_async_vllm.settings import rank_engine_id
-from nixl_async_vllm.tp_mapping import expected_consumers
+from nixl_async_vllm.tp_mapping import expected_consumers, remote_ranks
 from nixl_async_vllm.worker import KVGeometry, RecvJob, _kv_regions, receive
 
 LAYERS, HEADS, HEAD_DIM, LOCAL_BLOCK_SIZE, NUM_BLOCKS = 2, 4, 8, 16, 40
@@ -82,8 +84,9 @@ def _expected(rank, tp_p, tp_d, mla, ratio, layer, local_index, backend="CPU_ATT
 
 
 async def _decode_rank(
-    rank, tp_p, tp_d, mla, ratio, port, local_blocks, expires_at=None, backend="CPU_ATTN", kv_heads=HEADS
-):
+    rank, tp_p, tp_d, mla, ratio, port, local_blocks, expires_at=None, backend="CPU_ATTN", kv_heads=HEADS,
+    notice_failed=None,
+):  # fmt: skip
     heads_d = _heads(kv_heads, tp_d)
     shape = (
         (NUM_BLOCKS, 1, LOCAL_BLOCK_SIZE, MLA_ROW // 2) if mla else (NUM_BLOCKS, heads_d, LOCAL_BLOCK_SIZE, ROW // 2)
@@ -100,7 +103,7 @@ async def _decode_rank(
     )  # fmt: skip
     async with TransferEngine(EngineConfig(engine_id=f"decode/tp{rank}")) as engine:
         engine.register("kv", caches, num_blocks=NUM_BLOCKS)
-        results = await receive(engine, geometry, job)
+        results = await receive(engine, geometry, job, notice_failed=notice_failed)
     return [c.view(torch.uint8).numpy().reshape(NUM_BLOCKS, -1) for c in caches], results
 
 
@@ -161,6 +164,11 @@ async def test_every_byte_lands_where_vllm_expects_it(nixl_peer_factory, tp_p, t
             for d in range(tp_d)
         )
     )
+    _assert_landed(outcomes, local_blocks, tp_p, tp_d, mla, ratio, backend, kv_heads)
+    await _assert_notified(prefill, expected_consumers(remote_tp=tp_p, local_tp=tp_d))
+
+
+def _assert_landed(outcomes, local_blocks, tp_p, tp_d, mla, ratio, backend, kv_heads):
     for rank, (caches, results) in enumerate(outcomes):
         assert results, "something must have been read"
         for layer, cache in enumerate(caches):
@@ -169,7 +177,35 @@ async def test_every_byte_lands_where_vllm_expects_it(nixl_peer_factory, tp_p, t
                 assert np.array_equal(cache[block], want), (rank, layer, i)
             untouched = [b for b in range(NUM_BLOCKS) if b not in local_blocks]
             assert not cache[untouched].any(), "blocks outside the request must stay untouched"
-    await _assert_notified(prefill, expected_consumers(remote_tp=tp_p, local_tp=tp_d))
+
+
+UNTOLD = [CASES[0], CASES[4], CASES[7]]  # the notice rides on the read; an MLA sibling's; after a split read
+
+
+@pytest.mark.parametrize(
+    ("tp_p", "tp_d", "mla", "ratio", "backend", "kv_heads"), UNTOLD, ids=["one-read", "mla-sibling", "split-read"]
+)
+async def test_a_notice_that_cannot_be_sent_keeps_the_data(nixl_peer_factory, monkeypatch, tp_p, tp_d, mla, ratio,
+                                                           backend, kv_heads):  # fmt: skip
+    """vLLM's connector logs a failed notice and keeps the KV it read (the producer frees its blocks when
+    the lease ends): the load succeeds, and the failure is counted."""
+    port, _prefill = _spawn_prefill(nixl_peer_factory, tp_p, mla, ratio, kv_heads)
+    local_blocks = LOCAL_CANDIDATES[: -(-(len(REMOTE_BLOCKS) - LOCAL_HIT * ratio) // ratio)]
+
+    def refuse(self, peer, message):
+        raise NIXL_ERRORS[0]("NIXL_ERR_NOT_FOUND")
+
+    monkeypatch.setattr(NotificationTransport, "send", refuse)
+    untold = []
+    ranks = [
+        _decode_rank(d, tp_p, tp_d, mla, ratio, port, local_blocks, backend=backend, kv_heads=kv_heads,
+                     notice_failed=untold.append)
+        for d in range(tp_d)
+    ]  # fmt: skip
+    outcomes = await asyncio.gather(*ranks)
+    _assert_landed(outcomes, local_blocks, tp_p, tp_d, mla, ratio, backend, kv_heads)
+    assert len(untold) == tp_d * len(remote_ranks(local_tp=tp_d, local_rank=0, remote_tp=tp_p))
+    assert all(isinstance(error, NotificationFailed) for error in untold)
 
 
 async def test_a_block_size_ratio_into_the_cpu_backend_is_refused_before_reading(nixl_peer_factory):
