@@ -32,15 +32,17 @@ from math import prod
 
 from nixl_async.exceptions import LayoutError
 
-__all__ = ["CacheLayout", "describe_cache"]
+__all__ = ["SHUFFLED_AITER_FA", "CacheLayout", "describe_cache", "packing_name"]
 
 # Backends whose C is one head's K then V (or a quantized slot) for one token.
 _PER_TOKEN_SLOT = frozenset({
     "FLASH_ATTN", "FLASH_ATTN_DIFFKV", "TRITON_ATTN", "TRITON_ATTN_DIFFKV", "TRITON_FLASH_ATTN", "FLASHINFER",
     "TRITON_FLASHINFER", "FLEX_ATTENTION", "HPC_ATTN", "TURBOQUANT", "ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN",
 })  # fmt: skip
+# ROCm AITER FA calls itself FLASH_ATTN; with the shuffled KV cache its blocks hold two planes.
+SHUFFLED_AITER_FA = "ROCM_AITER_FA_SHUFFLED"
 # Backends that keep K and V as two planes of all heads.
-_TWO_PLANES = frozenset({"ROCM_ATTN", "ROCM_SEGMENTED_ATTN", "B12X"})
+_TWO_PLANES = frozenset({"ROCM_ATTN", "ROCM_SEGMENTED_ATTN", "B12X", SHUFFLED_AITER_FA})
 _CPU = "CPU_ATTN"
 _SUPPORTED_LAYOUTS = ("LBHNC", "LBNHC")
 
@@ -56,6 +58,17 @@ class CacheLayout:
     head_window: bool  # a TP rank's heads are one contiguous byte range of the block
     run_len: int | None  # bytes of one run cut by a block-size ratio; None: the whole block is token-major
     ratio_refusal: str | None  # why a block-size ratio cannot be read, or None
+
+
+def packing_name(backend: type) -> str:
+    """vLLM's name for an attention backend class, or ours where one name covers two packings."""
+    name: str = backend.get_name()  # type: ignore[attr-defined]
+    if backend.__module__.endswith(".rocm_aiter_fa"):
+        from vllm._aiter_ops import rocm_aiter_ops
+
+        if rocm_aiter_ops.is_shuffle_kv_cache_enabled():  # K and V re-tiled as two planes, not per token
+            return SHUFFLED_AITER_FA
+    return name
 
 
 def describe_cache(

@@ -46,7 +46,7 @@ from nixl_async import (
 
 from . import cpu_quirks
 from .block_pairs import GroupBlocks, in_kernel_pages, kernel_pages, pair_blocks, window_pages_of_prompt
-from .kv_layout import CacheLayout, describe_cache
+from .kv_layout import CacheLayout, describe_cache, packing_name
 from .leases import LEASE_TOPIC, LearnedLeases, answer_renewal, heartbeat
 from .push_book import PUSH_PREFIX
 from .send_book import SendBook
@@ -187,7 +187,7 @@ class AttentionChoice:
         """The choice for attention `layers` (all by default; state layers have backends of their own)."""
         from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
 
-        names = sorted({b.get_name() for b in get_current_attn_backends(vllm_config, layers)})
+        names = sorted({packing_name(b) for b in get_current_attn_backends(vllm_config, layers)})
         if len(names) != 1:
             raise LayoutError(f"attention layers use backends {names}: the adapter reads one cache packing")
         backend = names[0]

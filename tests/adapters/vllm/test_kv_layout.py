@@ -29,7 +29,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.worker.utils import customize_attention_spec
 
 from nixl_async import LayoutError
-from nixl_async_vllm.kv_layout import describe_cache
+from nixl_async_vllm.kv_layout import SHUFFLED_AITER_FA, describe_cache, packing_name
 
 BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM, LAYERS = 8, 32, 4, 64, 2
 
@@ -91,6 +91,21 @@ def test_two_plane_backends_refuse_head_windows_and_ratios(backend):
     name, view = _views(backend, "LBHNC")
     assert view.shape[1] == 2  # K and V planes, not heads
     cache = _describe(name, view, "LBHNC")
+    assert not cache.head_window and cache.ratio_refusal
+
+
+def test_rocm_aiter_fa_with_the_shuffled_cache_is_read_as_two_planes(monkeypatch):
+    """vLLM names ROCm AITER FA "FLASH_ATTN"; with the shuffled KV cache its block holds K and V planes
+    re-tiled by the kernel, which a two-head FLASH_ATTN view looks like: no head windows, no ratio."""
+    from vllm._aiter_ops import rocm_aiter_ops
+
+    cls = AttentionBackendEnum.ROCM_AITER_FA.get_class()
+    assert cls.get_name() == "FLASH_ATTN" and packing_name(cls) == "FLASH_ATTN"  # shuffle off: vLLM's packing
+    monkeypatch.setattr(rocm_aiter_ops, "is_shuffle_kv_cache_enabled", classmethod(lambda _: True))
+    _, view = _views("ROCM_AITER_FA", "LBHNC")
+    assert view.shape[1] == 2  # K and V planes, not heads
+    assert packing_name(cls) == SHUFFLED_AITER_FA
+    cache = _describe(packing_name(cls), view, "LBHNC")
     assert not cache.head_window and cache.ratio_refusal
 
 
