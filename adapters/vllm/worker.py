@@ -149,6 +149,25 @@ def _kv_regions(
     return regions, page_len, num_pages // num_blocks
 
 
+def host_mirror(caches: dict[str, Any], *, pin_memory: bool) -> dict[str, Any]:
+    """Host copies of `caches` that alias one another where the device views do.
+
+    Layers sharing a cache (KV sharing; one layer of each hybrid group per page tensor) are
+    registered once on the device: their host copies must share memory too, or a staging side
+    announces more regions than a side reading its device memory, and the reads are refused.
+    """
+    storages: dict[int, Any] = {}
+    mirror = {}
+    for name, tensor in caches.items():
+        storage = tensor.untyped_storage()
+        host = storages.get(storage.data_ptr())
+        if host is None:
+            host = storages[storage.data_ptr()] = torch.empty(storage.nbytes(), dtype=torch.uint8,
+                                                              pin_memory=pin_memory)  # fmt: skip
+        mirror[name] = host.view(tensor.dtype).as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
+    return mirror
+
+
 def transfer_groups(kv_cache_config: Any) -> tuple[tuple[str, ...], frozenset[str]]:
     """(kind of each KV cache group that transfers, in vLLM's order; names of its state layers).
 
@@ -274,9 +293,7 @@ class ConnectorWorker:
                 raise LayoutError("kv_buffer_device 'cpu' (host staging) with state (Mamba) layers is not supported")
             # Host staging: NIXL moves host copies; `wait_for_save` / receive copy to and from the device.
             self._device_caches = kv_caches
-            self._host_caches = {
-                name: torch.empty_like(t, device="cpu", pin_memory=True) for name, t in kv_caches.items()
-            }
+            self._host_caches = host_mirror(kv_caches, pin_memory=True)
             regions, block_len, pages = _kv_regions(self._host_caches, num_blocks)
             first = regions[0]
         mem_type, device = (MemType.VRAM, first.device.index or 0) if first.device.type == "cuda" else (MemType.DRAM, 0)
