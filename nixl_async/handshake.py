@@ -59,6 +59,7 @@ CallHandler = Callable[[messages.CallRequest], messages.CallReply]
 _Reply = TypeVar("_Reply", messages.MetadataReply, messages.CallReply)
 _NONCE_TTL_S = 10.0
 _MAX_RESTARTS = 5
+_SERVE_SLICE_S = 0.002  # the longest the server answers queued messages before letting the loop run
 _MAX_NONCES = 4096
 _MAX_NOTIFY_SESSIONS = 4096
 _REFUSAL_LOG_INTERVAL_S = 1.0
@@ -180,7 +181,14 @@ class HandshakeServer:
     async def _serve(self) -> None:
         sock = self._socket
         assert sock is not None
+        loop = asyncio.get_running_loop()
+        yielded = loop.time()
         while True:
+            if loop.time() - yielded > _SERVE_SLICE_S:
+                # A receive with messages queued returns without suspending: a sender that keeps
+                # the socket busy would otherwise hold the loop (every deadline, every completion).
+                await asyncio.sleep(0)
+                yielded = loop.time()
             frames = await sock.recv_multipart(copy=True)
             reply = self._answer(frames)
             if reply is None:

@@ -1,7 +1,9 @@
 """Handshake over the ZMQ side channel: success, sharing, and every way it can fail."""
 
 import asyncio
+import itertools
 import socket
+import sys
 import time
 
 import msgspec
@@ -197,6 +199,41 @@ async def test_server_survives_malformed_queries(nixl_engine):
         assert counters["handshakes_rejected"] == 7 and counters["handshakes_answered"] == 1
     finally:
         ctx.destroy(0)
+
+
+_FLOOD = """
+import sys, time, zmq
+ctx = zmq.Context()
+sock = ctx.socket(zmq.DEALER)
+sock.setsockopt(zmq.SNDHWM, 0)
+sock.connect(sys.argv[1])
+end = time.monotonic() + float(sys.argv[2])
+while time.monotonic() < end:
+    for _ in range(200):
+        sock.send(b"\\x00not a request")
+    try:
+        while True:
+            sock.recv(zmq.NOBLOCK)
+    except zmq.Again:
+        pass
+sock.close(0)
+"""
+
+
+async def test_a_flood_of_queries_leaves_the_loop_running(nixl_engine):
+    """Nobody needs credentials to send to the side channel: a sender that keeps it busy must not hold
+    the engine's loop (its deadlines, completions and notifications)."""
+    host, port = nixl_engine.address
+    flood = await asyncio.create_subprocess_exec(sys.executable, "-c", _FLOOD, f"tcp://{host}:{port}", "2")
+    ticks = [time.monotonic()]
+    try:
+        while flood.returncode is None and time.monotonic() - ticks[0] < 20:
+            await asyncio.sleep(0.01)
+            ticks.append(time.monotonic())
+    finally:
+        await flood.wait()
+    assert nixl_engine._server.rejected > 1000, "the flood never reached the server"
+    assert max(b - a for a, b in itertools.pairwise(ticks)) < 0.5, "the loop stood still while the flood lasted"
 
 
 async def _query(address):
