@@ -61,6 +61,10 @@ class NotificationBox:
     def deliver(self, sender: str, message: bytes) -> None:
         for queue in self._subscribers:
             queue.put_nowait(Notification(sender, message))
+        self._route(sender, message, keep=not self._claiming)
+
+    def _route(self, sender: str, message: bytes, *, keep: bool) -> None:
+        """Give `message` to its oldest live waiter; with none, keep it unclaimed if `keep`."""
         waiters = self._waiters.get(message)
         while waiters:
             waiter = waiters[0]
@@ -75,7 +79,7 @@ class NotificationBox:
                 del self._waiters[message]
             return
         self._waiters.pop(message, None)
-        if not self._claiming:
+        if keep:
             self._keep(message, [sender])
 
     def _keep(self, message: bytes, senders: list[str]) -> None:
@@ -111,19 +115,22 @@ class NotificationBox:
         waiter = _Waiter(count, asyncio.get_running_loop().create_future())
         waiter.senders = taken
         self._waiters.setdefault(message, deque()).append(waiter)
+        returned = False
         try:
             async with asyncio.timeout(timeout):
-                return await waiter.future
+                senders = await waiter.future
+            returned = True
+            return senders
         except TimeoutError:
             raise NotificationTimeout(
                 f"{len(waiter.senders)} of {count} notifications {message!r} arrived in {timeout}s"
             ) from None
         finally:
-            if not waiter.future.done() or waiter.future.cancelled():
+            if not returned:  # timed out or cancelled, even after its count was met: give them back
                 waiter.future.cancel()
                 self._forget(message, waiter)
-                if waiter.senders:
-                    self._keep(message, waiter.senders)
+                for sender in waiter.senders:  # to the waiters behind, else unclaimed
+                    self._route(sender, message, keep=True)
 
     def _forget(self, message: bytes, waiter: _Waiter) -> None:
         waiters = self._waiters.get(message)

@@ -48,6 +48,32 @@ async def test_cancelled_waiter_loses_nothing():
     assert box.unclaimed == 1
 
 
+async def test_a_waiter_cancelled_after_its_count_was_met_loses_nothing():
+    """The notification came, then the waiting task was cancelled before it resumed (a TaskGroup sibling
+    failed, a timeout fired in the same loop pass): the notification is kept for the next waiter."""
+    box = NotificationBox(100)
+    task = asyncio.ensure_future(box.wait(b"m"))
+    await asyncio.sleep(0)
+    box.deliver("a", b"m")
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await box.wait(b"m", timeout=0.1) == ["a"]
+
+
+async def test_notifications_given_back_go_to_the_waiters_behind():
+    box = NotificationBox(100)
+    pair = asyncio.ensure_future(box.wait(b"m", count=2, timeout=0.05))
+    await asyncio.sleep(0)
+    single = asyncio.ensure_future(box.wait(b"m", count=1, timeout=5))
+    await asyncio.sleep(0)
+    box.deliver("a", b"m")  # the first waiter takes it, and then times out
+    with pytest.raises(NotificationTimeout):
+        await pair
+    assert await asyncio.wait_for(single, 1) == ["a"]
+    assert box.unclaimed == 0
+
+
 async def test_waiters_are_served_in_order_and_other_messages_untouched():
     box = NotificationBox(100)
     first = asyncio.ensure_future(box.wait(b"m"))
