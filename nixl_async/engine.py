@@ -57,6 +57,7 @@ from .exceptions import (
     EngineClosedError,
     EngineIdMismatch,
     HandshakeRejected,
+    HandshakeTimeout,
     IncompatiblePeerError,
     LayoutError,
     LeaseExpired,
@@ -500,8 +501,9 @@ class TransferEngine:
         peer = self._peers.table.at((host, port))
         moved = peer is not None and expected_engine_id is not None and peer.engine_id != expected_engine_id
         if peer is None or refresh or moved or not peer.connected or peer.stale:
-            handshake = functools.partial(self._handshake, host, port, timeout or self.config.handshake_timeout_s)
-            peer = await self._shared(key, f"handshake:{host}:{port}", handshake)
+            limit = timeout or self.config.handshake_timeout_s
+            handshake = functools.partial(self._handshake, host, port, limit)
+            peer = await self._shared(key, f"handshake:{host}:{port}", handshake, limit)
         assert self._loop is not None
         self._peers.table.touch(peer, self._loop.time())
         if expected_engine_id is not None and peer.engine_id != expected_engine_id:
@@ -511,17 +513,28 @@ class TransferEngine:
             )
         return peer
 
-    async def _shared(self, key: tuple[str, object], name: str, connect: Callable[[], Coroutine[Any, Any, Peer]]
-                      ) -> Peer:  # fmt: skip
+    async def _shared(self, key: tuple[str, object], name: str, connect: Callable[[], Coroutine[Any, Any, Peer]],
+                      timeout: float) -> Peer:  # fmt: skip
         """Run `connect` once per key at a time: concurrent connects to one peer share it (and a
-        cancelled caller does not cancel it for the others)."""
+        cancelled caller does not cancel it for the others). A caller joining one under way waits at
+        most its own `timeout`."""
         task = self._connecting.get(key)
         if task is None:
             assert self._loop is not None
             task = self._loop.create_task(connect(), name=name)
             self._connecting[key] = task
             task.add_done_callback(functools.partial(self._connect_done, key))
-        return await asyncio.shield(task)
+            return await asyncio.shield(task)  # bounded by this caller's timeout already
+        try:
+            async with asyncio.timeout(timeout) as waited:
+                return await asyncio.shield(task)
+        except TimeoutError:
+            if not waited.expired():  # the handshake's own HandshakeTimeout
+                raise
+            raise HandshakeTimeout(
+                f"{name}: no answer within {timeout}s (a handshake started earlier goes on)",
+                address=str(key[1]) if key[0] == "etcd" else f"{key[0]}:{key[1]}",
+            ) from None
 
     def _connect_done(self, key: tuple[str, object], _task: asyncio.Task[Peer]) -> None:
         self._connecting.pop(key, None)
@@ -618,7 +631,7 @@ class TransferEngine:
         if peer is None or refresh or not peer.connected or peer.stale:
             limit = timeout or self.config.handshake_timeout_s
             discover = functools.partial(self._discover, directory, engine_id, limit)
-            peer = await self._shared(("etcd", engine_id), f"discover:{engine_id}", discover)
+            peer = await self._shared(("etcd", engine_id), f"discover:{engine_id}", discover, limit)
         assert self._loop is not None
         self._peers.table.touch(peer, self._loop.time())
         return peer

@@ -166,6 +166,22 @@ async def test_dead_peer_costs_only_its_own_timeout(nixl_engine, nixl_peer_facto
         await silent.close()
 
 
+async def test_a_connect_joining_a_handshake_in_flight_keeps_its_own_timeout(nixl_engine):
+    silent = FakeServer(None)
+    try:
+        first = asyncio.ensure_future(nixl_engine.connect("127.0.0.1", silent.port, timeout=5))
+        await asyncio.sleep(0.05)
+        started = time.monotonic()
+        with pytest.raises(HandshakeTimeout, match="started earlier goes on"):
+            await nixl_engine.connect("127.0.0.1", silent.port, timeout=0.3)
+        assert time.monotonic() - started < 2, "it waited for the first caller's timeout"
+        assert not first.done(), "the first caller's handshake goes on"
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+    finally:
+        await silent.close()
+
+
 async def test_server_survives_malformed_queries(nixl_engine):
     host, port = nixl_engine.address
     ctx = zmq.asyncio.Context()
