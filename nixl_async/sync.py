@@ -36,7 +36,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from .config import EngineConfig
 from .engine import BlockIds, TransferEngine
-from .exceptions import EngineClosedError, TransferFenced
+from .exceptions import EngineClosedError, NotificationFailed, TransferFenced
 from .layout import BlockLayout, ViewSpec
 from .notifications import Notification
 from .stats import StatsSnapshot
@@ -83,6 +83,12 @@ def _uvloop_available() -> bool:
 
 
 LOOP_THREAD_NAME = "nixl-async"  # what `top -H`, py-spy and /proc/<pid>/task/*/comm show for the loop thread
+
+
+def _lost_data(error: BaseException | None) -> bool:
+    """Whether a transfer's outcome leaves its request without its data (a READ whose data arrived
+    and whose completion notice alone failed does not: the request's coroutine chose to go on)."""
+    return error is not None and not (isinstance(error, NotificationFailed) and error.result is not None)
 
 
 def _name_os_thread(name: str) -> None:
@@ -219,7 +225,7 @@ class SyncEngine:
             with self._lock:
                 self._inflight.pop(request_id, None)
         if error is None:  # a transfer it started but never awaited may have failed, or been settled (cancelled)
-            error = next((t.exception() for t in started if t.done() and t.exception() is not None), None)
+            error = next((e for t in started if t.done() and _lost_data(e := t.exception())), None)
         self._report(request_id, "done" if error is None else "failed", error)
 
     async def _quiesce(self, request_id: str, started: list[Any], error: BaseException | None) -> None:
@@ -252,7 +258,8 @@ class SyncEngine:
         For work that must look at a peer before deciding what to move (an adapter planning
         reads from the peer's layout). The outcome shows in `get_finished()`: done only if the
         coroutine returned and every transfer it started succeeded (one it caught, or left
-        unawaited and the facade settled, makes the request failed).
+        unawaited and the facade settled, makes the request failed; a READ whose data arrived
+        and whose notice alone failed, `NotificationFailed` with a result, counts as succeeded).
         """
         self._submit(request_id, func(self.engine, *args))
 

@@ -14,10 +14,13 @@ from nixl_async import (
     EngineConfig,
     HandshakeTimeout,
     LayoutError,
+    NotificationFailed,
     SyncEngine,
     TransferCancelled,
     WrongThreadError,
 )
+from nixl_async._agent import NIXL_ERRORS
+from nixl_async._notify_transport import NotificationTransport
 from nixl_async.testing import Notify, WaitNotifications, verify_blocks
 
 BLOCK = 4096
@@ -80,6 +83,29 @@ def test_failures_arrive_typed(sync_engine, nixl_peer):
     assert isinstance(failed["bad-ids"], LayoutError)
     with pytest.raises(HandshakeTimeout):  # blocking calls re-raise in the caller's thread
         sync_engine.connect("127.0.0.1", _free_port(), timeout=0.2)
+
+
+def test_a_read_whose_notice_alone_failed_leaves_its_request_done(sync_engine, nixl_peer, monkeypatch):
+    """The data arrived and the request's coroutine went on past the failed notice (vLLM's adapter
+    does: the producer frees its blocks at its lease's end): the request is done, not failed."""
+    regions = [np.zeros(64 * BLOCK, np.uint8) for _ in range(2)]
+    sync_engine.register("kv", regions, block_len=BLOCK)
+    info = sync_engine.connect(*nixl_peer.address)
+
+    def refuse(self, peer, message):
+        raise NIXL_ERRORS[0]("NIXL_ERR_NOT_FOUND")
+
+    monkeypatch.setattr(NotificationTransport, "send", refuse)
+
+    async def read_past_the_notice(engine):
+        transfer = await engine.start_read(engine.peer(info.engine_id), [0, 1], [5, 6], notify=b"req-p:1")
+        with pytest.raises(NotificationFailed):
+            await transfer
+
+    sync_engine.submit("req", read_past_the_notice)
+    done, failed = _wait_finished(sync_engine, 1)
+    assert (done, failed) == ({"req"}, {})
+    assert verify_blocks(regions, BLOCK, [0, 1], [5, 6], seed=1) == []
 
 
 def test_duplicate_request_ids_are_refused(sync_engine, nixl_peer_factory):
