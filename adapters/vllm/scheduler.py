@@ -30,6 +30,7 @@ import logging
 import time
 from typing import Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import HeartbeatInfo
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import NixlPushConnectorScheduler
 from vllm.v1.kv_cache_interface import AttentionSpec
@@ -73,6 +74,25 @@ class AdapterScheduler(_MarksIdleSteps, _WorkersServeHandshakes, NixlPullConnect
         super().__init__(vllm_config, engine_id, kv_cache_config)
         self.settings = _adapt(self, vllm_config)
         self._saving = PrefillFollower()  # host staging: requests for decode still computing
+
+    def on_new_request(self, request: Any) -> None:
+        super().on_new_request(request)
+        params = request.kv_transfer_params or {}
+        if (self.settings.etcd is None or not params.get("do_remote_prefill")
+                or request.request_id in self._heartbeat_req_engine):  # fmt: skip
+            return
+        # vLLM renews a producer's leases only given its address; found through etcd, its id will do.
+        engine_id, remote_id, tp = (params.get(k) for k in ("remote_engine_id", "remote_request_id", "tp_size"))
+        if engine_id is None or remote_id is None or tp is None:
+            return
+        info = self._heartbeat_by_engine.get(engine_id)
+        if info is None:
+            info = self._heartbeat_by_engine[engine_id] = HeartbeatInfo(
+                req_ids=set(), host="", port=0, tp_size=tp, dcp_size=params.get("dcp_size", 1),
+                pp_size=params.get("pp_size", 1),
+            )  # fmt: skip
+        info.req_ids.add(remote_id)
+        self._heartbeat_req_engine[request.request_id] = (engine_id, remote_id)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         super().update_state_after_alloc(request, blocks, num_external_tokens)

@@ -6,6 +6,7 @@
   steps as the baseline. (vLLM-CPU never stages through the host, so no server run reaches it.)
 - A finished prefill offers its reader the blocks holding computed tokens, not the lookahead
   slots speculative decoding adds past the prompt.
+- Decode renews the leases of producers it finds through etcd (no address in the request).
 """
 
 from __future__ import annotations
@@ -137,3 +138,41 @@ def test_a_prefill_offers_the_blocks_of_its_computed_tokens_not_its_lookahead_sl
     # a 32-token window keeps 3 blocks: those ending at the prompt's last block, not at the lookahead slot
     window = _scheduler(window=32)
     assert window._computed_blocks(100, ([0, 0, 0, 0, 5, 6, 7, 8],)) == ([5, 6, 7],)
+
+
+def _configured(extra: dict[str, Any]) -> AdapterScheduler:
+    """An AdapterScheduler made by its own constructor, on the parts of vLLM's config it reads."""
+    from vllm.config import KVTransferConfig
+
+    transfer = KVTransferConfig(kv_connector="NixlAsyncConnector", kv_role="kv_consumer",
+                                kv_connector_extra_config=extra)  # fmt: skip
+    parallel = SimpleNamespace(tensor_parallel_size=1, decode_context_parallel_size=1, prefill_context_parallel_size=1,
+                               pipeline_parallel_size=1, data_parallel_index=0)  # fmt: skip
+    config = SimpleNamespace(kv_transfer_config=transfer, parallel_config=parallel,
+                             cache_config=SimpleNamespace(block_size=BS), num_prefill_lookahead_tokens=0,
+                             scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=True))  # fmt: skip
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float16)
+    kv_cache = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
+    return AdapterScheduler(config, "decode", kv_cache)
+
+
+def test_producers_found_through_etcd_get_their_leases_renewed():
+    """vLLM 0.32 renews a producer's leases only for requests naming its address; with etcd the
+    request names none, and a request waiting past the lease would lose its KV."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    def request(request_id: str, host: str | None, port: int | None) -> Request:
+        params = {"do_remote_prefill": True, "remote_engine_id": f"prefill-{request_id}",
+                  "remote_request_id": f"p-{request_id}", "remote_host": host, "remote_port": port, "tp_size": 1,
+                  "remote_block_ids": ([1, 2, 3],), "remote_num_tokens": 48}  # fmt: skip
+        sampling = SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": params})
+        return Request(request_id=request_id, prompt_token_ids=list(range(48)), pooling_params=None,
+                       sampling_params=sampling)  # fmt: skip
+
+    for etcd, tracked in ((None, {"addr"}), ("127.0.0.1:2379", {"addr", "etcd"})):
+        sched = _configured({"etcd_endpoint": etcd} if etcd else {})
+        sched.on_new_request(request("etcd", None, None))
+        sched.on_new_request(request("addr", "10.0.0.2", 5600))
+        assert set(sched._heartbeat_by_engine) == {f"prefill-{r}" for r in tracked}
+        assert all(sched._heartbeat_by_engine[f"prefill-{r}"].req_ids == {f"p-{r}"} for r in tracked)
