@@ -1016,11 +1016,14 @@ class TransferEngine:
         return self._driver.submit_many(op, peer, local_dlist, remote_dlist, piece_len, rows, deadline,
                                         lease_deadline)  # fmt: skip
 
-    def _submit_views(self, peer: Peer, local: ViewLike, remote: ViewLike) -> tuple[BlockView, BlockView]:
-        """Check the engine and peer, and resolve both sides' views."""
+    def _require_peer(self, peer: Peer) -> None:
         self._require_agent()
         if not peer.connected or peer not in self._peers.table:
             raise PeerUnknownError(f"peer {peer.engine_id!r} is not connected (connect again)")
+
+    def _submit_views(self, peer: Peer, local: ViewLike, remote: ViewLike) -> tuple[BlockView, BlockView]:
+        """Check the engine and peer, and resolve both sides' views."""
+        self._require_peer(peer)
         local_view = self._memory.view(local, self._memory.layouts, "this engine")
         return local_view, self._memory.view(remote, peer.layouts, f"peer {peer.engine_id}")
 
@@ -1071,8 +1074,11 @@ class TransferEngine:
 
     # -- notifications --------------------------------------------------------------------
     async def notify(self, peer: Peer, message: bytes) -> None:
-        """Send a notification to a peer (not tied to any transfer)."""
-        (await self._submit("WRITE", peer, [], [], None, None, message, None)).result()
+        """Send a notification to a peer (not tied to any transfer, nor to any layout)."""
+        self._require_peer(peer)
+        if not isinstance(message, bytes):
+            raise TypeError("notify must be bytes")
+        self._driver.notify_only("WRITE", peer, message).result()
 
     async def wait_notifications(self, message: bytes, count: int = 1, *, timeout: float | None = None) -> list[str]:
         """Wait until `count` notifications carrying `message` have arrived; return the senders.

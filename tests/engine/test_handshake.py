@@ -22,7 +22,7 @@ from nixl_async import (
     messages,
 )
 from nixl_async.config import TCP_SEGMENT_BYTES
-from nixl_async.testing import assert_no_live_handles
+from nixl_async.testing import WaitNotifications, assert_no_live_handles
 
 
 def _free_port() -> int:
@@ -283,6 +283,19 @@ async def test_notify_only_needs_no_matching_layouts(nixl_engine, nixl_peer):
     nixl_engine.register("kv", [np.zeros(4096, np.uint8)], block_len=1024)  # differs from the peer's
     peer = await nixl_engine.connect(*nixl_peer.address)
     assert (await nixl_engine.read(peer, [], [], notify=b"hit")).notified
+
+
+async def test_notify_needs_no_layout_or_one_named(nixl_engine, nixl_peer):
+    """`notify()` is tied to no transfer: an engine with its K and V in two layouts, or none, notifies."""
+    import numpy as np
+
+    peer = await nixl_engine.connect(*nixl_peer.address)
+    await nixl_engine.notify(peer, b"none")
+    nixl_engine.register("k", [np.zeros(4096, np.uint8)], block_len=1024)
+    nixl_engine.register("v", [np.zeros(4096, np.uint8)], block_len=1024)
+    await nixl_engine.notify(peer, b"two")
+    for message in (b"none", b"two"):
+        assert await nixl_peer.request(WaitNotifications(message=message, timeout=10)) == [nixl_engine.engine_id]
 
 
 async def test_restarted_peer_is_handshaken_again_after_a_failure(nixl_engine, nixl_peer_factory):
