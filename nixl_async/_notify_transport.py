@@ -31,6 +31,7 @@ __all__ = ["NOTIFY_ERRORS", "WIREUP_BRISK_S", "NotificationTransport", "engine_i
 # After a handshake or a notification, poll briskly this long: the peer's next step needs our
 # UCX worker progressed (wire-up, the notification itself).
 WIREUP_BRISK_S = 2.0
+_ENVELOPE_BYTES = 256  # a side-channel notification's msgpack fields beside its message and engine id
 # What sending a notification raises when the peer is unknown to NIXL or its queue is full.
 NOTIFY_ERRORS: tuple[type[BaseException], ...] = (*NIXL_ERRORS, KeyError, zmq.ZMQError)
 
@@ -53,6 +54,9 @@ class NotificationTransport:
         wakeup: Callable[[], None],
     ) -> None:
         self._via_nixl = config.notify_via == "nixl"
+        # The peer's server refuses frames over its max_request_bytes (ours, by default): leave room for the
+        # envelope (engine id, session, number, MAC).
+        self._max_side_message = config.max_request_bytes - len(config.engine_id) - _ENVELOPE_BYTES
         self._engine_id = config.engine_id
         self._secret = config.auth_secret
         self._stats = stats
@@ -77,6 +81,14 @@ class NotificationTransport:
     def side_sockets(self) -> int:
         """Open side-channel sockets (one per peer address notified)."""
         return len(self._side) if self._side is not None else 0
+
+    def check(self, message: object) -> None:
+        """Refuse a message the transport cannot carry, before anything is posted (`TypeError`, `ValueError`)."""
+        if not isinstance(message, bytes):
+            raise TypeError(f"a notification must be bytes, not {type(message).__name__}")
+        if not self._via_nixl and len(message) > self._max_side_message:
+            raise ValueError(f"a notification of {len(message)} bytes exceeds the side channel's "
+                             f"{self._max_side_message} (peers refuse larger requests: max_request_bytes)")  # fmt: skip
 
     def send(self, peer: Peer, message: bytes) -> None:
         """Send `message` to `peer` (raises one of `NOTIFY_ERRORS`; `zmq.Again` when its queue is full)."""

@@ -958,8 +958,8 @@ class TransferEngine:
         lease_expires_at: float | None = None,
     ) -> Transfer:
         local_view, remote_view = self._submit_views(peer, local, remote)
-        if notify is not None and not isinstance(notify, bytes):
-            raise TypeError("notify must be bytes")
+        if notify is not None:
+            self._notify.check(notify)
         lidx: DescIds
         ridx: DescIds
         short = pair_short_ids(local_view, local_blocks, remote_view, remote_blocks, op=op)
@@ -1000,8 +1000,9 @@ class TransferEngine:
         notes = [None] * n if notify is None else list(notify)
         if len(notes) != n:
             raise ValueError(f"notify has {len(notes)} messages for {n} transfers")
-        if not all(m is None or isinstance(m, bytes) for m in notes):
-            raise TypeError("each notify message must be bytes or None")
+        for message in notes:
+            if message is not None:
+                self._notify.check(message)
         lidx, ridx = pair_descriptor_id_rows(local_view, lrows, remote_view, rrows)
         piece_len = local_view.piece_len
         if isinstance(lidx, np.ndarray):  # rows of one length
@@ -1076,8 +1077,7 @@ class TransferEngine:
     async def notify(self, peer: Peer, message: bytes) -> None:
         """Send a notification to a peer (not tied to any transfer, nor to any layout)."""
         self._require_peer(peer)
-        if not isinstance(message, bytes):
-            raise TypeError("notify must be bytes")
+        self._notify.check(message)
         self._driver.notify_only("WRITE", peer, message).result()
 
     async def wait_notifications(self, message: bytes, count: int = 1, *, timeout: float | None = None) -> list[str]:

@@ -92,6 +92,26 @@ async def test_unauthenticated_side_channel_notifications_are_dropped(reader_sec
         await producer.close()
 
 
+async def test_a_notification_too_large_for_the_side_channel_is_refused_before_anything_moves():
+    """A peer's server refuses requests over its max_request_bytes without the sender hearing of it:
+    the sender refuses such a notification up front instead of losing it."""
+    producer, reader, peer = await _pair(EngineConfig(engine_id="reader", notify_via="side_channel"),
+                                         EngineConfig(engine_id="producer"))  # fmt: skip
+    try:
+        largest = b"n" * (reader.config.max_request_bytes - 1024)
+        await reader.notify(peer, largest)
+        assert await producer.wait_notifications(largest, timeout=5) == ["reader"]
+        too_large = b"n" * reader.config.max_request_bytes
+        with pytest.raises(ValueError, match="max_request_bytes"):
+            await reader.notify(peer, too_large)
+        with pytest.raises(ValueError, match="max_request_bytes"):
+            await reader.start_read(peer, [0], [0], notify=too_large)
+        assert reader.live_handles().get("xfers", 0) == 0
+    finally:
+        await reader.close()
+        await producer.close()
+
+
 @pytest.mark.parametrize(
     ("notify_via", "brisk", "tcp"),
     [("side_channel", False, False), ("side_channel", False, True), ("nixl", True, False)],
