@@ -25,6 +25,11 @@ class EtcdUnreachable(Exception):
     """No HTTP exchange with etcd was possible (refused, reset, DNS)."""
 
 
+class WatchIdle(EtcdUnreachable):
+    """A watch stream carried nothing for its idle limit: quiet, or a dead connection (a partition
+    or a lost host resets nothing, and the stream would wait for ever). Watch again from there."""
+
+
 class EtcdError(Exception):
     """etcd answered with an error; `code` is its gRPC status code."""
 
@@ -118,8 +123,8 @@ class EtcdHttp:
             async with self._open().post(path, data=msgspec.json.encode(body)) as reply:
                 data = await reply.read()
                 status = reply.status
-        except aiohttp.ClientConnectionError as exc:
-            raise EtcdUnreachable(f"{self.base}: {exc}") from None
+        except aiohttp.ClientError as exc:  # no connection, or a reply cut midway
+            raise EtcdUnreachable(f"{self.base}: {exc!r}") from None
         if status != 200:
             error = msgspec.json.decode(data, type=_Error, strict=False) if data.startswith(b"{") else _Error()
             raise EtcdError(error.code, error.message or f"HTTP {status} on {path}")
@@ -147,17 +152,19 @@ class EtcdHttp:
     async def revoke(self, lease: int) -> None:
         await self._post("/v3/lease/revoke", {"ID": lease}, _Range)
 
-    async def watch_prefix(self, prefix: bytes, start_revision: int) -> AsyncIterator[Event]:
+    async def watch_prefix(self, prefix: bytes, start_revision: int, idle_s: float) -> AsyncIterator[Event]:
         """Events under `prefix` from `start_revision` on, until the stream breaks.
 
-        Raises `EtcdUnreachable`, or `EtcdError` when etcd cancels the watch (e.g. that revision
-        was compacted: read everything again and watch from there).
+        Raises `WatchIdle` after `idle_s` without a byte, `EtcdUnreachable`, or `EtcdError` when
+        etcd cancels the watch (e.g. that revision was compacted: read everything again and watch
+        from there).
         """
         import aiohttp
 
         request = {"create_request": {"key": prefix, "range_end": prefix_end(prefix), "start_revision": start_revision}}
+        idle = aiohttp.ClientTimeout(total=None, sock_read=idle_s)  # each read: the reply's head, then each chunk
         try:
-            async with self._open().post("/v3/watch", data=msgspec.json.encode(request)) as reply:
+            async with self._open().post("/v3/watch", data=msgspec.json.encode(request), timeout=idle) as reply:
                 if reply.status != 200:
                     raise EtcdError(0, f"HTTP {reply.status} on /v3/watch")
                 pending = b""
@@ -177,8 +184,10 @@ class EtcdHttp:
                             raise EtcdError(0, f"watch cancelled: {result.cancel_reason or 'compacted'}")
                         for event in result.events:
                             yield event
+        except TimeoutError:  # (aiohttp's ServerTimeoutError)
+            raise WatchIdle(f"{self.base}: nothing on the watch stream for {idle_s}s") from None
         except aiohttp.ClientError as exc:
-            raise EtcdUnreachable(f"{self.base}: {exc}") from None
+            raise EtcdUnreachable(f"{self.base}: {exc!r}") from None
         raise EtcdUnreachable(f"{self.base}: the watch stream ended")
 
     async def close(self) -> None:

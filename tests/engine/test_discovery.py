@@ -1,6 +1,7 @@
 """Fleet discovery through a real etcd: publish, find by engine id, refresh, leave, and etcd failing."""
 
 import asyncio
+import contextlib
 import socket
 import time
 
@@ -17,6 +18,7 @@ from nixl_async import (
     IncompatiblePeerError,
     PeerNotPublished,
     TransferEngine,
+    discovery,
     messages,
 )
 from nixl_async._etcd_http import prefix_end
@@ -218,6 +220,76 @@ async def test_a_new_registration_is_republished_and_a_connected_engine_refreshe
     finally:
         await engine.close()
     assert_no_live_handles(engine)
+
+
+class _Blackhole:
+    """A TCP relay to etcd whose open connections can be made to carry nothing more, as in a network
+    partition (no reset: the other end cannot tell). New connections still go through."""
+
+    def __init__(self, target: str):
+        self.host, port = target.split(":")
+        self.port = int(port)
+        self.frozen = asyncio.Event()
+
+    async def start(self) -> str:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        return f"127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    async def _relay(self, reader, writer):
+        if self.frozen.is_set():
+            self.frozen = asyncio.Event()  # a connection made after the partition: a working one
+        frozen = self.frozen
+        upstream_reader, upstream_writer = await asyncio.open_connection(self.host, self.port)
+
+        async def pump(src, dst):
+            with contextlib.suppress(Exception):
+                while data := await src.read(65536):
+                    if frozen.is_set():
+                        await asyncio.sleep(3600)  # cancelled at close
+                    dst.write(data)
+                    await dst.drain()
+
+        await asyncio.gather(pump(reader, upstream_writer), pump(upstream_reader, writer))
+
+    async def close(self):
+        self._server.close()
+
+
+async def test_a_watch_cut_off_without_a_reset_is_started_again(etcd, nixl_peer_factory, monkeypatch):
+    """A partition leaves the follower's watch connection open and silent: the watch restarts once it has
+    been quiet for its idle limit, and the records changed meanwhile still reach us."""
+    monkeypatch.setattr(discovery, "_WATCH_IDLE_S", 1.0)
+    relay = _Blackhole(etcd.endpoint)
+    publisher = _publisher(nixl_peer_factory, etcd)
+    engine = await _engine(EtcdConfig(await relay.start(), namespace=NAMESPACE))
+    try:
+        await engine.connect(engine_id=publisher.engine_id)
+        await asyncio.sleep(0.3)  # the follower's watch is up
+        relay.frozen.set()
+        await publisher.request(Register(layout_name="more", num_regions=1, num_blocks=16, seed=7))
+        await _until(lambda: "more" in engine.peer(publisher.engine_id).layouts, 10.0, "the change reached us")
+    finally:
+        await engine.close()
+        await relay.close()
+
+
+async def test_an_etcd_reply_cut_midway_is_a_typed_error():
+    async def cut(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 500\r\n\r\n{"header":{')
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(cut, "127.0.0.1", 0)
+    endpoint = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    engine = await _engine(EtcdConfig(endpoint), handshake_timeout_s=1.0)
+    try:
+        for attempt in (lambda: engine.connect(engine_id="anyone"), engine.publish):
+            with pytest.raises(DiscoveryUnavailable):
+                await attempt()
+    finally:
+        await engine.close()
+        server.close()
 
 
 async def test_close_removes_the_record_and_a_connected_engine_notices(etcd, nixl_peer_factory):
