@@ -123,7 +123,8 @@ class TransferEngine:
         self._tcp_segment: int | None = None
         self.extra: dict[str, str] = {}
         self._call_handlers: dict[str, Callable[[str, bytes], bytes]] = {}
-        self._connecting: dict[tuple[str, object], asyncio.Task[Peer]] = {}  # (host, port) or ("etcd", id)
+        # ("host:port", the engine id expected there) or ("etcd", engine id)
+        self._connecting: dict[tuple[str, str | None], asyncio.Task[Peer]] = {}
         self._directory: EtcdDirectory | None = None
         self._follower: asyncio.Task[None] | None = None  # applies etcd changes to peers we hold
         self._discovered: set[str] = set()  # engine ids we connected to through etcd
@@ -497,12 +498,13 @@ class TransferEngine:
             return await self._connect_published(engine_id, timeout, refresh)
         if host is None or port is None:
             raise TypeError("connect() needs host and port, or engine_id")
-        key: tuple[str, object] = (host, port)
         peer = self._peers.table.at((host, port))
         moved = peer is not None and expected_engine_id is not None and peer.engine_id != expected_engine_id
         if peer is None or refresh or moved or not peer.connected or peer.stale:
             limit = timeout or self.config.handshake_timeout_s
-            handshake = functools.partial(self._handshake, host, port, limit)
+            # The peer refuses a handshake naming another engine: nothing of a wrong engine is loaded.
+            handshake = functools.partial(self._handshake, host, port, limit, expected_engine_id)
+            key = (f"{host}:{port}", expected_engine_id)
             peer = await self._shared(key, f"handshake:{host}:{port}", handshake, limit)
         assert self._loop is not None
         self._peers.table.touch(peer, self._loop.time())
@@ -513,8 +515,8 @@ class TransferEngine:
             )
         return peer
 
-    async def _shared(self, key: tuple[str, object], name: str, connect: Callable[[], Coroutine[Any, Any, Peer]],
-                      timeout: float) -> Peer:  # fmt: skip
+    async def _shared(self, key: tuple[str, str | None], name: str,
+                      connect: Callable[[], Coroutine[Any, Any, Peer]], timeout: float) -> Peer:  # fmt: skip
         """Run `connect` once per key at a time: concurrent connects to one peer share it (and a
         cancelled caller does not cancel it for the others). A caller joining one under way waits at
         most its own `timeout`."""
@@ -533,22 +535,24 @@ class TransferEngine:
                 raise
             raise HandshakeTimeout(
                 f"{name}: no answer within {timeout}s (a handshake started earlier goes on)",
-                address=str(key[1]) if key[0] == "etcd" else f"{key[0]}:{key[1]}",
+                address=name.partition(":")[2],
             ) from None
 
-    def _connect_done(self, key: tuple[str, object], _task: asyncio.Task[Peer]) -> None:
+    def _connect_done(self, key: tuple[str, str | None], _task: asyncio.Task[Peer]) -> None:
         self._connecting.pop(key, None)
 
-    async def _handshake(self, host: str, port: int, timeout: float) -> Peer:
+    async def _handshake(self, host: str, port: int, timeout: float, expected_engine_id: str | None = None) -> Peer:
         assert self._zmq is not None and self._loop is not None
         started = self._loop.time()
         asked_at = time.time()
+        request = messages.MetadataRequest(engine_id=self.engine_id, tcp_segment_bytes=self._announced_segment,
+                                           expected_engine_id=expected_engine_id)  # fmt: skip
         try:
             reply = await fetch_metadata(
                 self._zmq,
                 host,
                 port,
-                messages.MetadataRequest(engine_id=self.engine_id, tcp_segment_bytes=self._announced_segment),
+                request,
                 timeout=timeout,
                 max_frame_bytes=self.config.max_frame_bytes,
                 secret=self.config.auth_secret,

@@ -44,7 +44,7 @@ import zmq.asyncio
 
 from . import messages
 from ._notify_guard import NotifyGuard
-from .exceptions import HandshakeRejected, HandshakeTimeout, IncompatiblePeerError, ProtocolError
+from .exceptions import EngineIdMismatch, HandshakeRejected, HandshakeTimeout, IncompatiblePeerError, ProtocolError
 
 __all__ = ["HandshakeServer", "Refusal", "call_peer", "fetch_metadata"]
 
@@ -393,6 +393,8 @@ async def _ask(
         raise ProtocolError(f"{address} challenged twice", address=address)
     if isinstance(reply, messages.ErrorReply) and reply.code == "incompatible_peer":
         raise IncompatiblePeerError(f"{address} refused the {_kind(request)}: {reply.message}", address=address)
+    if isinstance(reply, messages.ErrorReply) and reply.code == "engine_id_mismatch":
+        raise EngineIdMismatch(f"{address}: {reply.message}", address=address)
     if isinstance(reply, messages.ErrorReply):
         raise HandshakeRejected(f"{address} refused the {_kind(request)} ({reply.code}): {reply.message}",
                                 address=address)  # fmt: skip

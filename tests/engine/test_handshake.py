@@ -140,8 +140,12 @@ async def test_compat_mismatch_is_logged_and_allowed_when_enforcement_is_off(nix
 
 
 async def test_engine_id_mismatch(nixl_engine, nixl_peer):
-    with pytest.raises(EngineIdMismatch, match="expected 'someone-else'"):
+    """The handshake names the engine expected: the one found there refuses it, and nothing of it is loaded."""
+    with pytest.raises(EngineIdMismatch, match="not 'someone-else'"):
         await nixl_engine.connect(*nixl_peer.address, expected_engine_id="someone-else")
+    assert nixl_engine.peers == [] and nixl_engine.live_handles().get("remote_agents", 0) == 0
+    peer = await nixl_engine.connect(*nixl_peer.address, expected_engine_id=nixl_peer.engine_id)
+    assert nixl_engine.peers == [peer]
 
 
 async def test_concurrent_connects_share_one_handshake(nixl_engine, nixl_peer):
