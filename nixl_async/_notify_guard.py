@@ -14,8 +14,10 @@ A sender that reconnects for good handshakes again and gets a new session.
 
 Sessions live until evicted (least recently used first) once `max_sessions` are live; an
 accepted notification counts as a use, so a flood of handshakes evicts idle sessions before
-busy ones. A sender whose session was evicted (or whose receiver restarted) is refused with
-"unknown_session" until its next handshake.
+busy ones. An engine keeps its `_PER_ENGINE` newest sessions (one that handshakes again may
+still have notifications under way in the previous one), so engines that handshake again and
+again evict nobody else's. A sender whose session was evicted (or whose receiver restarted) is
+refused with "unknown_session" until its next handshake.
 
 Without a shared secret nothing is authenticated: anyone who sees a session on the wire can
 send new notifications in it. Session and sequence number still refuse a blind replay of a
@@ -40,6 +42,7 @@ REPLAYED: Final = "replayed"
 REFUSAL_REASONS: Final = (UNKNOWN_SESSION, BAD_MAC, WRONG_SENDER, REPLAYED)
 
 SESSION_BYTES: Final = 16
+_PER_ENGINE: Final = 2
 
 
 class _Session:
@@ -59,17 +62,30 @@ class NotifyGuard:
         self._secret = secret
         self._max_sessions = max_sessions
         self._sessions: OrderedDict[bytes, _Session] = OrderedDict()  # least recently used first
+        self._by_engine: dict[str, list[bytes]] = {}  # each engine's live sessions, oldest first
 
     def __len__(self) -> int:
         return len(self._sessions)
 
     def issue(self, engine_id: str) -> bytes:
-        """A fresh session for `engine_id`'s notifications to us, evicting the least recently used if full."""
+        """A fresh session for `engine_id`'s notifications to us (its oldest one goes past `_PER_ENGINE`;
+        the least recently used of all when `max_sessions` are live)."""
+        mine = self._by_engine.setdefault(engine_id, [])
+        while len(mine) >= _PER_ENGINE:
+            self._drop(mine[0])
         while len(self._sessions) >= self._max_sessions:
-            self._sessions.popitem(last=False)
+            self._drop(next(iter(self._sessions)))
         session = secrets.token_bytes(SESSION_BYTES)
         self._sessions[session] = _Session(engine_id)
+        self._by_engine.setdefault(engine_id, []).append(session)
         return session
+
+    def _drop(self, session: bytes) -> None:
+        engine_id = self._sessions.pop(session).engine_id
+        mine = self._by_engine[engine_id]
+        mine.remove(session)
+        if not mine:
+            del self._by_engine[engine_id]
 
     def check(self, note: messages.NotifyMessage) -> str | None:
         """None to accept `note` (and remember its sequence number), else why it is refused.

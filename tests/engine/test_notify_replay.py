@@ -87,6 +87,18 @@ def test_least_recently_used_session_is_evicted():
         NotifyGuard(max_sessions=0)
 
 
+def test_an_engine_handshaking_again_and_again_evicts_nobody_else():
+    """It keeps its two newest sessions (notifications may still be under way in the previous one)."""
+    guard = NotifyGuard(SECRET, max_sessions=4)
+    idle = guard.issue("idle-reader")
+    sessions = [guard.issue("busy-reader") for _ in range(10)]
+    assert len(guard) == 3
+    assert guard.check(_note(idle, 1, engine_id="idle-reader")) is None
+    assert guard.check(_note(sessions[-2], 1, engine_id="busy-reader")) is None
+    assert guard.check(_note(sessions[-1], 1, engine_id="busy-reader")) is None
+    assert guard.check(_note(sessions[-3], 1, engine_id="busy-reader")) == "unknown_session"
+
+
 # -- a real HandshakeServer ----------------------------------------------------------------
 def _reply_for(request: messages.MetadataRequest) -> messages.MetadataReply:
     return messages.MetadataReply(
