@@ -292,6 +292,7 @@ class TransferDriver:
                 self._notify.send(peer, notify)
                 self._notify.sent(now)
         except NOTIFY_ERRORS as exc:
+            peer.stale = True  # (a restarted peer, a dropped agent): the next connect() handshakes again
             error = NotificationFailed(f"notification to {peer.engine_id} failed: {exc}",
                                    transfer_id=transfer.id, peer=peer.engine_id)  # fmt: skip
             transfer.core.end(error, now)

@@ -17,6 +17,7 @@ from nixl_async import (
     HandshakeRejected,
     HandshakeTimeout,
     IncompatiblePeerError,
+    NotificationFailed,
     ProtocolError,
     TransferEngine,
     messages,
@@ -325,6 +326,29 @@ async def test_restarted_peer_is_handshaken_again_after_a_failure(nixl_engine, n
     assert result.nbytes == 2 * 4096
     assert verify_blocks(regions, 4096, [2], [5], seed=2) == [], "bytes must come from the new incarnation"
     assert nixl_engine.live_handles()["remote_agents"] == 1
+
+
+async def test_a_failed_notification_has_the_next_connect_handshake_again(nixl_peer_factory):
+    """A peer restarted at its address with its engine id: NIXL refuses our notification (its agent is
+    gone), and the next connect() handshakes with the new one instead of returning the old peer."""
+    async with TransferEngine(EngineConfig(engine_id="notifier", notify_via="nixl")) as engine:
+        first = nixl_peer_factory(engine_id="prefill-y")
+        peer = await engine.connect(*first.address)
+        host, port = first.address
+        await first.akill()
+        second = nixl_peer_factory(engine_id="prefill-y", port=port)
+        for _ in range(100):  # (UCX may take a moment to find the old agent's connection broken)
+            try:
+                await engine.notify(peer, b"lost")
+            except NotificationFailed:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            pytest.fail("NIXL never refused a notification to the killed peer's agent")
+        again = await engine.connect(host, port)
+        assert again is not peer
+        await engine.notify(again, b"heard")
+        assert await second.request(WaitNotifications(message=b"heard", timeout=10)) == ["notifier"]
 
 
 async def test_new_engine_at_a_known_address_replaces_the_old_one(nixl_engine, nixl_peer_factory):
