@@ -59,7 +59,7 @@ class NotificationBox:
         return self._unclaimed_total
 
     def deliver(self, sender: str, message: bytes) -> None:
-        for queue in self._subscribers:
+        for queue in tuple(self._subscribers):  # (a subscription dropped unread leaves from its finalizer)
             queue.put_nowait(Notification(sender, message))
         self._route(sender, message, keep=not self._claiming)
 
@@ -139,32 +139,69 @@ class NotificationBox:
             if not waiters:
                 del self._waiters[message]
 
-    async def subscribe(self, *, claim: bool = False) -> AsyncIterator[Notification]:
-        """Every notification delivered from now on, in order, until the iterator is closed.
+    def subscribe(self, *, claim: bool = False) -> AsyncIterator[Notification]:
+        """Every notification delivered from now on (from this call, not from the first `__anext__`),
+        in order, until the iterator is closed.
 
         With `claim`, the subscriber takes ownership of what no waiter wanted: such
         notifications are no longer kept as unclaimed (a consumer that counts every message
         itself, like a producer counting its readers, would otherwise fill the mailbox).
         """
-        queue: asyncio.Queue[Notification | None] = asyncio.Queue()
-        self._subscribers.add(queue)
-        self._claiming += claim
-        try:
-            while (item := await queue.get()) is not None:
-                yield item
-        finally:
-            self._subscribers.discard(queue)
-            self._claiming -= claim
+        return _Subscription(self, claim)
+
+    def _unsubscribe(self, queue: asyncio.Queue[Notification | None], claim: bool) -> None:
+        self._subscribers.discard(queue)
+        self._claiming -= claim
 
     def close(self, exc: BaseException) -> None:
         """Fail every waiter and end every subscription (the engine is closing)."""
-        for queue in self._subscribers:
+        for queue in tuple(self._subscribers):
             queue.put_nowait(None)
         for waiters in self._waiters.values():
             for waiter in waiters:
                 if not waiter.future.done():
                     waiter.future.set_exception(exc)
         self._waiters.clear()
+
+
+class _Subscription:
+    """An async iterator over one subscription's notifications; registered when made, so nothing
+    delivered between `subscribe()` and the first `__anext__` is missed. Ends at `aclose()`, when the
+    box closes, when an iteration is cancelled, or when dropped."""
+
+    def __init__(self, box: NotificationBox, claim: bool) -> None:
+        self._queue: asyncio.Queue[Notification | None] = asyncio.Queue()
+        self._box: NotificationBox | None = box
+        self._claim = claim
+        box._subscribers.add(self._queue)
+        box._claiming += claim
+
+    def __aiter__(self) -> _Subscription:
+        return self
+
+    async def __anext__(self) -> Notification:
+        if self._box is None:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except BaseException:  # cancelled: like an async generator's, the subscription ends
+            self._end()
+            raise
+        if item is None:
+            self._end()
+            raise StopAsyncIteration
+        return item
+
+    async def aclose(self) -> None:
+        self._end()
+
+    def _end(self) -> None:
+        box, self._box = self._box, None
+        if box is not None:
+            box._unsubscribe(self._queue, self._claim)
+
+    def __del__(self) -> None:
+        self._end()
 
 
 class Lease:

@@ -86,6 +86,25 @@ async def test_waiters_are_served_in_order_and_other_messages_untouched():
     assert box.unclaimed == 1
 
 
+async def test_a_subscription_sees_what_arrives_before_its_first_read_and_ends_when_dropped():
+    box = NotificationBox(100)
+    subscription = box.subscribe(claim=True)
+    box.deliver("a", b"early")  # before anyone iterates
+    assert await anext(subscription) == Notification("a", b"early")
+    assert box.unclaimed == 0, "claimed from the moment it was made"
+    reader = asyncio.ensure_future(anext(subscription))
+    await asyncio.sleep(0)
+    reader.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await reader
+    box.deliver("a", b"after")
+    assert box.unclaimed == 1, "a cancelled iteration ended the subscription"
+    unread = box.subscribe()
+    del unread
+    box.deliver("a", b"later")
+    assert not box._subscribers, "a subscription dropped unread leaves"
+
+
 async def test_unclaimed_notifications_are_bounded():
     box = NotificationBox(3)
     for i in range(5):
