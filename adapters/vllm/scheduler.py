@@ -76,8 +76,13 @@ class AdapterScheduler(_MarksIdleSteps, _WorkersServeHandshakes, NixlPullConnect
         self._saving = PrefillFollower()  # host staging: requests for decode still computing
 
     def on_new_request(self, request: Any) -> None:
-        super().on_new_request(request)
         params = request.kv_transfer_params or {}
+        if params.get("do_remote_prefill") and (lacking := self._unreadable(params)):
+            # vLLM 0.32 would park it waiting for KV no job ever loads (or stop its engine on an
+            # assert, for empty block lists): compute it here instead.
+            log.warning("request %s: its kv_transfer_params lack %s: prefilling it here", request.request_id, lacking)
+            params["do_remote_prefill"] = False
+        super().on_new_request(request)
         if (self.settings.etcd is None or not params.get("do_remote_prefill")
                 or request.request_id in self._heartbeat_req_engine):  # fmt: skip
             return
@@ -93,6 +98,16 @@ class AdapterScheduler(_MarksIdleSteps, _WorkersServeHandshakes, NixlPullConnect
             )  # fmt: skip
         info.req_ids.add(remote_id)
         self._heartbeat_req_engine[request.request_id] = (engine_id, remote_id)
+
+    def _unreadable(self, params: dict[str, Any]) -> str:
+        """What a request to pull lacks to be read ("" if nothing)."""
+        lacking = [key for key in ("remote_engine_id", "remote_request_id", "tp_size") if params.get(key) is None]
+        lacking += [key for key in ("remote_host", "remote_port") if key not in params]  # null: found through etcd
+        if not params.get("remote_block_ids"):
+            lacking.append("remote_block_ids")
+        if not lacking and self.settings.etcd is None and None in (params["remote_host"], params["remote_port"]):
+            lacking.append("remote_host/remote_port (or an etcd_endpoint to find the producer by id)")
+        return ", ".join(lacking)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         super().update_state_after_alloc(request, blocks, num_external_tokens)

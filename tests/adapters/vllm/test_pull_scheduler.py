@@ -156,23 +156,56 @@ def _configured(extra: dict[str, Any]) -> AdapterScheduler:
     return AdapterScheduler(config, "decode", kv_cache)
 
 
-def test_producers_found_through_etcd_get_their_leases_renewed():
-    """vLLM 0.32 renews a producer's leases only for requests naming its address; with etcd the
-    request names none, and a request waiting past the lease would lose its KV."""
+def _pull_request(request_id: str, host: str | None, port: int | None, **changes: Any) -> Any:
+    """A request for decode as the proxy hands it prefill's kv_transfer_params (48 prompt tokens)."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
 
-    def request(request_id: str, host: str | None, port: int | None) -> Request:
-        params = {"do_remote_prefill": True, "remote_engine_id": f"prefill-{request_id}",
-                  "remote_request_id": f"p-{request_id}", "remote_host": host, "remote_port": port, "tp_size": 1,
-                  "remote_block_ids": ([1, 2, 3],), "remote_num_tokens": 48}  # fmt: skip
-        sampling = SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": params})
-        return Request(request_id=request_id, prompt_token_ids=list(range(48)), pooling_params=None,
-                       sampling_params=sampling)  # fmt: skip
+    params = {"do_remote_prefill": True, "remote_engine_id": f"prefill-{request_id}",
+              "remote_request_id": f"p-{request_id}", "remote_host": host, "remote_port": port, "tp_size": 1,
+              "remote_block_ids": ([1, 2, 3],), "remote_num_tokens": 48, **changes}  # fmt: skip
+    params = {key: value for key, value in params.items() if value is not _ABSENT}
+    sampling = SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": params})
+    return Request(request_id=request_id, prompt_token_ids=list(range(48)), pooling_params=None,
+                   sampling_params=sampling)  # fmt: skip
 
+
+_ABSENT = object()
+
+
+def test_producers_found_through_etcd_get_their_leases_renewed():
+    """vLLM 0.32 renews a producer's leases only for requests naming its address; with etcd the
+    request names none, and a request waiting past the lease would lose its KV."""
+    request = _pull_request
     for etcd, tracked in ((None, {"addr"}), ("127.0.0.1:2379", {"addr", "etcd"})):
         sched = _configured({"etcd_endpoint": etcd} if etcd else {})
         sched.on_new_request(request("etcd", None, None))
         sched.on_new_request(request("addr", "10.0.0.2", 5600))
         assert set(sched._heartbeat_by_engine) == {f"prefill-{r}" for r in tracked}
         assert all(sched._heartbeat_by_engine[f"prefill-{r}"].req_ids == {f"p-{r}"} for r in tracked)
+
+
+@pytest.mark.parametrize(
+    ("changes", "lacking"),
+    [
+        ({}, None),
+        ({"remote_host": _ABSENT}, "remote_host"),
+        ({"remote_block_ids": []}, "remote_block_ids"),  # vLLM 0.32 stops its engine on an assert
+        ({"remote_engine_id": None}, "remote_engine_id"),
+        ({"remote_host": None, "remote_port": None}, "etcd_endpoint"),
+    ],
+)
+def test_a_request_to_pull_that_cannot_be_read_is_prefilled_here(changes, lacking, caplog):
+    """vLLM 0.32 parks such a request waiting for KV that no job will ever load (a hang), or stops."""
+    sched = _configured({})
+    request = _pull_request("r", "10.0.0.2", 5600, **changes)
+    sched.on_new_request(request)
+    count, load_async = sched.get_num_new_matched_tokens(request, 0)
+    if lacking is None:
+        assert (count, load_async) == (48, True)
+        return
+    assert (count, load_async) == (0, False)
+    assert lacking in caplog.text
+    blocks = SimpleNamespace(blocks=([],), get_unhashed_block_ids_all_groups=lambda: ([7, 8, 9],))
+    sched.update_state_after_alloc(request, blocks, 0)
+    assert not sched._reqs_need_recv and not sched._heartbeat_by_engine
