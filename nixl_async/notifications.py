@@ -12,6 +12,7 @@ message before or after it arrives, and may need the same message from several s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Generator
@@ -173,6 +174,7 @@ class _Subscription:
         self._queue: asyncio.Queue[Notification | None] = asyncio.Queue()
         self._box: NotificationBox | None = box
         self._claim = claim
+        self._loop = asyncio.get_running_loop()
         box._subscribers.add(self._queue)
         box._claiming += claim
 
@@ -199,9 +201,15 @@ class _Subscription:
         box, self._box = self._box, None
         if box is not None:
             box._unsubscribe(self._queue, self._claim)
+            self._queue.put_nowait(None)  # a task reading it meanwhile ends too
 
     def __del__(self) -> None:
-        self._end()
+        box, self._box = self._box, None
+        if box is None:
+            return
+        with contextlib.suppress(RuntimeError):  # (a closed loop: so is the box)
+            # On the loop: the garbage collector may run this on any thread.
+            self._loop.call_soon_threadsafe(box._unsubscribe, self._queue, self._claim)
 
 
 class Lease:

@@ -28,7 +28,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -320,13 +320,14 @@ class SyncEngine:
         """
         feed: queue.SimpleQueue[Notification] = queue.SimpleQueue()
 
-        async def pump() -> None:
-            async for item in self.engine.notifications(claim=True):
+        async def pump(notifications: AsyncIterator[Notification]) -> None:
+            async for item in notifications:
                 feed.put(item)
                 self._activity.set()
 
-        def start() -> None:
-            self._tasks.add(task := asyncio.get_running_loop().create_task(pump()))
+        def start() -> None:  # subscribed here: nothing delivered before the pump first runs is missed
+            pumping = pump(self.engine.notifications(claim=True))
+            self._tasks.add(task := asyncio.get_running_loop().create_task(pumping))
             task.add_done_callback(self._tasks.discard)
 
         self.call(start)

@@ -101,8 +101,14 @@ async def test_a_subscription_sees_what_arrives_before_its_first_read_and_ends_w
     assert box.unclaimed == 1, "a cancelled iteration ended the subscription"
     unread = box.subscribe()
     del unread
+    await asyncio.sleep(0)  # (it leaves on the loop: the garbage collector may drop it on any thread)
     box.deliver("a", b"later")
     assert not box._subscribers, "a subscription dropped unread leaves"
+    ended = box.subscribe()
+    reader = asyncio.ensure_future(anext(ended, None))
+    await asyncio.sleep(0)
+    await ended.aclose()
+    assert await asyncio.wait_for(reader, 1) is None, "a task reading it when it is closed ends too"
 
 
 async def test_unclaimed_notifications_are_bounded():
