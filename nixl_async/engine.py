@@ -54,6 +54,7 @@ from ._state import TransferState
 from .config import UCX_TCP_DEFAULT_SEGMENT, EngineConfig, tcp_segment_in_use
 from .discovery import EtcdDirectory
 from .exceptions import (
+    DiscoveryUnavailable,
     EngineClosedError,
     EngineIdMismatch,
     HandshakeRejected,
@@ -533,10 +534,9 @@ class TransferEngine:
         except TimeoutError:
             if not waited.expired():  # the handshake's own HandshakeTimeout
                 raise
-            raise HandshakeTimeout(
-                f"{name}: no answer within {timeout}s (a handshake started earlier goes on)",
-                address=name.partition(":")[2],
-            ) from None
+            late = DiscoveryUnavailable if key[0] == "etcd" else HandshakeTimeout
+            raise late(f"{name}: no answer within {timeout}s (a lookup started earlier goes on)",
+                       address=name.partition(":")[2]) from None  # fmt: skip
 
     def _connect_done(self, key: tuple[str, str | None], _task: asyncio.Task[Peer]) -> None:
         self._connecting.pop(key, None)
@@ -684,7 +684,7 @@ class TransferEngine:
         self._discovered.add(engine_id)
         if not direct:
             remaining = max(0.001, timeout - (self._loop.time() - started))
-            peer = await self._handshake(record.host, record.port, remaining)  # counts itself
+            peer = await self._handshake(record.host, record.port, remaining, engine_id)  # counts itself
             if peer.engine_id != engine_id:
                 raise EngineIdMismatch(f"{record.host}:{record.port} is engine {peer.engine_id!r}, "
                                        f"etcd says {engine_id!r}", address=f"{record.host}:{record.port}")  # fmt: skip
@@ -963,7 +963,7 @@ class TransferEngine:
     ) -> Transfer:
         local_view, remote_view = self._submit_views(peer, local, remote)
         if notify is not None:
-            self._notify.check(notify)
+            self._notify.check(notify, op)
         lidx: DescIds
         ridx: DescIds
         short = pair_short_ids(local_view, local_blocks, remote_view, remote_blocks, op=op)
@@ -1006,7 +1006,7 @@ class TransferEngine:
             raise ValueError(f"notify has {len(notes)} messages for {n} transfers")
         for message in notes:
             if message is not None:
-                self._notify.check(message)
+                self._notify.check(message, op)
         lidx, ridx = pair_descriptor_id_rows(local_view, lrows, remote_view, rrows)
         piece_len = local_view.piece_len
         if isinstance(lidx, np.ndarray):  # rows of one length
@@ -1081,7 +1081,7 @@ class TransferEngine:
     async def notify(self, peer: Peer, message: bytes) -> None:
         """Send a notification to a peer (not tied to any transfer, nor to any layout)."""
         self._require_peer(peer)
-        self._notify.check(message)
+        self._notify.check(message, "NOTIFY")
         self._driver.notify_only("WRITE", peer, message).result()
 
     async def wait_notifications(self, message: bytes, count: int = 1, *, timeout: float | None = None) -> list[str]:

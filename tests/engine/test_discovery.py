@@ -428,6 +428,23 @@ async def test_a_stale_record_at_a_live_engines_address_does_not_displace_it(etc
         await engine.close()
 
 
+async def test_a_stale_record_naming_another_engines_address_loads_nothing_of_it(etcd, nixl_peer_factory):
+    """A reader that handshakes at the published address (side-channel notifications) names the engine it
+    expects: the live engine there refuses, and nothing of it is adopted."""
+    live = nixl_peer_factory()
+    ghost = _publisher(nixl_peer_factory, etcd)
+    value = messages.decode_published(await _etcd_value(etcd, ghost.engine_id))
+    etcd.put(_key(ghost.engine_id), messages.encode(msgspec.structs.replace(value, host=live.address[0],
+                                                                            port=live.address[1])))  # fmt: skip
+    engine = await _engine(_etcd_config(etcd), notify_via="side_channel")
+    try:
+        with pytest.raises(EngineIdMismatch):
+            await engine.connect(engine_id=ghost.engine_id)
+        assert engine.peers == [] and engine.live_handles().get("remote_agents", 0) == 0
+    finally:
+        await engine.close()
+
+
 @pytest.mark.parametrize("endpoint", ["", "etcd", "etcd:", ":2379", "a:1,b:2", "http://etcd:2379", "etcd:port"])
 def test_etcd_config_refuses_what_it_cannot_use(endpoint):
     with pytest.raises(ValueError, match="endpoint"):
