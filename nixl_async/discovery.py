@@ -140,31 +140,25 @@ class EtcdDirectory:
         Reading everything and watching from that revision on misses nothing in between, survives
         a compacted history and an etcd that was wiped (its revisions start again). An undecodable
         record counts as gone. A broken watch is retried every second; one quiet for
-        `_WATCH_IDLE_S` is started again from the last revision seen (a partition leaves a dead
-        connection open, on which the watch would wait for ever).
+        `_WATCH_IDLE_S` is started again at once, with a listing (a partition leaves a dead
+        connection open, on which the watch would wait for ever; and etcd may come back wiped).
         """
-        revision, listed = 0, False  # the last revision seen; whether it follows a listing
         while not self._closed:
             try:
-                if not listed:
-                    kvs, revision = await self._bounded("a listing", lambda: self._client.get_prefix(self._prefix))
-                    listed = True
-                    yield Changes({self._engine_id(kv.key): self._decoded(kv.key, kv.value) for kv in kvs},
-                                  complete=True)  # fmt: skip
+                kvs, revision = await self._bounded("a listing", lambda: self._client.get_prefix(self._prefix))
+                yield Changes({self._engine_id(kv.key): self._decoded(kv.key, kv.value) for kv in kvs}, complete=True)
                 async for event in self._client.watch_prefix(self._prefix, revision + 1, _WATCH_IDLE_S):
-                    revision = max(revision, event.kv.mod_revision)
                     gone = event.type == "DELETE"
                     record = None if gone else self._decoded(event.kv.key, event.kv.value)
                     yield Changes({self._engine_id(event.kv.key): record})
             except EngineClosedError:
                 return
             except WatchIdle:
-                continue
+                continue  # (records unchanged since change nothing)
             except (DiscoveryUnavailable, EtcdUnreachable, EtcdError, msgspec.DecodeError) as exc:
                 self._warn(f"watching etcd at {self.endpoint} failed ({exc}): retrying")
             except Exception:  # a bug must not end the watch for good: say so loudly, and go on
                 log.exception("watching etcd at %s failed: retrying", self.endpoint)
-            listed = False
             await asyncio.sleep(_RETRY_S)
 
     def _engine_id(self, key: bytes) -> str:
