@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
+import zmq
 
 from ._admission import Admission
 from ._agent import NIXL_ERRORS, OwnedAgent
@@ -292,7 +293,8 @@ class TransferDriver:
                 self._notify.send(peer, notify)
                 self._notify.sent(now)
         except NOTIFY_ERRORS as exc:
-            peer.stale = True  # (a restarted peer, a dropped agent): the next connect() handshakes again
+            if not isinstance(exc, zmq.Again):  # (a full queue is no fault of the peer's)
+                peer.stale = True  # a restarted peer, a dropped agent: the next connect() handshakes again
             error = NotificationFailed(f"notification to {peer.engine_id} failed: {exc}",
                                    transfer_id=transfer.id, peer=peer.engine_id)  # fmt: skip
             transfer.core.end(error, now)
