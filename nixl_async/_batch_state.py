@@ -77,7 +77,7 @@ class BatchCore(SliceCore):
         """Rows to post now (at most `budget`), in order; report each with `posted` or `post_failed`."""
         if self.state is not TransferState.POSTING:
             return []
-        end = min(self.num_slices, self._next + budget)
+        end = min(self.num_slices, self._next + max(budget, 0))
         rows = list(range(self._next, end))
         self._next = end
         return rows

@@ -60,6 +60,8 @@ class PollConfig:
                 raise ValueError(f"PollConfig.{name} must be >= 0")
         if self.backoff_start_s > self.idle_interval_s:
             raise ValueError("PollConfig.backoff_start_s must not exceed idle_interval_s")
+        if self.backoff_start_s == 0 < self.idle_interval_s:
+            raise ValueError("PollConfig.backoff_start_s must be > 0 to back off to idle_interval_s (0 doubles to 0)")
 
 
 def ucx_link_settings(timeout_s: float) -> dict[str, str]:

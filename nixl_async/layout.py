@@ -88,6 +88,11 @@ class BlockLayout(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         if not self.region_addrs:
             raise LayoutError(f"layout {self.name!r} has no regions")
+        # (Checked here too: msgspec checks the field constraints only when decoding.)
+        if self.num_blocks <= 0 or self.block_len <= 0:
+            raise LayoutError(f"layout {self.name!r}: num_blocks and block_len must be > 0")
+        if min(self.region_addrs) < 0 or max(self.region_addrs) + self.region_len > 1 << 64:
+            raise LayoutError(f"layout {self.name!r}: a region lies outside the 64-bit address space")
         if self.block_len % self.num_parts:
             raise LayoutError(f"layout {self.name!r}: block_len {self.block_len} has no K/V halves")
         starts = sorted(self.region_addrs)
@@ -274,6 +279,7 @@ class BlockView:
         with `pieces` (same length as `block_ids`) unit *u* takes piece ``pieces[u]``.
         """
         nb = self.layout.num_blocks
+        block_ids = block_ids.astype(np.int64, copy=False)  # (uint64 ids plus int64 offsets would be float64)
         if pieces is None:
             if self.split == 1:
                 if self._only_offset is not None:
@@ -281,6 +287,7 @@ class BlockView:
                 return (self._row_offsets + block_ids[None, :]).reshape(-1)
             pieces = np.tile(np.arange(self.split, dtype=np.int64), len(block_ids))
             block_ids = np.repeat(block_ids, self.split)
+        pieces = pieces.astype(np.int64, copy=False)
         return (self._row_offsets + (pieces * nb + block_ids)[None, :]).reshape(-1)
 
     def descriptor_id_rows(self, block_ids: IdArray) -> IdArray:
@@ -379,7 +386,10 @@ def _ids_in_range(arr: npt.NDArray[np.generic], num_blocks: int, what: str) -> I
 
 
 def _has_repeats(ids: IdArray, num_blocks: int) -> bool:
-    """Whether any id occurs twice: a bitmap over the layout's blocks, O(n) instead of a sort."""
+    """Whether any id occurs twice: a bitmap over the layout's blocks, O(n) instead of a sort
+    (a sort when the bitmap would be far larger than the ids)."""
+    if num_blocks > 64 * len(ids):
+        return len(np.unique(ids)) != len(ids)
     seen = np.zeros(num_blocks, dtype=np.bool_)
     seen[ids] = True
     return int(np.count_nonzero(seen)) != len(ids)

@@ -150,3 +150,10 @@ def test_the_caller_is_told_exactly_once_and_only_when_quiet_or_fenced(events, a
     outcomes = [a for a in told if isinstance(a, Finish | Fenced)]
     assert len(outcomes) == 1, told
     assert c.quiet and (isinstance(outcomes[0], Finish) or told[-1] == Quiet())
+
+
+def test_a_budget_below_zero_posts_nothing_and_hands_out_no_row_twice():
+    core = batch(4)
+    assert core.to_post(2) == [0, 1]
+    assert core.to_post(-1) == []
+    assert core.to_post(10) == [2, 3]

@@ -375,3 +375,31 @@ def test_overlap_between_layouts():
     assert not a.overlaps(BlockLayout.from_regions("b", [256, 2048], num_blocks=1, block_len=64))
     vram = BlockLayout.from_regions("v", [0], num_blocks=4, block_len=64, mem_type=MemType.VRAM)
     assert not a.overlaps(vram)
+
+
+def test_a_layout_built_directly_is_checked_too():
+    """msgspec checks field constraints only when decoding: a layout built by hand is checked by its own code."""
+    with pytest.raises(LayoutError, match="must be > 0"):
+        BlockLayout(name="kv", region_addrs=(0x1000, 0x1000), num_blocks=0, block_len=64)
+    with pytest.raises(LayoutError, match="must be > 0"):
+        BlockLayout(name="kv", region_addrs=(0x1000,), num_blocks=4, block_len=-64)
+    with pytest.raises(LayoutError, match="64-bit address space"):
+        BlockLayout(name="kv", region_addrs=(-4096,), num_blocks=4, block_len=64)
+    with pytest.raises(LayoutError, match="64-bit address space"):
+        BlockLayout.from_regions("kv", [2**64 - 128], num_blocks=4, block_len=64)  # would wrap to address 0
+
+
+def test_unsigned_ids_give_exact_integer_descriptor_ids():
+    layout = BlockLayout.from_regions("kv", [0x10000, 0x20000 + 2**60], num_blocks=2**57, block_len=8)
+    view = layout.view()
+    ids = view.descriptor_ids(np.array([5, 2**56 + 1], dtype=np.uint64))
+    assert ids.dtype == np.int64
+    assert ids.tolist() == [5, 2**56 + 1, 2**57 + 5, 2**57 + 2**56 + 1]
+
+
+def test_repeats_in_a_few_ids_of_a_huge_layout_are_found_without_a_bitmap_of_it():
+    ids = np.arange(300, dtype=np.int64) * 1000
+    assert as_block_ids(ids, 2**40, what="local", unique=True).tolist() == ids.tolist()
+    ids[7] = ids[3]
+    with pytest.raises(LayoutError, match="more than once"):
+        as_block_ids(ids, 2**40, what="local", unique=True)

@@ -190,3 +190,9 @@ def test_histogram_percentiles_within_a_bucket():
     assert 500 <= snap.p50_us <= 500 * 1.19 + 1
     assert 990 <= snap.p99_us <= 1000
     assert LatencyHistogram().snapshot().p50_us == 0.0
+
+
+def test_an_idle_back_off_from_zero_is_refused():
+    with pytest.raises(ValueError, match="backoff_start_s must be > 0"):
+        PollConfig(backoff_start_s=0.0, idle_interval_s=0.05)
+    PollConfig(backoff_start_s=0.0, idle_interval_s=0.0)  # never idle: nothing to back off to
