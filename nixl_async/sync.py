@@ -28,6 +28,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -130,6 +131,7 @@ class SyncEngine:
         self._closed = False
         self._poke_pending = False  # set by the caller's thread, cleared on the loop
         self._activity = threading.Event()  # set when a request ends or a fed notification arrives
+        _close_at_exit(self)
 
     # -- blocking calls -------------------------------------------------------------------
     def call(self, func: Any, *args: Any) -> Any:
@@ -500,6 +502,24 @@ class SyncEngine:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _close_at_exit(engine: SyncEngine) -> None:
+    """Close `engine` as the interpreter exits, if nobody did (an uncaught error, a forgotten close()).
+
+    The loop runs in a worker of the portal's executor, which the interpreter joins at exit
+    before `atexit` callbacks run: with the loop still running that join waits for ever. Hooks
+    registered with `threading._register_atexit` run before it, the latest first.
+    """
+    ref = weakref.ref(engine)
+
+    def close() -> None:
+        alive = ref()
+        if alive is not None and not alive._closed:
+            alive.close()
+
+    with contextlib.suppress(RuntimeError):  # (the interpreter is already shutting down)
+        threading._register_atexit(close)  # type: ignore[attr-defined]
 
 
 async def _unwrap_group(coro: Coroutine[Any, Any, None]) -> None:

@@ -269,6 +269,20 @@ def test_loop_thread_has_its_own_name_in_the_kernel(sync_engine):
         assert comm.read().strip() != "nixl-async"  # the caller's thread keeps its own name
 
 
+def test_an_engine_nobody_closed_lets_the_interpreter_exit():
+    """An uncaught error before close() (or a forgotten one): the process still exits."""
+    script = (
+        "import numpy as np\n"
+        "from nixl_async import EngineConfig, SyncEngine\n"
+        "engine = SyncEngine(EngineConfig(engine_id='forgotten'))\n"
+        "engine.register('kv', [np.zeros(1000, np.uint8)], num_blocks=1024)\n"  # raises: 1000 bytes, 1024 blocks
+    )
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert "LayoutError" in done.stderr and done.returncode == 1
+
+
 def test_closed_engine_refuses_work():
     engine = SyncEngine(EngineConfig(engine_id="closing"))
     engine.register("kv", [np.zeros(BLOCK, np.uint8)], block_len=BLOCK)
