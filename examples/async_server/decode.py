@@ -4,7 +4,8 @@ POST /generate {"request_id": str, "num_blocks": int, "deadline_s": float} asks 
 blocks, connects to it (one handshake per peer, cached by the engine and repeated on its own
 after a failure), reads the blocks, tells prefill it is done (the notification rides on the
 read), and checks the bytes. Everything runs under the request's deadline; if the client
-disconnects, aiohttp cancels the handler and with it the transfer (its NIXL handles are freed).
+disconnects, aiohttp cancels the handler and with it the transfer (its NIXL handles are freed). A
+request's blocks go back to the pool only once NIXL holds none of its reads.
 Many requests share one engine; a slow or dead prefill affects only the requests that use it.
 
 Run: python examples/async_server/decode.py --http-port 8200 --prefill-url http://127.0.0.1:8100
@@ -21,7 +22,7 @@ import aiohttp
 from aiohttp import web
 from common import BLOCK_LEN, NUM_BLOCKS, BlockPool, checksum, new_kv_cache
 
-from nixl_async import EngineConfig, HandshakeError, TransferEngine, TransferError
+from nixl_async import EngineConfig, HandshakeError, Transfer, TransferEngine, TransferError
 
 log = logging.getLogger("decode")
 ENGINE = web.AppKey("engine", TransferEngine)
@@ -36,23 +37,43 @@ async def generate(request: web.Request) -> web.Response:
     local = state["pool"].take(num_blocks)
     if local is None:
         return web.json_response({"request_id": request_id, "error": "out of KV blocks"}, status=503)
-    try:
-        async with asyncio.timeout(deadline_s):
-            async with state["http"].post(state["prefill_url"] + "/prefill", json=body) as resp:
-                resp.raise_for_status()
-                info = await resp.json()
-            peer = await engine.connect(info["host"], info["port"], expected_engine_id=info["engine_id"])
-            await engine.read(peer, local, info["block_ids"], notify=request_id.encode())
-        ok = checksum(state["kv"], local) == info["checksum"]
-        return web.json_response(
-            {"request_id": request_id, "ok": ok, "bytes": num_blocks * BLOCK_LEN * len(state["kv"])}
-        )
-    except TimeoutError:
-        return _error(request_id, 504, "DeadlineExceeded", f"no KV within {deadline_s}s")
-    except (TransferError, HandshakeError, aiohttp.ClientError) as exc:
-        return _error(request_id, 502, type(exc).__name__, str(exc))
-    finally:
-        state["pool"].give(local)
+    with engine.collect_transfers() as started:
+        try:
+            async with asyncio.timeout(deadline_s):
+                async with state["http"].post(state["prefill_url"] + "/prefill", json=body) as resp:
+                    resp.raise_for_status()
+                    info = await resp.json()
+                peer = await engine.connect(info["host"], info["port"], expected_engine_id=info["engine_id"])
+                await engine.read(peer, local, info["block_ids"], notify=request_id.encode())
+            ok = checksum(state["kv"], local) == info["checksum"]
+            return web.json_response(
+                {"request_id": request_id, "ok": ok, "bytes": num_blocks * BLOCK_LEN * len(state["kv"])}
+            )
+        except TimeoutError:
+            return _error(request_id, 504, "DeadlineExceeded", f"no KV within {deadline_s}s")
+        except (TransferError, HandshakeError, aiohttp.ClientError) as exc:
+            return _error(request_id, 502, type(exc).__name__, str(exc))
+        finally:
+            _give_back(engine, state["pool"], local, started)
+
+
+def _give_back(engine: TransferEngine, pool: BlockPool, blocks: list[int], started: list[Transfer]) -> None:
+    """Blocks go back to the pool only once NIXL holds none of the request's reads: a read that was
+    stopped (deadline, disconnect) may still be landing in them, reported `TransferFenced`."""
+    if all(t.quiet for t in started):
+        pool.give(blocks)
+        return
+
+    async def when_quiet() -> None:
+        await engine.settle(started)
+        pool.give(blocks)
+
+    task = asyncio.get_running_loop().create_task(when_quiet())
+    _SETTLING.add(task)
+    task.add_done_callback(_SETTLING.discard)
+
+
+_SETTLING: set[asyncio.Task[None]] = set()  # (a task nobody holds may be collected before it ends)
 
 
 def _error(request_id: str, status: int, kind: str, message: str) -> web.Response:
@@ -62,7 +83,8 @@ def _error(request_id: str, status: int, kind: str, message: str) -> web.Respons
 
 async def health(request: web.Request) -> web.Response:
     snap = request.app[ENGINE].snapshot()
-    return web.json_response({"counters": snap.counters, "live_handles": snap.live_handles})
+    free = request.app[STATE]["pool"].free
+    return web.json_response({"counters": snap.counters, "live_handles": snap.live_handles, "free_blocks": free})
 
 
 def make_app(prefill_url: str) -> web.Application:

@@ -63,6 +63,11 @@ async def _generate(http, url, request_id, num_blocks, deadline_s):
     return resp.status, body, time.monotonic() - started
 
 
+async def _health(http, url) -> dict:
+    async with http.get(url + "/health") as resp:
+        return await resp.json()
+
+
 async def _counters(http, url) -> dict:
     async with http.get(url + "/health") as resp:
         return (await resp.json())["counters"]
@@ -140,6 +145,34 @@ async def test_requests_survive_a_prefill_crash_and_restart(ports):
             assert health["live_handles"].get("xfers", 0) == 0, health
             async with http.get(prefill_url + "/health") as resp:
                 assert (await resp.json())["free_blocks"] > 0
+
+            # 5) a read stopped at its deadline while prefill is frozen stays fenced: its blocks stay out of the
+            #    pool until NIXL lets go of them (they would be handed to the next request while bytes can land)
+            assert (await _health(http, decode_url))["free_blocks"] == 64
+            for _ in range(500):  # prefill's leases on the blocks of step 4 run out (3 s)
+                if (await _health(http, prefill_url))["free_blocks"] == 64:
+                    break
+                await asyncio.sleep(0.02)
+            for attempt in range(3):
+                client = asyncio.ensure_future(_generate(http, decode_url, f"frozen-{attempt}", 48, 1.0))
+                if await _wait_for(http, decode_url, lambda c: _in_flight(c) > 0, until=client):
+                    break
+                await client
+            prefill.proc.send_signal(signal.SIGSTOP)
+            try:
+                status, body, _ = await client
+                assert status == 504, body
+                health = await _health(http, decode_url)
+                if health["live_handles"].get("xfers", 0):  # fenced: NIXL still holds the read
+                    assert health["free_blocks"] == 64 - 48, health
+            finally:
+                prefill.proc.send_signal(signal.SIGCONT)
+            for _ in range(500):
+                health = await _health(http, decode_url)
+                if health["free_blocks"] == 64 and not health["live_handles"].get("xfers", 0):
+                    break
+                await asyncio.sleep(0.02)
+            assert health["free_blocks"] == 64, health
     finally:
         prefill.stop()
         decode.stop()
