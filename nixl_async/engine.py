@@ -67,6 +67,7 @@ from .exceptions import (
     TransferCancelled,
     TransferFailed,
     TransferTimeout,
+    WrongThreadError,
 )
 from .handshake import HandshakeServer, Refusal, call_peer, fetch_metadata
 from .layout import (
@@ -152,7 +153,9 @@ class TransferEngine:
 
     @property
     def agent_name(self) -> str:
-        return self._require_agent().name
+        if self._agent is None:
+            raise EngineClosedError("the engine is not running: start() it first")
+        return self._agent.name
 
     @property
     def running(self) -> bool:
@@ -167,8 +170,10 @@ class TransferEngine:
 
     async def start(self) -> Self:
         """Create the NIXL agent (progress thread off) and the poller on the running loop."""
-        if self._agent is not None or self._closed:
-            raise RuntimeError("engine already started" if self._agent is not None else "engine was closed")
+        if self._closed:
+            raise EngineClosedError("engine was closed: make a new one")
+        if self._agent is not None:
+            raise RuntimeError("engine already started")
         self._loop = asyncio.get_running_loop()
         if self.config.etcd is not None:  # first: if it cannot be made, nothing else was
             self._directory = EtcdDirectory(self.config.etcd, timeout=self.config.handshake_timeout_s)
@@ -274,9 +279,21 @@ class TransferEngine:
         self._closed = True
         del agent
 
+    def _handshake_limit(self, timeout: float | None) -> float:
+        if timeout is None:
+            return self.config.handshake_timeout_s
+        if timeout <= 0:
+            raise ValueError(f"timeout must be > 0 (or None for EngineConfig.handshake_timeout_s), got {timeout}")
+        return timeout
+
     def _require_agent(self) -> OwnedAgent:
         if self._agent is None or self._closing:
             raise EngineClosedError("the engine is not running: start() it first (and do not use it after close())")
+        running = asyncio._get_running_loop()
+        if running is not None and running is not self._loop:
+            # Its poller, futures and notifications live on the loop that started it: from another
+            # loop a transfer would be posted with nobody to complete it, a wait would never end.
+            raise WrongThreadError("this engine runs on the event loop that started it, not this one")
         return self._agent
 
     def live_handles(self) -> dict[str, int]:
@@ -449,7 +466,7 @@ class TransferEngine:
                 host,
                 port,
                 messages.CallRequest(engine_id=self.engine_id, topic=topic, payload=payload),
-                timeout=timeout or self.config.handshake_timeout_s,
+                timeout=self._handshake_limit(timeout),
                 max_frame_bytes=self.config.max_frame_bytes,
                 secret=self.config.auth_secret,
             )
@@ -502,7 +519,7 @@ class TransferEngine:
         peer = self._peers.table.at((host, port))
         moved = peer is not None and expected_engine_id is not None and peer.engine_id != expected_engine_id
         if peer is None or refresh or moved or not peer.connected or peer.stale:
-            limit = timeout or self.config.handshake_timeout_s
+            limit = self._handshake_limit(timeout)
             # The peer refuses a handshake naming another engine: nothing of a wrong engine is loaded.
             handshake = functools.partial(self._handshake, host, port, limit, expected_engine_id)
             key = (f"{host}:{port}", expected_engine_id)
@@ -574,7 +591,10 @@ class TransferEngine:
         return UCX_TCP_DEFAULT_SEGMENT if self._tcp_segment is None else self._tcp_segment
 
     def _check_peer(self, reply: messages.MetadataReply, where: str) -> None:
-        """Refuse a peer whose memory or wire we cannot use: compatibility hash, then TCP segments."""
+        """Refuse a peer whose memory or wire we cannot use: ourselves, compatibility hash, then TCP segments."""
+        if self._agent is not None and reply.agent_name == self._agent.name:
+            raise HandshakeRejected(f"{where} is this engine itself: NIXL cannot load an agent as its own peer",
+                                    address=where)  # fmt: skip
         self._check_compat(reply.engine_id, reply.compat_hash, where)
         if self._tcp_segment is not None and reply.tcp_segment_bytes > self._tcp_segment:
             why = _segment_mismatch(self._tcp_segment, reply.tcp_segment_bytes)
@@ -633,7 +653,7 @@ class TransferEngine:
         directory = self._require_directory()
         peer = self._peers.table.get(engine_id)
         if peer is None or refresh or not peer.connected or peer.stale:
-            limit = timeout or self.config.handshake_timeout_s
+            limit = self._handshake_limit(timeout)
             discover = functools.partial(self._discover, directory, engine_id, limit)
             peer = await self._shared(("etcd", engine_id), f"discover:{engine_id}", discover, limit)
         assert self._loop is not None
@@ -755,8 +775,14 @@ class TransferEngine:
         return list(self._peers.table)
 
     def disconnect(self, peer: Peer) -> None:
-        """Forget a peer: fail its transfers, release its descriptor lists and remote agent."""
+        """Forget a peer: fail its transfers, release its descriptor lists and remote agent.
+
+        A peer already forgotten is left as it is; one this engine does not hold (another engine's)
+        raises `PeerUnknownError`.
+        """
         self._require_agent()
+        if peer.connected and peer not in self._peers.table:
+            raise PeerUnknownError(f"peer {peer.engine_id!r} is not one of this engine's")
         self._peers.forget(peer)
 
     # -- transfers ------------------------------------------------------------------------
@@ -1039,6 +1065,8 @@ class TransferEngine:
         now = self._loop.time()
         if timeout is None:
             timeout = self.config.transfer_timeout_s
+        elif timeout <= 0:  # (a budget computed by the caller that ran out): nothing is posted
+            raise TransferTimeout(f"the deadline passed before the submit (timeout {timeout}s)", peer=peer.engine_id)
         if lease_expires_at is None:
             return (None if timeout is None else now + timeout), None
         remaining = lease_expires_at - (time.time() + peer.clock_offset_s)

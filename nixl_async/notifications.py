@@ -102,6 +102,8 @@ class NotificationBox:
         Messages that arrived earlier count. On timeout or cancellation the ones collected so far
         are put back, so nothing is lost; timeout raises `NotificationTimeout`.
         """
+        if not isinstance(message, bytes):
+            raise TypeError(f"a notification is bytes, not {type(message).__name__} (encode it)")
         if count <= 0:
             raise ValueError(f"count must be > 0, got {count}")
         taken: list[str] = []
@@ -221,6 +223,8 @@ class Lease:
     """
 
     def __init__(self, box: NotificationBox, message: bytes, readers: int, ttl_s: float) -> None:
+        if not isinstance(message, bytes):
+            raise TypeError(f"a notification is bytes, not {type(message).__name__} (encode it)")
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
         self.message = message

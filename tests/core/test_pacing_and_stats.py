@@ -153,6 +153,13 @@ def test_config_validation():
     assert EngineConfig(engine_id="a").replace(engine_id="b").engine_id == "b"
     with pytest.raises(ValueError, match="link_timeout_s"):
         EngineConfig(link_timeout_s=1)
+    for backends in ("UCX", (), ("UCX", "")):  # a string would be read letter by letter
+        with pytest.raises(ValueError, match="backends"):
+            EngineConfig(backends=backends)
+    assert EngineConfig(backends=["UCX"]).backends == ("UCX",)
+    for name in ("enforce_compat", "cuda_ipc_get"):
+        with pytest.raises(ValueError, match=name):
+            EngineConfig(**{name: "false"})  # a non-empty string is true
 
 
 def test_the_link_timeout_becomes_ucx_settings_of_the_ucx_backend_only():

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from nixl_async import (
+    EngineClosedError,
     EngineConfig,
+    HandshakeRejected,
     LayoutError,
     LayoutKind,
     NotificationFailed,
@@ -96,6 +98,54 @@ async def test_a_read_whose_notification_fails_says_its_data_arrived(nixl_engine
     assert not info.value.result.notified
     assert verify_blocks(regions, BLOCK, [0, 1], [5, 6], seed=1) == []
     assert nixl_engine.live_handles().get("xfers", 0) == 0
+
+
+async def test_misuse_gets_a_typed_error_and_posts_nothing(nixl_engine, nixl_peer):
+    regions = _regions()
+    nixl_engine.register("kv", regions, block_len=BLOCK)
+    peer = await nixl_engine.connect(*nixl_peer.address)
+    for timeout in (0, -1.0):  # a deadline already passed: nothing is posted, no byte lands
+        with pytest.raises(TransferTimeout, match="before the submit"):
+            await nixl_engine.start_read(peer, [0], [5], timeout=timeout)
+    assert not any(r.any() for r in regions) and nixl_engine.live_handles().get("xfers", 0) == 0
+    with pytest.raises(TypeError, match="bytes"):
+        await nixl_engine.wait_notifications("req-1", timeout=1)  # would never match b"req-1"
+    with pytest.raises(TypeError, match="bytes"):
+        nixl_engine.lend("req-1", ttl_s=1)
+    with pytest.raises(ValueError, match="timeout must be > 0"):
+        await nixl_engine.connect(*nixl_peer.address, timeout=0, refresh=True)
+    with pytest.raises(HandshakeRejected, match="this engine itself"):
+        await nixl_engine.connect(*nixl_engine.address)
+
+
+async def test_an_engine_refuses_another_engines_peer_and_another_loop(nixl_engine, nixl_peer):
+    peer = await nixl_engine.connect(*nixl_peer.address)
+    async with TransferEngine(EngineConfig(engine_id="bystander")) as other:
+        with pytest.raises(PeerUnknownError):
+            other.disconnect(peer)
+    assert peer.connected and nixl_engine.peer(nixl_peer.engine_id) is peer
+    elsewhere = threading.Thread(target=lambda: caught.append(_in_a_new_loop(nixl_engine.read(peer, [0], [0]))))
+    caught: list[BaseException | None] = []
+    elsewhere.start()
+    elsewhere.join(30)
+    assert isinstance(caught[0], WrongThreadError)
+    assert nixl_engine.live_handles().get("xfers", 0) == 0
+
+
+def _in_a_new_loop(coro) -> BaseException | None:
+    try:
+        asyncio.run(coro)
+    except BaseException as exc:
+        return exc
+    return None
+
+
+async def test_a_closed_engine_cannot_start_again():
+    engine = TransferEngine(EngineConfig(engine_id="once"))
+    await engine.start()
+    await engine.close()
+    with pytest.raises(EngineClosedError):
+        await engine.start()
 
 
 async def test_write_round_trip_from_torch_tensors(nixl_engine, nixl_peer):
