@@ -25,10 +25,10 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
-import weakref
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +37,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from .config import EngineConfig
 from .engine import BlockIds, TransferEngine
-from .exceptions import EngineClosedError, NotificationFailed, TransferFenced
+from .exceptions import EngineClosedError, NotificationFailed, TransferFenced, WrongThreadError
 from .layout import BlockLayout, ViewSpec
 from .notifications import Notification
 from .stats import StatsSnapshot
@@ -111,16 +111,18 @@ class SyncEngine:
     def __init__(self, config: EngineConfig | None = None, *, use_uvloop: bool | None = None) -> None:
         if use_uvloop is None:
             use_uvloop = _uvloop_available()
-        self._portal_cm = start_blocking_portal("asyncio", {"use_uvloop": use_uvloop}, name="nixl-async-loop")
-        self._portal: BlockingPortal = self._portal_cm.__enter__()
+        portal_cm = start_blocking_portal("asyncio", {"use_uvloop": use_uvloop}, name="nixl-async-loop")
+        self._portal: BlockingPortal = portal_cm.__enter__()
         try:
             self._loop: asyncio.AbstractEventLoop = self._portal.call(asyncio.get_running_loop)
+            self._loop_thread: int = self._portal.call(threading.get_ident)
             self._portal.call(_name_os_thread, LOOP_THREAD_NAME)
             self.engine = TransferEngine(config)
             self._portal.call(self.engine.start)
         except BaseException:
-            self._portal_cm.__exit__(None, None, None)
+            portal_cm.__exit__(None, None, None)
             raise
+        self._stopper = _LoopStopper(portal_cm, self._portal, self.engine)
         self._finished: queue.SimpleQueue[tuple[str, str, BaseException | None]] = queue.SimpleQueue()
         self._inflight: dict[str, concurrent.futures.Future[Any]] = {}
         self._running: dict[str, asyncio.Task[Any]] = {}  # loop thread only
@@ -131,7 +133,6 @@ class SyncEngine:
         self._closed = False
         self._poke_pending = False  # set by the caller's thread, cleared on the loop
         self._activity = threading.Event()  # set when a request ends or a fed notification arrives
-        _close_at_exit(self)
 
     # -- blocking calls -------------------------------------------------------------------
     def call(self, func: Any, *args: Any) -> Any:
@@ -479,6 +480,8 @@ class SyncEngine:
         """Cancel outstanding work, close the engine (releasing every handle), stop the thread."""
         if self._closed:
             return
+        if threading.get_ident() == self._loop_thread:
+            raise WrongThreadError("close() waits for the loop thread: call it from another thread")
         self._closed = True
         with self._lock:
             pending = list(self._inflight.items())
@@ -486,10 +489,8 @@ class SyncEngine:
             self._loop.call_soon_threadsafe(self._cancel_on_loop, request_id, run)
         try:
             self._portal.call(self._stop_background)
-            self._portal.call(self.engine.close)
         finally:
-            with contextlib.suppress(Exception):
-                self._portal_cm.__exit__(None, None, None)
+            self._stopper.stop()
 
     async def _stop_background(self) -> None:
         tasks = list(self._background)
@@ -504,22 +505,36 @@ class SyncEngine:
         self.close()
 
 
-def _close_at_exit(engine: SyncEngine) -> None:
-    """Close `engine` as the interpreter exits, if nobody did (an uncaught error, a forgotten close()).
+class _LoopStopper:
+    """Closes the engine and stops the loop thread: at `SyncEngine.close()`, or as the interpreter
+    exits if nobody closed it (an uncaught error, a forgotten or dropped engine), which otherwise
+    waits for ever on the loop's thread. Hooks registered with `threading._register_atexit` run
+    before the interpreter joins threads; a forked child inherits them and skips ours."""
 
-    The loop runs in a worker of the portal's executor, which the interpreter joins at exit
-    before `atexit` callbacks run: with the loop still running that join waits for ever. Hooks
-    registered with `threading._register_atexit` run before it, the latest first.
-    """
-    ref = weakref.ref(engine)
+    def __init__(self, portal_cm: Any, portal: BlockingPortal, engine: TransferEngine) -> None:
+        self._parts: tuple[Any, BlockingPortal, TransferEngine] | None = (portal_cm, portal, engine)
+        self._pid = os.getpid()
+        with contextlib.suppress(RuntimeError):  # (the interpreter is already shutting down)
+            threading._register_atexit(self._at_exit)  # type: ignore[attr-defined]
 
-    def close() -> None:
-        alive = ref()
-        if alive is not None and not alive._closed:
-            alive.close()
+    def stop(self) -> None:
+        parts, self._parts = self._parts, None  # (dropped: a closed engine is not kept until exit)
+        if parts is None:
+            return
+        portal_cm, portal, engine = parts
+        try:
+            portal.call(engine.close)
+        finally:
+            with contextlib.suppress(Exception):
+                portal_cm.__exit__(None, None, None)
 
-    with contextlib.suppress(RuntimeError):  # (the interpreter is already shutting down)
-        threading._register_atexit(close)  # type: ignore[attr-defined]
+    def _at_exit(self) -> None:
+        if os.getpid() != self._pid or self._parts is None:
+            return
+        try:  # an error here would skip the interpreter's other exit hooks
+            self.stop()
+        except BaseException:
+            log.exception("closing an engine nobody closed, at exit, failed")
 
 
 async def _unwrap_group(coro: Coroutine[Any, Any, None]) -> None:

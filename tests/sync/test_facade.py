@@ -283,6 +283,37 @@ def test_an_engine_nobody_closed_lets_the_interpreter_exit():
     assert "LayoutError" in done.stderr and done.returncode == 1
 
 
+_DROPPED_AND_FORKED = """
+import multiprocessing
+from nixl_async import EngineConfig, SyncEngine
+
+def make_and_drop():
+    SyncEngine(EngineConfig(engine_id="dropped"))  # never closed, no reference kept
+
+make_and_drop()
+kept = SyncEngine(EngineConfig(engine_id="kept"))
+child = multiprocessing.get_context("fork").Process(target=print, args=("child",))
+child.start()
+child.join(20)
+print("child exit code", child.exitcode)
+"""
+
+
+def test_a_dropped_engine_and_a_forked_child_let_their_processes_exit():
+    """An engine dropped without close() still stops at exit; a forked child (torch's DataLoader workers)
+    inherits the exit hooks but leaves the parent's engines alone."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", _DROPPED_AND_FORKED], capture_output=True, text=True, timeout=90)
+    assert "child exit code 0" in done.stdout and done.returncode == 0, done.stdout + done.stderr[-2000:]
+
+
+def test_close_from_the_loop_thread_is_refused(sync_engine):
+    with pytest.raises(WrongThreadError, match="another thread"):
+        sync_engine.call(sync_engine.close)
+    sync_engine.call(lambda: None)  # still running
+
+
 def test_closed_engine_refuses_work():
     engine = SyncEngine(EngineConfig(engine_id="closing"))
     engine.register("kv", [np.zeros(BLOCK, np.uint8)], block_len=BLOCK)
