@@ -241,10 +241,12 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not self.engine_id or not isinstance(self.engine_id, str):
             raise ValueError("EngineConfig.engine_id must be a non-empty string")
-        backends = self.backends
-        if isinstance(backends, str) or not backends or not all(isinstance(b, str) and b for b in backends):
+        if isinstance(self.backends, str):  # (read letter by letter)
+            raise ValueError(f"EngineConfig.backends must be a tuple of NIXL backend names, got {self.backends!r}")
+        backends = tuple(self.backends)
+        if not backends or not all(isinstance(b, str) and b for b in backends):
             raise ValueError(f"EngineConfig.backends must be a non-empty tuple of NIXL backend names, got {backends!r}")
-        object.__setattr__(self, "backends", tuple(backends))
+        object.__setattr__(self, "backends", backends)
         for name in ("enforce_compat", "cuda_ipc_get"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be True or False, got {getattr(self, name)!r}")

@@ -279,11 +279,12 @@ class TransferEngine:
         self._closed = True
         del agent
 
-    def _handshake_limit(self, timeout: float | None) -> float:
+    def _handshake_limit(self, timeout: float | None, where: str) -> float:
+        """The time a handshake or call may take; `HandshakeTimeout` if none is left (a budget run out)."""
         if timeout is None:
             return self.config.handshake_timeout_s
-        if timeout <= 0:
-            raise ValueError(f"timeout must be > 0 (or None for EngineConfig.handshake_timeout_s), got {timeout}")
+        if not timeout > 0:  # (NaN too)
+            raise HandshakeTimeout(f"no time left to reach {where} (timeout {timeout})", address=where)
         return timeout
 
     def _require_agent(self) -> OwnedAgent:
@@ -466,7 +467,7 @@ class TransferEngine:
                 host,
                 port,
                 messages.CallRequest(engine_id=self.engine_id, topic=topic, payload=payload),
-                timeout=self._handshake_limit(timeout),
+                timeout=self._handshake_limit(timeout, f"{host}:{port}"),
                 max_frame_bytes=self.config.max_frame_bytes,
                 secret=self.config.auth_secret,
             )
@@ -516,10 +517,10 @@ class TransferEngine:
             return await self._connect_published(engine_id, timeout, refresh)
         if host is None or port is None:
             raise TypeError("connect() needs host and port, or engine_id")
+        limit = self._handshake_limit(timeout, f"{host}:{port}")  # (checked even when no handshake is needed)
         peer = self._peers.table.at((host, port))
         moved = peer is not None and expected_engine_id is not None and peer.engine_id != expected_engine_id
         if peer is None or refresh or moved or not peer.connected or peer.stale:
-            limit = self._handshake_limit(timeout)
             # The peer refuses a handshake naming another engine: nothing of a wrong engine is loaded.
             handshake = functools.partial(self._handshake, host, port, limit, expected_engine_id)
             key = (f"{host}:{port}", expected_engine_id)
@@ -653,7 +654,7 @@ class TransferEngine:
         directory = self._require_directory()
         peer = self._peers.table.get(engine_id)
         if peer is None or refresh or not peer.connected or peer.stale:
-            limit = self._handshake_limit(timeout)
+            limit = self._handshake_limit(timeout, engine_id)
             discover = functools.partial(self._discover, directory, engine_id, limit)
             peer = await self._shared(("etcd", engine_id), f"discover:{engine_id}", discover, limit)
         assert self._loop is not None
@@ -999,6 +1000,8 @@ class TransferEngine:
             lids = as_block_ids(local_blocks, local_view.layout.num_blocks, what="local", unique=op == "READ")
             rids = as_block_ids(remote_blocks, remote_view.layout.num_blocks, what="remote", unique=op == "WRITE")
             if len(lids) == 0 and len(rids) == 0:
+                if notify is not None:  # (travels as configured, even a WRITE's)
+                    self._notify.check(notify, "NOTIFY")
                 return self._driver.notify_only(op, peer, notify)
             lidx, ridx = pair_descriptor_ids(local_view, lids, remote_view, rids)
         nbytes = len(lidx) * local_view.piece_len
@@ -1034,6 +1037,9 @@ class TransferEngine:
             if message is not None:
                 self._notify.check(message, op)
         lidx, ridx = pair_descriptor_id_rows(local_view, lrows, remote_view, rrows)
+        for row, message in zip(lidx, notes, strict=True):
+            if message is not None and not len(row):  # it only notifies, as configured (even a WRITE)
+                self._notify.check(message, "NOTIFY")
         piece_len = local_view.piece_len
         if isinstance(lidx, np.ndarray):  # rows of one length
             sizes = [lidx.shape[1] * piece_len] * len(lidx) if lidx.shape[1] else []

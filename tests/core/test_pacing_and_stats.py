@@ -156,7 +156,7 @@ def test_config_validation():
     for backends in ("UCX", (), ("UCX", "")):  # a string would be read letter by letter
         with pytest.raises(ValueError, match="backends"):
             EngineConfig(backends=backends)
-    assert EngineConfig(backends=["UCX"]).backends == ("UCX",)
+    assert EngineConfig(backends=["UCX"]).backends == EngineConfig(backends=(b for b in ["UCX"])).backends == ("UCX",)
     for name in ("enforce_compat", "cuda_ipc_get"):
         with pytest.raises(ValueError, match=name):
             EngineConfig(**{name: "false"})  # a non-empty string is true

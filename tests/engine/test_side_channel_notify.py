@@ -109,6 +109,8 @@ async def test_a_notification_too_large_for_the_side_channel_is_refused_before_a
         assert reader.live_handles().get("xfers", 0) == 0
         await reader.write(peer, [0], [0], notify=too_large)  # a WRITE's notification rides on NIXL
         assert await producer.wait_notifications(too_large, timeout=5) == ["reader"]
+        with pytest.raises(ValueError, match="max_request_bytes"):  # no blocks: it only notifies, on the side channel
+            await reader.start_write(peer, [], [], notify=too_large)
     finally:
         await reader.close()
         await producer.close()

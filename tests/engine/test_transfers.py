@@ -11,6 +11,7 @@ from nixl_async import (
     EngineClosedError,
     EngineConfig,
     HandshakeRejected,
+    HandshakeTimeout,
     LayoutError,
     LayoutKind,
     NotificationFailed,
@@ -112,8 +113,9 @@ async def test_misuse_gets_a_typed_error_and_posts_nothing(nixl_engine, nixl_pee
         await nixl_engine.wait_notifications("req-1", timeout=1)  # would never match b"req-1"
     with pytest.raises(TypeError, match="bytes"):
         nixl_engine.lend("req-1", ttl_s=1)
-    with pytest.raises(ValueError, match="timeout must be > 0"):
-        await nixl_engine.connect(*nixl_peer.address, timeout=0, refresh=True)
+    for timeout in (0, float("nan")):  # a budget run out: checked whether a handshake is needed or not
+        with pytest.raises(HandshakeTimeout, match="no time left"):
+            await nixl_engine.connect(*nixl_peer.address, timeout=timeout)
     with pytest.raises(HandshakeRejected, match="this engine itself"):
         await nixl_engine.connect(*nixl_engine.address)
 
