@@ -173,10 +173,11 @@ class _Subscription:
     box closes, when an iteration is cancelled, or when dropped."""
 
     def __init__(self, box: NotificationBox, claim: bool) -> None:
-        self._queue: asyncio.Queue[Notification | None] = asyncio.Queue()
-        self._box: NotificationBox | None = box
-        self._claim = claim
+        self._box: NotificationBox | None = None
         self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[Notification | None] = asyncio.Queue()
+        self._box = box
+        self._claim = claim
         box._subscribers.add(self._queue)
         box._claiming += claim
 
@@ -208,6 +209,9 @@ class _Subscription:
     def __del__(self) -> None:
         box, self._box = self._box, None
         if box is None:
+            return
+        if asyncio._get_running_loop() is self._loop:
+            box._unsubscribe(self._queue, self._claim)
             return
         with contextlib.suppress(RuntimeError):  # (a closed loop: so is the box)
             # On the loop: the garbage collector may run this on any thread.
