@@ -134,9 +134,12 @@ class EtcdHttp:
         found = await self._post("/v3/kv/range", {"key": key}, _Range)
         return found.kvs[0] if found.kvs else None
 
-    async def get_prefix(self, prefix: bytes) -> tuple[list[KeyValue], int]:
-        """Every key under `prefix`, and the revision they were read at."""
-        found = await self._post("/v3/kv/range", {"key": prefix, "range_end": prefix_end(prefix)}, _Range)
+    async def get_prefix(self, prefix: bytes, *, keys_only: bool = False) -> tuple[list[KeyValue], int]:
+        """Every key under `prefix` (without values if `keys_only`), and the revision they were read at."""
+        body: dict[str, Any] = {"key": prefix, "range_end": prefix_end(prefix)}
+        if keys_only:
+            body["keys_only"] = True
+        found = await self._post("/v3/kv/range", body, _Range)
         return found.kvs, found.header.revision
 
     async def put(self, key: bytes, value: bytes, lease: int) -> None:

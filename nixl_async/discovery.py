@@ -31,7 +31,7 @@ from typing import TypeVar
 import msgspec
 
 from . import messages
-from ._etcd_http import EtcdError, EtcdHttp, EtcdUnreachable, WatchIdle
+from ._etcd_http import EtcdError, EtcdHttp, EtcdUnreachable, KeyValue, WatchIdle
 from .config import EtcdConfig
 from .exceptions import DiscoveryUnavailable, EngineClosedError, ProtocolError
 
@@ -139,27 +139,52 @@ class EtcdDirectory:
 
         Reading everything and watching from that revision on misses nothing in between, survives
         a compacted history and an etcd that was wiped (its revisions start again). An undecodable
-        record counts as gone. A broken watch is retried every second; one quiet for
-        `_WATCH_IDLE_S` is started again at once, with a listing (a partition leaves a dead
-        connection open, on which the watch would wait for ever; and etcd may come back wiped).
+        record counts as gone. A broken watch is retried every second. One quiet for `_WATCH_IDLE_S`
+        is started again at once (a partition leaves a dead connection open, on which it would wait
+        for ever): from etcd's revision now if our keys stand as we know them (a listing of keys
+        only), else after a full listing (etcd came back wiped, or we missed a change).
         """
+        known: dict[bytes, int] = {}  # our keys -> their mod revisions, as listed and watched
+        resume_at: int | None = None  # watch from here without a full listing
         while not self._closed:
             try:
-                kvs, revision = await self._bounded("a listing", lambda: self._client.get_prefix(self._prefix))
-                yield Changes({self._engine_id(kv.key): self._decoded(kv.key, kv.value) for kv in kvs}, complete=True)
+                if resume_at is None:
+                    kvs, revision = await self._bounded("a listing", lambda: self._client.get_prefix(self._prefix))
+                    known = {kv.key: kv.mod_revision for kv in kvs}
+                    yield Changes({self._engine_id(kv.key): self._decoded(kv.key, kv.value) for kv in kvs},
+                                  complete=True)  # fmt: skip
+                else:
+                    revision, resume_at = resume_at, None
                 async for event in self._client.watch_prefix(self._prefix, revision + 1, _WATCH_IDLE_S):
                     gone = event.type == "DELETE"
+                    if gone:
+                        known.pop(event.kv.key, None)
+                    else:
+                        known[event.kv.key] = event.kv.mod_revision
                     record = None if gone else self._decoded(event.kv.key, event.kv.value)
                     yield Changes({self._engine_id(event.kv.key): record})
             except EngineClosedError:
                 return
             except WatchIdle:
-                continue  # (records unchanged since change nothing)
+                resume_at = await self._unchanged_since(known)
+                continue
             except (DiscoveryUnavailable, EtcdUnreachable, EtcdError, msgspec.DecodeError) as exc:
                 self._warn(f"watching etcd at {self.endpoint} failed ({exc}): retrying")
             except Exception:  # a bug must not end the watch for good: say so loudly, and go on
                 log.exception("watching etcd at %s failed: retrying", self.endpoint)
             await asyncio.sleep(_RETRY_S)
+
+    async def _unchanged_since(self, known: dict[bytes, int]) -> int | None:
+        """etcd's revision now if our keys are exactly `known` (same mod revisions), else None."""
+
+        def keys() -> Awaitable[tuple[list[KeyValue], int]]:
+            return self._client.get_prefix(self._prefix, keys_only=True)
+
+        try:
+            kvs, revision = await self._bounded("a listing of keys", keys)
+        except Exception:  # the full listing that follows says what is wrong
+            return None
+        return revision if {kv.key: kv.mod_revision for kv in kvs} == known else None
 
     def _engine_id(self, key: bytes) -> str:
         return key[len(self._prefix) :].decode(errors="replace")

@@ -21,7 +21,7 @@ from nixl_async import (
     discovery,
     messages,
 )
-from nixl_async._etcd_http import prefix_end
+from nixl_async._etcd_http import EtcdHttp, prefix_end
 from nixl_async.testing import Register, Stats, WaitNotifications, assert_no_live_handles, verify_blocks
 from nixl_async.testing.etcd import EtcdServer, etcd_or_skip
 
@@ -271,6 +271,29 @@ async def test_a_watch_cut_off_without_a_reset_is_started_again(etcd, nixl_peer_
     finally:
         await engine.close()
         await relay.close()
+
+
+async def test_a_quiet_watch_starts_again_without_listing_every_record(etcd, nixl_peer_factory, monkeypatch):
+    """Restarting a watch that carried nothing costs a listing of keys only, while they stand as known."""
+    monkeypatch.setattr(discovery, "_WATCH_IDLE_S", 0.3)
+    listings: list[bool] = []
+    real = EtcdHttp.get_prefix
+
+    async def counted(self, prefix, *, keys_only=False):
+        listings.append(keys_only)
+        return await real(self, prefix, keys_only=keys_only)
+
+    monkeypatch.setattr(EtcdHttp, "get_prefix", counted)
+    publisher = _publisher(nixl_peer_factory, etcd)
+    engine = await _engine(_etcd_config(etcd))
+    try:
+        await engine.connect(engine_id=publisher.engine_id)
+        await asyncio.sleep(1.5)
+        assert listings.count(False) == 1 and listings.count(True) >= 2, listings
+        await publisher.request(Register(layout_name="more", num_regions=1, num_blocks=16, seed=7))
+        await _until(lambda: "more" in engine.peer(publisher.engine_id).layouts, 5.0, "the change reached us")
+    finally:
+        await engine.close()
 
 
 async def test_an_etcd_reply_cut_midway_is_a_typed_error():
