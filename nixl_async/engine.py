@@ -1033,13 +1033,15 @@ class TransferEngine:
         notes = [None] * n if notify is None else list(notify)
         if len(notes) != n:
             raise ValueError(f"notify has {len(notes)} messages for {n} transfers")
-        for message in notes:
-            if message is not None:
-                self._notify.check(message, op)
+        if notify is not None:
+            for message in notes:
+                if message is not None:
+                    self._notify.check(message, op)
         lidx, ridx = pair_descriptor_id_rows(local_view, lrows, remote_view, rrows)
-        for row, message in zip(lidx, notes, strict=True):
-            if message is not None and not len(row):  # it only notifies, as configured (even a WRITE)
-                self._notify.check(message, "NOTIFY")
+        if notify is not None and not (isinstance(lidx, np.ndarray) and lidx.shape[1]):  # some rows may be empty
+            for row, message in zip(lidx, notes, strict=True):
+                if message is not None and not len(row):  # it only notifies, as configured (even a WRITE)
+                    self._notify.check(message, "NOTIFY")
         piece_len = local_view.piece_len
         if isinstance(lidx, np.ndarray):  # rows of one length
             sizes = [lidx.shape[1] * piece_len] * len(lidx) if lidx.shape[1] else []
