@@ -70,9 +70,8 @@ class NotifyGuard:
     def issue(self, engine_id: str) -> bytes:
         """A fresh session for `engine_id`'s notifications to us (its oldest one goes past `_PER_ENGINE`;
         the least recently used of all when `max_sessions` are live)."""
-        mine = self._by_engine.setdefault(engine_id, [])
-        while len(mine) >= _PER_ENGINE:
-            self._drop(mine[0])
+        while len(self._by_engine.get(engine_id, ())) >= _PER_ENGINE:
+            self._drop(self._by_engine[engine_id][0])
         while len(self._sessions) >= self._max_sessions:
             self._drop(next(iter(self._sessions)))
         session = secrets.token_bytes(SESSION_BYTES)

@@ -613,13 +613,11 @@ def plan_request(geometry: KVGeometry, job: RecvJob, first: Peer) -> RequestPlan
     groups = job.groups
     if paged:  # read kernel pages: block sizes, ratios and head windows below are a page's
         groups = tuple(in_kernel_pages(g, geometry.pages_per_block, remote_pages) for g in groups)
-        if any(g.kind == "window" for g in groups):
-            groups = tuple(
-                g if g.kind != "window"
-                else window_pages_of_prompt(g, job.num_tokens, geometry.block_size, geometry.pages_per_block,
-                                            remote_pages)
-                for g in groups
-            )  # fmt: skip
+        groups = tuple(
+            window_pages_of_prompt(g, job.num_tokens, geometry.block_size, geometry.pages_per_block, remote_pages)
+            if g.kind == "window" else g
+            for g in groups
+        )  # fmt: skip
     remote_layout = first.layout(LAYOUT)
     remote_block_size = int(first.extra.get("block_size", geometry.block_size))
     if remote_block_size <= 0 or geometry.block_size % remote_block_size:
