@@ -17,6 +17,7 @@ This class is the thin owner of the loop, the agent and the poller; the work is 
 - `_driver.py`: carries each transfer from submit to quiet (the state machine in `_state.py`
   meets NIXL there), posting large transfers slice by slice so no coroutine stalls for more
   than one slice's copy;
+- `_dialer.py`: reaching peers, by a handshake at their address or through etcd;
 - `_connections.py`: what NIXL holds per peer, on top of the pure registry in `_peers.py`;
 - `_memory.py`: our registrations and prepared descriptor lists;
 - `_notify_transport.py`: notifications out (NIXL or side channel) and in;
@@ -28,11 +29,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, Self
 
 import msgspec
@@ -44,6 +44,7 @@ from . import messages
 from ._admission import Admission
 from ._agent import NIXL_ERRORS, OwnedAgent
 from ._connections import Connections
+from ._dialer import Dialer, handshake_limit, segment_mismatch
 from ._driver import COLLECTOR, TransferDriver
 from ._memory import MemoryRegistry, ViewLike, layout_of_memory
 from ._notify_guard import REFUSAL_REASONS
@@ -52,24 +53,19 @@ from ._peers import Peer, PeerTable, pick_layout, reply_fingerprint
 from ._poller import AdaptivePacer, ErrorThrottle
 from ._state import TransferState
 from .config import UCX_TCP_DEFAULT_SEGMENT, EngineConfig, tcp_segment_in_use
-from .discovery import EtcdDirectory
 from .exceptions import (
-    DiscoveryUnavailable,
     EngineClosedError,
     EngineIdMismatch,
     HandshakeRejected,
-    HandshakeTimeout,
-    IncompatiblePeerError,
     LayoutError,
     LeaseExpired,
-    PeerNotPublished,
     PeerUnknownError,
     TransferCancelled,
     TransferFailed,
     TransferTimeout,
     WrongThreadError,
 )
-from .handshake import HandshakeServer, Refusal, call_peer, fetch_metadata
+from .handshake import HandshakeServer, Refusal, call_peer
 from .layout import (
     BlockLayout,
     BlockView,
@@ -97,14 +93,6 @@ _CLOSE_GRACE_S = 0.2  # progress this long at close when a notification went out
 _KEPT_ALIVE: list[tuple[Any, list[Any], list[Transfer]]] = []
 
 
-def _segment_mismatch(reader_receives: int, server_sends: int) -> str:
-    return (
-        f"the reader receives UCX/TCP segments of at most {reader_receives} bytes and the server sends up to "
-        f"{server_sends}: the reader's first READ would lose its link or crash it. Set EngineConfig.tcp_segment_bytes "
-        "alike on both engines (None: UCX's default, as older engines use)"
-    )
-
-
 class TransferEngine:
     """The engine. Create it, then `start()` it (or use ``async with``) on the loop that owns it."""
 
@@ -125,11 +113,6 @@ class TransferEngine:
         self._tcp_segment: int | None = None
         self.extra: dict[str, str] = {}
         self._call_handlers: dict[str, Callable[[str, bytes], bytes]] = {}
-        # ("host:port", the engine id expected there) or ("etcd", engine id)
-        self._connecting: dict[tuple[str, str | None], asyncio.Task[Peer]] = {}
-        self._directory: EtcdDirectory | None = None
-        self._follower: asyncio.Task[None] | None = None  # applies etcd changes to peers we hold
-        self._discovered: set[str] = set()  # engine ids we connected to through etcd
         self._closed = False
         self._final_live: dict[str, int] = {}
         self._wake: asyncio.Future[None] | None = None
@@ -145,6 +128,7 @@ class TransferEngine:
         self._peers = Connections(
             self.config, self.stats, table, self._memory, self._driver, self._notify, self._wakeup
         )
+        self._dialer = Dialer(self.config, self.stats, self._peers, self._compat_hash)
 
     # -- life cycle -----------------------------------------------------------------------
     @property
@@ -175,8 +159,7 @@ class TransferEngine:
         if self._agent is not None:
             raise RuntimeError("engine already started")
         self._loop = asyncio.get_running_loop()
-        if self.config.etcd is not None:  # first: if it cannot be made, nothing else was
-            self._directory = EtcdDirectory(self.config.etcd, timeout=self.config.handshake_timeout_s)
+        self._dialer.open_directory()  # first: if it cannot be made, nothing else was
         agent_name = f"{self.engine_id}/{time.time_ns():x}"
         if "UCX" in self.config.backends:  # before the agent: an unreadable UCX size in the environment stops here
             self._tcp_segment = tcp_segment_in_use(self.config.tcp_segment_bytes, os.environ)
@@ -184,6 +167,7 @@ class TransferEngine:
         self._agent = OwnedAgent(agent_name, self.config.backends, settings)
         self._zmq = zmq.asyncio.Context()
         self._notify.open(self._agent, self._zmq)
+        self._dialer.open(self._loop, self._zmq, agent_name, self._tcp_segment)
         self._driver.agent = self._peers.agent = self._agent
         self._driver.loop = self._loop
         self._poller = self._loop.create_task(self._poll_forever(), name=f"nixl-poller:{self.engine_id}")
@@ -223,17 +207,9 @@ class TransferEngine:
     async def _wind_down(self) -> None:
         """Stop serving and connecting, end every transfer, and give NIXL the grace to let go of them."""
         assert self._loop is not None
-        if self._follower is not None:
-            self._follower.cancel()
-            await asyncio.gather(self._follower, return_exceptions=True)
         if self._server is not None:
             await self._server.close()
-        connecting = list(self._connecting.values())
-        for task in connecting:
-            task.cancel()
-        await asyncio.gather(*connecting, return_exceptions=True)
-        if self._directory is not None:  # our record goes (lease revoked) before our memory does
-            await self._directory.close()
+        await self._dialer.close()  # our etcd record goes (lease revoked) before our memory does
         driver = self._driver
         # The poller carries ended transfers to quiet (or fenced, after the grace). Notifications
         # sent moments ago leave only as the worker is progressed: give them a moment too.
@@ -278,14 +254,6 @@ class TransferEngine:
         self._agent = self._driver.agent = self._peers.agent = None
         self._closed = True
         del agent
-
-    def _handshake_limit(self, timeout: float | None, where: str) -> float:
-        """The time a handshake or call may take; `HandshakeTimeout` if none is left (a budget run out)."""
-        if timeout is None:
-            return self.config.handshake_timeout_s
-        if not timeout > 0:  # (NaN too)
-            raise HandshakeTimeout(f"no time left to reach {where} (timeout {timeout})", address=where)
-        return timeout
 
     def _require_agent(self) -> OwnedAgent:
         if self._agent is None or self._closing:
@@ -409,7 +377,7 @@ class TransferEngine:
                 "engine_id_mismatch", f"this is engine {self.engine_id!r}, not {request.expected_engine_id!r}"
             )
         if self._tcp_segment is not None and request.tcp_segment_bytes < self._tcp_segment:
-            raise Refusal("incompatible_peer", _segment_mismatch(request.tcp_segment_bytes, self._tcp_segment))
+            raise Refusal("incompatible_peer", segment_mismatch(request.tcp_segment_bytes, self._tcp_segment))
         return msgspec.structs.replace(self._metadata(), wall_clock=time.time())
 
     def _metadata(self) -> messages.MetadataReply:
@@ -424,7 +392,7 @@ class TransferEngine:
                 compat_hash=self._compat_hash,
                 layouts=list(self._memory.layouts.values()),
                 extra=dict(self.extra),
-                tcp_segment_bytes=self._announced_segment,
+                tcp_segment_bytes=self._dialer.announced_segment,
             )
         return self._reply_cache
 
@@ -467,7 +435,7 @@ class TransferEngine:
                 host,
                 port,
                 messages.CallRequest(engine_id=self.engine_id, topic=topic, payload=payload),
-                timeout=self._handshake_limit(timeout, f"{host}:{port}"),
+                timeout=handshake_limit(self.config, timeout, f"{host}:{port}"),
                 max_frame_bytes=self.config.max_frame_bytes,
                 secret=self.config.auth_secret,
             )
@@ -498,7 +466,7 @@ class TransferEngine:
         """Handshake with the engine at host:port (or find `engine_id` in etcd) and return it as a `Peer`.
 
         With `engine_id` instead of an address, the peer's published record comes from etcd
-        (`EngineConfig.etcd`, see `publish`): see `_connect_published`.
+        (`EngineConfig.etcd`, see `publish`): see `Dialer.connect_published`.
 
         A peer already connected at that address is returned without a new handshake unless
         `refresh` is set, a transfer with it failed since, or it is not the `expected_engine_id`
@@ -514,100 +482,10 @@ class TransferEngine:
         if engine_id is not None:
             if host is not None or port is not None or expected_engine_id not in (None, engine_id):
                 raise TypeError("connect() takes host and port, or an engine_id to find in etcd, not both")
-            return await self._connect_published(engine_id, timeout, refresh)
+            return await self._dialer.connect_published(engine_id, timeout, refresh)
         if host is None or port is None:
             raise TypeError("connect() needs host and port, or engine_id")
-        limit = self._handshake_limit(timeout, f"{host}:{port}")  # (checked even when no handshake is needed)
-        peer = self._peers.table.at((host, port))
-        moved = peer is not None and expected_engine_id is not None and peer.engine_id != expected_engine_id
-        if peer is None or refresh or moved or not peer.connected or peer.stale:
-            # The peer refuses a handshake naming another engine: nothing of a wrong engine is loaded.
-            handshake = functools.partial(self._handshake, host, port, limit, expected_engine_id)
-            key = (f"{host}:{port}", expected_engine_id)
-            peer = await self._shared(key, f"handshake:{host}:{port}", handshake, limit)
-        assert self._loop is not None
-        self._peers.table.touch(peer, self._loop.time())
-        if expected_engine_id is not None and peer.engine_id != expected_engine_id:
-            raise EngineIdMismatch(
-                f"{host}:{port} is engine {peer.engine_id!r}, expected {expected_engine_id!r}",
-                address=f"{host}:{port}",
-            )
-        return peer
-
-    async def _shared(self, key: tuple[str, str | None], name: str,
-                      connect: Callable[[], Coroutine[Any, Any, Peer]], timeout: float) -> Peer:  # fmt: skip
-        """Run `connect` once per key at a time: concurrent connects to one peer share it (and a
-        cancelled caller does not cancel it for the others). A caller joining one under way waits at
-        most its own `timeout`."""
-        task = self._connecting.get(key)
-        if task is None:
-            assert self._loop is not None
-            task = self._loop.create_task(connect(), name=name)
-            self._connecting[key] = task
-            task.add_done_callback(functools.partial(self._connect_done, key))
-            return await asyncio.shield(task)  # bounded by this caller's timeout already
-        try:
-            async with asyncio.timeout(timeout) as waited:
-                return await asyncio.shield(task)
-        except TimeoutError:
-            if not waited.expired():  # the handshake's own HandshakeTimeout
-                raise
-            late = DiscoveryUnavailable if key[0] == "etcd" else HandshakeTimeout
-            raise late(f"{name}: no answer within {timeout}s (a lookup started earlier goes on)",
-                       address=name.partition(":")[2]) from None  # fmt: skip
-
-    def _connect_done(self, key: tuple[str, str | None], _task: asyncio.Task[Peer]) -> None:
-        self._connecting.pop(key, None)
-
-    async def _handshake(self, host: str, port: int, timeout: float, expected_engine_id: str | None = None) -> Peer:
-        assert self._zmq is not None and self._loop is not None
-        started = self._loop.time()
-        asked_at = time.time()
-        request = messages.MetadataRequest(engine_id=self.engine_id, tcp_segment_bytes=self._announced_segment,
-                                           expected_engine_id=expected_engine_id)  # fmt: skip
-        try:
-            reply = await fetch_metadata(
-                self._zmq,
-                host,
-                port,
-                request,
-                timeout=timeout,
-                max_frame_bytes=self.config.max_frame_bytes,
-                secret=self.config.auth_secret,
-            )
-            answered_at = time.time()
-            offset = reply.wall_clock - (asked_at + answered_at) / 2 if reply.wall_clock else 0.0
-            self._check_peer(reply, f"{host}:{port}")
-            peer = await self._peers.adopt(reply, (host, port), offset, self._loop.time())
-        except BaseException:
-            self.stats.counters["handshake_failures"] += 1
-            raise
-        self.stats.counters["handshakes"] += 1
-        self.stats.histograms["handshake_us"].record(self._loop.time() - started)
-        return peer
-
-    @property
-    def _announced_segment(self) -> int:
-        """The segment our handshakes state: ours, or UCX's default without a UCX backend (never checked then)."""
-        return UCX_TCP_DEFAULT_SEGMENT if self._tcp_segment is None else self._tcp_segment
-
-    def _check_peer(self, reply: messages.MetadataReply, where: str) -> None:
-        """Refuse a peer whose memory or wire we cannot use: ourselves, compatibility hash, then TCP segments."""
-        if self._agent is not None and reply.agent_name == self._agent.name:
-            raise HandshakeRejected(f"{where} is this engine itself: NIXL cannot load an agent as its own peer",
-                                    address=where)  # fmt: skip
-        self._check_compat(reply.engine_id, reply.compat_hash, where)
-        if self._tcp_segment is not None and reply.tcp_segment_bytes > self._tcp_segment:
-            why = _segment_mismatch(self._tcp_segment, reply.tcp_segment_bytes)
-            raise IncompatiblePeerError(f"{where} (engine {reply.engine_id!r}): {why}", address=where)
-
-    def _check_compat(self, engine_id: str, compat_hash: str, where: str) -> None:
-        if compat_hash == self._compat_hash:
-            return
-        mismatch = f"{where} (engine {engine_id!r}) has compatibility hash {compat_hash}, ours is {self._compat_hash}"
-        if self.config.enforce_compat:
-            raise IncompatiblePeerError(f"{mismatch}: its memory cannot be used with ours", address=where)
-        log.warning("%s: connecting anyway (EngineConfig.enforce_compat is off)", mismatch)
+        return await self._dialer.connect(host, port, expected_engine_id, timeout, refresh)
 
     # -- discovery through etcd -------------------------------------------------------------
     async def publish(self) -> None:
@@ -621,7 +499,8 @@ class TransferEngine:
         `close()` removes it at once. Raises `DiscoveryUnavailable` if etcd does not take it
         within the handshake timeout.
         """
-        await self._require_directory().publish(self._published())
+        self._require_agent()
+        await self._dialer.require_directory().publish(self._published())
 
     def _published(self) -> messages.PublishedEngine:
         reply = self._metadata()
@@ -640,129 +519,8 @@ class TransferEngine:
     def _changed(self) -> None:
         """What a handshake answers changed: rebuild the reply, and put it in etcd again if published."""
         self._reply_cache = None
-        if self._directory is not None and self._directory.published and self._agent is not None and not self._closing:
-            self._directory.republish(self._published())
-
-    def _require_directory(self) -> EtcdDirectory:
-        self._require_agent()
-        if self._directory is None:
-            raise RuntimeError("no discovery service configured: set EngineConfig.etcd")
-        return self._directory
-
-    async def _connect_published(self, engine_id: str, timeout: float | None, refresh: bool) -> Peer:
-        """Connect to the engine `engine_id` published in etcd (see `_discover`)."""
-        directory = self._require_directory()
-        peer = self._peers.table.get(engine_id)
-        if peer is None or refresh or not peer.connected or peer.stale:
-            limit = self._handshake_limit(timeout, engine_id)
-            discover = functools.partial(self._discover, directory, engine_id, limit)
-            peer = await self._shared(("etcd", engine_id), f"discover:{engine_id}", discover, limit)
-        assert self._loop is not None
-        self._peers.table.touch(peer, self._loop.time())
-        return peer
-
-    def _adopts_records(self, held: Peer | None) -> bool:
-        """Whether a published record may stand in for a handshake reply.
-
-        Only between engines without a shared secret (a record proves nothing), with NIXL
-        notifications (side-channel ones need a session only the peer issues), and for a peer we
-        have not handshaken with (that would drop its session and measured clock offset).
-        """
-        return (
-            self.config.auth_secret is None
-            and self.config.notify_via == "nixl"
-            and not (held is not None and held.notify_session)
-        )
-
-    async def _discover(self, directory: EtcdDirectory, engine_id: str, timeout: float) -> Peer:
-        """Find `engine_id` in etcd, check it as a handshake would, then adopt its record or handshake.
-
-        A record adopted directly means the peer is never asked (its loop does no work for us)
-        and its clock is taken to agree with ours (no round trip measures an offset). Otherwise
-        etcd gives the address and the side-channel handshake runs as usual.
-        """
-        assert self._loop is not None
-        started = self._loop.time()
-        try:
-            if self._follower is None and not self._closing:
-                self._follower = self._loop.create_task(self._follow(directory), name=f"etcd-follower:{self.engine_id}")
-            record = await directory.lookup(engine_id, timeout)
-            where = f"etcd record of {engine_id!r}"
-            if record is None:
-                raise PeerNotPublished(f"no engine {engine_id!r} is published in etcd at {directory.endpoint}",
-                                       address=directory.endpoint)  # fmt: skip
-            if record.engine_id != engine_id or (record.metadata and record.metadata.engine_id != engine_id):
-                raise EngineIdMismatch(f"etcd's record for {engine_id!r} is another engine's", address=where)
-            self._check_compat(engine_id, record.compat_hash, where)
-            direct = record.metadata is not None and self._adopts_records(self._peers.table.get(engine_id))
-            if not direct and not record.host:
-                raise HandshakeRejected(f"engine {engine_id!r} serves no side channel, and its record cannot be used"
-                                        " without one (a shared secret or notify_via='side_channel')",
-                                        address=where)  # fmt: skip
-        except BaseException:
-            self.stats.counters["handshake_failures"] += 1
-            raise
-        self._discovered.add(engine_id)
-        if not direct:
-            remaining = max(0.001, timeout - (self._loop.time() - started))
-            peer = await self._handshake(record.host, record.port, remaining, engine_id)  # counts itself
-            if peer.engine_id != engine_id:
-                raise EngineIdMismatch(f"{record.host}:{record.port} is engine {peer.engine_id!r}, "
-                                       f"etcd says {engine_id!r}", address=f"{record.host}:{record.port}")  # fmt: skip
-            return peer
-        try:
-            peer = await self._adopt_published(record)
-        except BaseException:
-            self.stats.counters["handshake_failures"] += 1
-            raise
-        self.stats.counters["handshakes"] += 1
-        self.stats.counters["handshakes_via_etcd"] += 1
-        self.stats.histograms["handshake_us"].record(self._loop.time() - started)
-        return peer
-
-    async def _adopt_published(self, record: messages.PublishedEngine) -> Peer:
-        assert self._loop is not None and record.metadata is not None
-        self._check_peer(record.metadata, f"etcd record of {record.engine_id!r}")
-        return await self._peers.adopt(
-            record.metadata, (record.host, record.port), 0.0, self._loop.time(), claimed=True
-        )
-
-    async def _follow(self, directory: EtcdDirectory) -> None:
-        """Apply what etcd says about peers we found there: a changed record refreshes them, a gone one
-        marks them stale.
-
-        A peer adopted from a record is refreshed at once (new layouts usable, re-registered
-        memory reloaded); one we handshook with is marked stale, so its next `connect` handshakes
-        again. A record that went (closed, lease ran out) only marks the peer stale: transfers
-        in flight go on, and the next ``connect(engine_id=...)`` raises `PeerNotPublished`.
-        """
-        async for changes in directory.changes():
-            gone: list[str] = []
-            if changes.complete:
-                self._discovered &= {peer.engine_id for peer in self._peers.table}  # forgotten ones go
-                gone = [i for i in self._discovered if i not in changes.records]
-            for engine_id, record in [*changes.records.items(), *((i, None) for i in gone)]:
-                peer = self._peers.table.get(engine_id)
-                if engine_id not in self._discovered or peer is None or not peer.connected:
-                    continue
-                if record is None:
-                    if not peer.stale:
-                        self.stats.counters["published_peers_gone"] += 1
-                    peer.stale = True
-                    continue
-                if record.fingerprint == peer.fingerprint:
-                    if not peer.notify_session and (record.host, record.port) != peer.address:
-                        peer.address = (record.host, record.port)  # it serves elsewhere now (calls go there)
-                    continue
-                self.stats.counters["published_peers_refreshed"] += 1
-                if record.metadata is None or not self._adopts_records(peer) or record.engine_id != engine_id:
-                    peer.stale = True  # the next connect handshakes again
-                    continue
-                try:
-                    await self._adopt_published(record)
-                except Exception as exc:  # incompatible now, or fenced: the next connect says why
-                    log.warning("refreshing peer %s from etcd failed: %s", engine_id, exc)
-                    peer.stale = True
+        if self._agent is not None and not self._closing:
+            self._dialer.republish(self._published)
 
     def peer(self, engine_id: str) -> Peer:
         """The connected peer with that engine id (raises `PeerUnknownError`)."""
