@@ -471,7 +471,8 @@ async def test_wire_time_spans_a_read_in_flight_over_tcp(nixl_engine, nixl_peer_
 async def test_a_read_in_flight_over_tcp_is_checked_every_interval_not_spun_on(nixl_engine, nixl_peer_factory):
     """Until the read may end (from the rate the previous one moved at), the poller sleeps between checks."""
     _proc, peer = await _tcp_peer(nixl_engine, nixl_peer_factory, 64, 1 << 20)
-    await nixl_engine.read(peer, range(64), range(64))  # 64 MiB in flight: teaches the wire rate
+    for _ in range(3):  # 64 MiB in flight: teaches the wire rate (a slow first read, wire-up and all, set it
+        await nixl_engine.read(peer, range(64), range(64))  # low, and the test's hot_from then came too late)
     loop, sleep, poll_once = asyncio.get_running_loop(), nixl_engine._sleep, nixl_engine._poll_once
     polls: list[tuple[float, bool]] = []  # (when, whether the poller slept since the poll before)
     slept = [False]
