@@ -30,6 +30,20 @@ def _break_once(monkeypatch, obj, name, error):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(obj, name, broken_async if asyncio.iscoroutinefunction(real) else broken)
+    return calls
+
+
+async def test_a_sweep_that_breaks_fails_the_transfers_in_flight(nixl_engine, nixl_peer_factory, monkeypatch):
+    """A read in flight over TCP when a sweep breaks fails (its caller hears, once NIXL lets go of it)."""
+    proc = nixl_peer_factory(num_regions=1, num_blocks=BLOCKS, block_len=BLOCK, seed=4, tcp=True)
+    nixl_engine.register("kv", [np.zeros(BLOCKS * BLOCK, np.uint8)], block_len=BLOCK)
+    peer = await nixl_engine.connect(*proc.address)
+    swept = _break_once(monkeypatch, nixl_engine._driver, "sweep", RuntimeError("a bug in the sweep"))
+    transfer = await nixl_engine.start_read(peer, range(BLOCKS), range(BLOCKS), timeout=5)
+    with pytest.raises(TransferFailed, match="engine poller error: RuntimeError"):
+        await asyncio.wait_for(transfer.wait(), 10)
+    assert swept and transfer.quiet
+    assert (await asyncio.wait_for(nixl_engine.read(peer, [1, 2], [3, 4]), 10)).nbytes == 2 * BLOCK
 
 
 async def test_the_poller_outlives_a_failure_while_failing_the_transfers_in_flight(nixl_engine, nixl_peer_factory,
@@ -38,11 +52,12 @@ async def test_the_poller_outlives_a_failure_while_failing_the_transfers_in_flig
     nixl_engine.register("kv", [np.zeros(BLOCKS * BLOCK, np.uint8)], block_len=BLOCK)
     peer = await nixl_engine.connect(*proc.address)
     driver = nixl_engine._driver
-    _break_once(monkeypatch, driver, "sweep", RuntimeError("a bug in the sweep"))
-    _break_once(monkeypatch, driver, "end", RuntimeError("a bug while ending a transfer"))
+    swept = _break_once(monkeypatch, driver, "sweep", RuntimeError("a bug in the sweep"))
+    ended = _break_once(monkeypatch, driver, "end", RuntimeError("a bug while ending a transfer"))
     transfer = await nixl_engine.start_read(peer, range(BLOCKS), range(BLOCKS), timeout=5)
     with contextlib.suppress(TransferFailed):  # ending it broke: the next sweep carries it on, to its end
         await asyncio.wait_for(transfer.wait(), 10)
+    assert swept and ended, "both faults were injected"
     assert not nixl_engine._poller.done(), "the poller died"
     result = await asyncio.wait_for(nixl_engine.read(peer, [1, 2], [3, 4]), 10)
     assert result.nbytes == 2 * BLOCK
