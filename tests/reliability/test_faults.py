@@ -45,14 +45,18 @@ async def test_sigkill_mid_transfer_fails_only_that_peer(nixl_engine, nixl_peer_
     await nixl_engine.read(to_healthy, [0], [5])
 
 
-async def test_handshake_server_killed_mid_handshake(nixl_engine, nixl_peer_factory):
+async def test_a_peer_killed_while_our_handshake_waits_on_it_ends_at_the_timeout_holding_nothing(
+    nixl_engine, nixl_peer_factory
+):
+    """ZMQ hides a peer's death from the asking side (it would reconnect), so the kill cannot end the
+    handshake early: what counts is that it ends at its own timeout, typed, and loads nothing."""
     peer_proc = nixl_peer_factory()
     peer_proc.pause()  # its socket accepts connections, nobody answers
+    started = time.monotonic()
     connecting = asyncio.ensure_future(nixl_engine.connect(*peer_proc.address, timeout=1.5))
     await asyncio.sleep(0.3)
     await peer_proc.akill()
-    started = time.monotonic()
     with pytest.raises(HandshakeTimeout):
         await connecting
-    assert time.monotonic() - started < 1.5
+    assert 1.4 < time.monotonic() - started < 3.0  # (asyncio may fire a timer a clock tick early)
     assert nixl_engine.peers == [] and not nixl_engine.live_handles().get("remote_agents")
