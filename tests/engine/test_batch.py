@@ -10,8 +10,10 @@ from nixl_async import (
     EngineConfig,
     LayoutError,
     TransferBatch,
+    TransferCancelled,
     TransferEngine,
     TransferFailed,
+    TransferFenced,
     TransferTimeout,
 )
 from nixl_async._agent import NIXL_ERRORS
@@ -166,7 +168,7 @@ async def test_a_batch_behind_one_that_uses_the_sweeps_time_is_still_checked(nix
         stuck.cancel()
     finally:
         stuck_proc.resume()
-    with pytest.raises(Exception):  # noqa: B017 - cancelled, or fenced if the peer was slow to let go
+    with pytest.raises((TransferCancelled, TransferFenced)):  # fenced if the peer was slow to let go
         await asyncio.wait_for(stuck, 30)
     assert await transfers_settled(nixl_engine) == 0
 
