@@ -133,12 +133,15 @@ async def test_settle(tcp_engine, tcp_peer, as_batch):
 
 
 async def test_peer_sigkill(tcp_engine, tcp_peer, as_batch):
-    regions, peer = await _setup(tcp_engine, tcp_peer)
+    """A dead source sends nothing more, so quiet memory is given here: what counts is that the caller
+    hears a typed error and that, unless it says fenced, NIXL holds none of the read's requests."""
+    _regions, peer = await _setup(tcp_engine, tcp_peer)
     transfer = await _in_flight(tcp_engine, peer, as_batch)
     tcp_peer.kill()
     with pytest.raises((TransferFailed, TransferFenced)) as info:
         await transfer.wait(timeout=30)
-    await _assert_quiet_after(tcp_engine, regions, info.value)
+    if not isinstance(info.value, TransferFenced):
+        assert transfer.quiet and tcp_engine.live_handles().get("xfers", 0) == 0
 
 
 async def test_engine_close(tcp_engine, tcp_peer, as_batch):
