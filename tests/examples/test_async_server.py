@@ -163,8 +163,9 @@ async def test_requests_survive_a_prefill_crash_and_restart(ports):
                 status, body, _ = await client
                 assert status == 504, body
                 health = await _health(http, decode_url)
-                if health["live_handles"].get("xfers", 0):  # fenced: NIXL still holds the read
-                    assert health["free_blocks"] == 64 - 48, health
+                # fenced: NIXL cannot let go of a read from a frozen peer (UCX cancels no GET over TCP)
+                assert health["live_handles"].get("xfers", 0) > 0, health
+                assert health["free_blocks"] == 64 - 48, health
             finally:
                 prefill.proc.send_signal(signal.SIGCONT)
             for _ in range(500):
