@@ -56,10 +56,9 @@ def test_bad_mac_is_refused_and_changes_nothing():
     genuine = _note(session, 1)
     assert guard.check(_note(session, 1, secret=WRONG)) == "bad_mac"
     assert guard.check(_note(session, 1, secret=None)) == "bad_mac", "unsigned"
-    for field, value in [("seq", 2), ("message", b"free:req-2"), ("engine_id", "intruder"), ("session", session)]:
+    for field, value in [("seq", 2), ("message", b"free:req-2"), ("engine_id", "intruder")]:
         tampered = msgspec.structs.replace(genuine, **{field: value})
-        if tampered != genuine:
-            assert guard.check(tampered) == "bad_mac", field
+        assert tampered != genuine and guard.check(tampered) == "bad_mac", field
     other = guard.issue("reader")
     moved = msgspec.structs.replace(genuine, session=other)
     assert guard.check(moved) == "bad_mac", "a MAC does not carry over to another session"
