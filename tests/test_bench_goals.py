@@ -77,9 +77,19 @@ def test_markdown_has_a_row_per_figure():
 
 
 def test_the_project_goals_do_not_overlap_within_a_scenario():
-    for goal in GOALS:
-        others = [g for g in GOALS if g.scenario == goal.scenario and g is not goal]
-        assert all(g.pattern != goal.pattern for g in others)
+    """Every figure of the committed run is bounded by one goal at most (two patterns may differ and
+    still match one key: `cpu_*` and `cpu_4mib_*`)."""
+    from fnmatch import fnmatchcase
+    from pathlib import Path
+
+    from benchmarks.goals import load
+
+    results = load(str(Path(__file__).resolve().parents[1] / "docs/bench/results.jsonl"))
+    keys = {(r.scenario, key) for r in results for key in [*r.ratios, *r.metrics]}
+    assert len({scenario for scenario, _ in keys}) >= 10, "the committed run has most scenarios"
+    for scenario, key in keys:
+        matching = [g.pattern for g in GOALS if g.scenario == scenario and fnmatchcase(key, g.pattern)]
+        assert len(matching) <= 1, (scenario, key, matching)
 
 
 def test_a_failing_scenario_loses_no_other_figures_and_the_run_exits_1(monkeypatch, capsys, tmp_path):
