@@ -90,10 +90,19 @@ async def test_decode_tokens_equal_a_single_instance(cluster):
 async def test_partial_prefix_hit_on_decode_reads_only_the_rest(cluster):
     root, servers, proxy, _extra = cluster
     base = make_prompt("shared head", 200)  # >2 blocks; the second request shares its first blocks
+    decode = servers["decode"]
+    moved, hits = [], []
     for prompt in (base, base + " and then the story goes on with the baker", base):
         want = await complete(servers["single"].url, prompt, _model(root))
+        bytes_before = counter(decode, "vllm:nixl_bytes_transferred_sum")
+        hits_before = counter(decode, "vllm:prefix_cache_hits_total")
         got = await complete(proxy.url, prompt, _model(root))
         assert got["choices"][0]["text"] == want["choices"][0]["text"]
+        moved.append(counter(decode, "vllm:nixl_bytes_transferred_sum") - bytes_before)
+        hits.append(counter(decode, "vllm:prefix_cache_hits_total") - hits_before)
+    # The same text either way would not show a hit: decode must have found the shared blocks and read fewer.
+    assert hits[1] >= 128 and hits[2] >= 128, hits
+    assert moved[0] > 0 and moved[1] < moved[0] and moved[2] < moved[0], moved
 
 
 async def test_prefill_frees_blocks_once_decode_has_read_them(cluster):
