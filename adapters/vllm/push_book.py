@@ -91,6 +91,9 @@ class PushRegistration(msgspec.Struct, frozen=True, kw_only=True):
     prefill_view: ViewSpec = ViewSpec()  # ... from which bytes of its own
     write_by: float = 0.0
     decode_block_size: int = 0  # tokens per decode kernel page; 0: as many as prefill's (no ratio)
+    # The NIXL agent of the decode rank that registered: a decode restarted under the same engine id
+    # (and address) has other blocks behind the same ids; "": not checked (an older decode).
+    decode_agent: str = ""
 
 
 encode_registration = msgspec.msgpack.Encoder().encode

@@ -102,12 +102,13 @@ def make_registration(
     write: bool,
     decode_view: ViewSpec = WHOLE,
     prefill_view: ViewSpec = WHOLE,
+    decode_agent: str = "",
 ) -> PushRegistration:
     return PushRegistration(
         request_id=job.remote_request_id, decode_request_id=job.request_id, decode_engine_id=decode_engine_id,
         decode_host=decode_address[0], decode_port=decode_address[1], decode_tp=geometry.tp_size,
         decode_pages=geometry.pages_per_block, write=write, write_by=write_by, decode_view=decode_view,
-        prefill_view=prefill_view, decode_block_size=geometry.block_size,
+        prefill_view=prefill_view, decode_block_size=geometry.block_size, decode_agent=decode_agent,
         groups=[PushGroup(g.kind, list(g.local), g.local_hit) for g in job.groups],
     )  # fmt: skip
 
@@ -120,6 +121,7 @@ def registrations_for(
     decode_engine_id: str,
     decode_address: tuple[str, int],
     write_by: float,
+    decode_agent: str = "",
 ) -> list[tuple[int, PushRegistration]]:
     """Decode: (prefill rank, its registration) for each prefill rank `job` needs, in the order to send them.
 
@@ -129,7 +131,8 @@ def registrations_for(
     return [
         (step.remote_rank, make_registration(geometry, job, decode_engine_id=decode_engine_id,
                                          decode_address=decode_address, write_by=write_by, write=step.read,
-                                         decode_view=step.local, prefill_view=step.remote))
+                                         decode_view=step.local, prefill_view=step.remote,
+                                         decode_agent=decode_agent))
         for step in plan_push(geometry, job, first)
     ]  # fmt: skip
 

@@ -45,6 +45,7 @@ from nixl_async import (
     FinishedRequests,
     LayoutError,
     LeaseExpired,
+    Peer,
     Transfer,
     TransferEngine,
     TransferError,
@@ -69,8 +70,8 @@ from .settings import UnsupportedSetting, connect_rank, rank_engine_id
 from .tp_mapping import expected_consumers, remote_ranks
 from .worker import LAYOUT, ConnectorWorker, KVGeometry, RecvJob, connect_job_rank
 
-__all__ = ["PushConnectorWorker", "PushFailed", "PushRefused", "push", "push_or_tell", "push_progressively",
-           "receive_pushed"]  # fmt: skip
+__all__ = ["DecodeRestarted", "PushConnectorWorker", "PushFailed", "PushRefused", "push", "push_or_tell",
+           "push_progressively", "receive_pushed"]  # fmt: skip
 
 log = logging.getLogger(f"vllm.{__name__}")
 
@@ -83,6 +84,27 @@ class PushRefused(LeaseExpired):
 
 class PushFailed(TransferFailed):
     """A prefill rank said its push failed, with none of its WRITEs left in NIXL: nothing more comes from it."""
+
+
+class DecodeRestarted(TransferFailed):
+    """The decode rank that registered a request is gone; another agent answers under its engine id
+    (a restart): the registration's block ids mean nothing there, so nothing is written."""
+
+
+async def connect_decode(engine: TransferEngine, reg: PushRegistration) -> Peer:
+    """Prefill: the decode rank that made `reg`, or `DecodeRestarted` if another agent answers for it now.
+
+    A peer held from before a restart is handshaken with again first (its old agent is dead, or
+    the registration is older than what we hold).
+    """
+    peer = await connect_rank(engine, reg.decode_host, reg.decode_port, reg.decode_engine_id)
+    if reg.decode_agent and peer.agent_name != reg.decode_agent:
+        peer = await connect_rank(engine, reg.decode_host, reg.decode_port, reg.decode_engine_id, refresh=True)
+        if peer.agent_name != reg.decode_agent:
+            raise DecodeRestarted(f"request {reg.decode_request_id} was registered by agent {reg.decode_agent!r} of "
+                                  f"{reg.decode_engine_id}, which is now agent {peer.agent_name!r}",
+                                  peer=reg.decode_engine_id)  # fmt: skip
+    return peer
 
 
 class PushConnectorWorker(ConnectorWorker):
@@ -310,13 +332,13 @@ async def receive_pushed(
     if not job.local_blocks:  # nothing to receive: only let prefill free the request
         peers = await asyncio.gather(*(connect_job_rank(engine, job, rank) for rank in ranks))
         registration = make_registration(geometry, job, decode_engine_id=engine.engine_id, decode_address=address,
-                                     write_by=write_by, write=False)  # fmt: skip
+                                     write_by=write_by, write=False, decode_agent=engine.agent_name)  # fmt: skip
         payload = encode_registration(registration)
         await asyncio.gather(*(engine.call(peer, PUSH_TOPIC, payload) for peer in peers))
         return
     first = await connect_job_rank(engine, job, ranks[0])
     registrations = registrations_for(geometry, job, first, decode_engine_id=engine.engine_id, decode_address=address,
-                                      write_by=write_by)  # fmt: skip
+                                      write_by=write_by, decode_agent=engine.agent_name)  # fmt: skip
     peers = await asyncio.gather(*(connect_job_rank(engine, job, rank) for rank, _ in registrations))
     # Waiting from now: a fast WRITE's notification may come before the registration's reply (one that
     # comes before its waiter is kept for it).
@@ -384,9 +406,9 @@ async def push_or_tell(
     try:
         return await push(engine, geometry, blocks, reg)
     except BaseException as exc:
-        if not isinstance(exc, TransferFenced):  # (fenced: NIXL may still write into decode's blocks)
+        if not isinstance(exc, TransferFenced | DecodeRestarted):  # (fenced: NIXL may still write into its blocks)
             try:
-                peer = await connect_rank(engine, reg.decode_host, reg.decode_port, reg.decode_engine_id)
+                peer = await connect_decode(engine, reg)
                 await engine.notify(peer, push_failure_notification(reg.decode_request_id, geometry.tp_rank,
                                                                      reg.write_by))  # fmt: skip
             except Exception as again:  # decode waits until write_by, as it would have
@@ -407,7 +429,7 @@ async def push(
     result sums the parts (bytes, descriptors, slices).
     """
     parts = write_parts(geometry, blocks, reg)  # refused here, before anything is written
-    peer = await connect_rank(engine, reg.decode_host, reg.decode_port, reg.decode_engine_id)
+    peer = await connect_decode(engine, reg)
     notify = push_notification(reg.decode_request_id, geometry.tp_rank)
     started: list[Transfer] = []
     try:
@@ -487,7 +509,7 @@ async def push_progressively(
     with the notification. A WRITE that fails fails the push (the facade settles the others).
     """
     try:
-        peer = await connect_rank(engine, reg.decode_host, reg.decode_port, reg.decode_engine_id)
+        peer = await connect_decode(engine, reg)
         parts = write_parts(geometry, (list(range(feed.prompt_blocks)),), reg)  # planned on positions
         layered = peer.layout(LAYOUT).num_regions == regions and all(
             p.prefill_view.split == p.decode_view.split == 1 and len(p.prefill_blocks) == len(p.decode_blocks)

@@ -140,13 +140,14 @@ def rank_engine_id(engine_id: str, tp_rank: int) -> str:
     return f"{engine_id}/tp{tp_rank}"
 
 
-async def connect_rank(engine: TransferEngine, host: str | None, port: int | None, rank_id: str) -> Peer:
-    """Connect to a producer rank: by its engine id in etcd when configured, else at host:port."""
+async def connect_rank(engine: TransferEngine, host: str | None, port: int | None, rank_id: str, *,
+                       refresh: bool = False) -> Peer:  # fmt: skip
+    """Connect to a peer rank: by its engine id in etcd when configured, else at host:port."""
     if engine.config.etcd is not None:
-        return await engine.connect(engine_id=rank_id)
+        return await engine.connect(engine_id=rank_id, refresh=refresh)
     if not host or not port:
         raise HandshakeError(f"no address for producer {rank_id!r}: remote_host/remote_port unset, no etcd_endpoint")
-    return await engine.connect(host, port, expected_engine_id=rank_id)
+    return await engine.connect(host, port, expected_engine_id=rank_id, refresh=refresh)
 
 
 def _etcd(extra: dict[str, Any]) -> EtcdConfig | None:

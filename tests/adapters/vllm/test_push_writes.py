@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import time
 
+import msgspec
 import numpy as np
 import pytest
 
 from nixl_async import EngineConfig, LeaseExpired, TransferEngine, TransferError
 from nixl_async.testing import Checksums, WaitNotifications
 from nixl_async_vllm.push_book import PushGroup, PushRegistration, push_notification
-from nixl_async_vllm.push_worker import push
+from nixl_async_vllm.push_worker import DecodeRestarted, push, push_or_tell
 from nixl_async_vllm.worker import KVGeometry
 
 BLOCK = 1 << 20
@@ -78,3 +79,22 @@ async def test_a_write_in_flight_at_write_by_is_stopped_and_nothing_lands_after(
     ended = await _sums(decode)
     await asyncio.sleep(1.0)  # our loop keeps progressing UCX meanwhile
     assert await _sums(decode) == ended, "bytes landed in decode's blocks after the push was over"
+
+
+async def test_a_registration_from_before_decode_restarted_writes_nothing_into_the_new_decode(prefill, decode):
+    """Decode restarted under the same engine id and address: the block ids of a request its previous agent
+    registered belong to other requests now. Before, the push's next handshake found the new agent and wrote."""
+    first = await prefill.connect(*decode.address, expected_engine_id=decode.engine_id)
+    reg = msgspec.structs.replace(_registration(decode, time.time() + 30, [4, 5]), decode_agent=first.agent_name)
+    await push(prefill, GEOMETRY, ([0, 1],), msgspec.structs.replace(reg, decode_request_id="earlier"))
+    await decode.reincarnate(decode.engine_id, port=decode.port)
+    zero = await _sums(decode)
+    outcomes = []
+    for _ in range(2):  # the first may still reach the old agent's peer (a failed WRITE marks it stale)
+        with pytest.raises(TransferError) as refused:
+            await push_or_tell(prefill, GEOMETRY, ([2, 3],), reg)
+        outcomes.append(refused.value)
+    assert isinstance(outcomes[-1], DecodeRestarted), outcomes
+    assert await _sums(decode) == zero, "bytes of a void registration landed in the restarted decode"
+    fresh = msgspec.structs.replace(reg, decode_agent=prefill.peer(decode.engine_id).agent_name)
+    assert (await push(prefill, GEOMETRY, ([2, 3],), fresh)).nbytes == 2 * 2 * BLOCK  # its own registrations go
