@@ -60,12 +60,14 @@ from .push_book import (
     PUSH_TOPIC,
     PushBook,
     PushRegistration,
+    base_request_id,
     decode_registration,
     encode_registration,
     push_failure_notification,
     push_notification,
 )
 from .push_plan import WHOLE, WritePart, layer_parts, make_registration, registrations_for, write_parts
+from .send_book import SendBook
 from .settings import UnsupportedSetting, connect_rank, rank_engine_id
 from .tp_mapping import expected_consumers, remote_ranks
 from .worker import LAYOUT, ConnectorWorker, KVGeometry, RecvJob, connect_job_rank
@@ -115,6 +117,8 @@ class PushConnectorWorker(ConnectorWorker):
 
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, engine_id, kv_cache_config)
+        # Decode heartbeats the id the proxy gave prefill, without the suffix vLLM appends here.
+        self._sends = SendBook(base_id=base_request_id)
         self._book = PushBook()
         # running push -> (its prefill request, decode ranks reading this rank); both threads, under the lock
         self._push_ids: dict[str, tuple[str, int]] = {}

@@ -12,6 +12,9 @@ heartbeat): the deadline only moves later, and the reply says until when, so a r
 reads past a deadline we did not acknowledge. Renewing a request we no longer hold answers
 nothing for it: the reader learns its blocks are gone.
 
+In push mode a reader may know a request only by the id the proxy gave it, without the suffix
+vLLM adds (`base_id`): its renewals then match the request by that base id.
+
 `renew` is called from the engine's loop thread, the rest from vLLM's worker thread: every
 method takes the book's lock.
 """
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 __all__ = ["SendBook", "parse_notification"]
 
@@ -34,7 +37,9 @@ def parse_notification(message: bytes) -> tuple[str, int] | None:
 
 
 class SendBook:
-    def __init__(self) -> None:
+    def __init__(self, base_id: Callable[[str], str] | None = None) -> None:
+        self._base_id = base_id
+        self._by_base: dict[str, str] = {}  # base id -> request (with `base_id` only)
         self._in_batch: set[str] = set()  # being computed; a notification may come early
         self._deadlines: dict[str, float] = {}  # finished, blocks held until then
         self._seen: Counter[str] = Counter()
@@ -45,21 +50,31 @@ class SendBook:
     def in_batch(self, request_ids: set[str]) -> None:
         with self._lock:
             self._in_batch |= request_ids
+            self._name(request_ids)
 
     def hold(self, request_id: str, deadline: float) -> None:
         """Blocks of `request_id` are held for readers until `deadline` (our monotonic clock)."""
         with self._lock:
             self._deadlines[request_id] = max(deadline, self._renewed.pop(request_id, deadline))
+            self._name((request_id,))
+
+    def _name(self, request_ids: Iterable[str]) -> None:
+        if self._base_id is not None:
+            for request_id in request_ids:
+                self._by_base[self._base_id(request_id)] = request_id
 
     def renew(self, request_ids: list[str], until: float) -> dict[str, float]:
         """Hold each known request at least until `until`; -> its deadline now (unknown ones left out)."""
         held = {}
         with self._lock:
-            for request_id in request_ids:
+            for asked in request_ids:  # (the reply names each request as the reader did)
+                request_id = asked
+                if self._base_id is not None and asked not in self._deadlines and asked not in self._in_batch:
+                    request_id = self._by_base.get(self._base_id(asked), asked)
                 if request_id in self._deadlines:
-                    held[request_id] = self._deadlines[request_id] = max(self._deadlines[request_id], until)
+                    held[asked] = self._deadlines[request_id] = max(self._deadlines[request_id], until)
                 elif request_id in self._in_batch:
-                    held[request_id] = self._renewed[request_id] = max(self._renewed.get(request_id, until), until)
+                    held[asked] = self._renewed[request_id] = max(self._renewed.get(request_id, until), until)
         return held
 
     def drop(self, request_id: str) -> None:
@@ -68,6 +83,8 @@ class SendBook:
             self._forget(request_id)
 
     def _forget(self, request_id: str) -> None:
+        if self._base_id is not None and self._by_base.get(base := self._base_id(request_id)) == request_id:
+            del self._by_base[base]
         self._renewed.pop(request_id, None)
         self._in_batch.discard(request_id)
         self._deadlines.pop(request_id, None)

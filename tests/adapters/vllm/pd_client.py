@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +55,17 @@ async def prefill_only(server: VllmServer, prompt: str, model: str) -> dict[str,
     params: dict[str, Any] = reply["kv_transfer_params"]
     assert params["remote_block_ids"], params
     return params
+
+
+async def keep_busy(server: VllmServer, model: str, seconds: float, seqs: int) -> list[asyncio.Task[Any]]:
+    """Queue long requests on `server` (running `seqs` at a time) so that a request sent next waits about `seconds`."""
+    body = {"model": model, "prompt": "busy", "max_tokens": 480, "temperature": 0, "ignore_eos": True}
+    started = time.monotonic()
+    await asyncio.gather(*(post(server.url, body) for _ in range(seqs)))  # one wave, timed
+    waves = math.ceil(seconds / (time.monotonic() - started)) + 1
+    tasks = [asyncio.create_task(post(server.url, body, timeout=600)) for _ in range(waves * seqs)]
+    await asyncio.sleep(0.5)  # queued before whatever comes next
+    return tasks
 
 
 def restart_with_weights(server: VllmServer, root: Path, model: str) -> None:

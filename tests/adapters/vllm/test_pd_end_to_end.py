@@ -13,7 +13,6 @@ because decode's heartbeats renew it.
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ if os.environ.get("NIXL_ASYNC_REQUIRE_VLLM") != "1":
 
 from nixl_async_vllm.launch import ProxyProcess, VllmServer, kv_transfer_config, make_prompt, running
 
-from .pd_client import MAX_TOKENS, complete, counter, make_models, post, prefill_only, restart_with_weights
+from .pd_client import MAX_TOKENS, complete, counter, keep_busy, make_models, post, prefill_only, restart_with_weights
 
 pytestmark = pytest.mark.vllm
 
@@ -59,17 +58,6 @@ def cluster(tmp_path_factory):
             yield root, servers, proxy, extra
         finally:
             proxy.stop()
-
-
-async def _keep_busy(server: VllmServer, model: str, seconds: float) -> list[asyncio.Task]:
-    """Queue long requests on `server` so that a request sent next waits about `seconds`."""
-    body = {"model": model, "prompt": "busy", "max_tokens": 480, "temperature": 0, "ignore_eos": True}
-    started = time.monotonic()
-    await asyncio.gather(*(post(server.url, body) for _ in range(DECODE_SEQS)))  # one wave, timed
-    waves = math.ceil(seconds / (time.monotonic() - started)) + 1
-    tasks = [asyncio.create_task(post(server.url, body, timeout=600)) for _ in range(waves * DECODE_SEQS)]
-    await asyncio.sleep(0.5)  # queued before whatever comes next
-    return tasks
 
 
 def _model(root: Path) -> str:
@@ -138,7 +126,7 @@ async def test_a_request_waiting_longer_than_the_lease_keeps_its_kv(cluster):
     prompt = make_prompt("a patient request", 150)
     want = await complete(servers["single"].url, prompt, _model(root))
     failures = (root / "decode.log").read_text(errors="replace").count("KV load failure")
-    blockers = await _keep_busy(servers["decode"], _model(root), seconds=12)
+    blockers = await keep_busy(servers["decode"], _model(root), seconds=12, seqs=DECODE_SEQS)
     started = time.monotonic()
     got = await complete(proxy.url, prompt, _model(root), timeout=300)
     waited = time.monotonic() - started
@@ -183,7 +171,7 @@ async def test_a_killed_decode_lets_prefill_free_the_blocks_within_a_lease(clust
     root, servers, _proxy, extra = cluster
     prefill, decode = servers["prefill"], servers["decode"]
     expired = counter(prefill, "vllm:nixl_num_kv_expired_reqs_total")
-    blockers = await _keep_busy(decode, _model(root), seconds=15)
+    blockers = await keep_busy(decode, _model(root), seconds=15, seqs=DECODE_SEQS)
     prompt = make_prompt("abandoned", 120)
     params = await prefill_only(prefill, prompt, _model(root))
     waiting = asyncio.create_task(post(decode.url, {"model": _model(root), "prompt": prompt, "max_tokens": 4,

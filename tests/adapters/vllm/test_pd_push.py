@@ -28,11 +28,12 @@ import aiohttp
 
 from nixl_async_vllm.launch import PushTarget, VllmServer, kv_transfer_config, make_prompt, pd_push_complete, running
 
-from .pd_client import MAX_TOKENS, complete, counter, make_models, post, restart_with_weights
+from .pd_client import MAX_TOKENS, complete, counter, keep_busy, make_models, post, restart_with_weights
 
 pytestmark = pytest.mark.vllm
 
 LEASE_S = 3
+DECODE_SEQS = 2  # decode runs 2 requests at a time, so a queue of long ones keeps it busy
 WATCHDOG_S = 8  # push_registration_timeout
 PREFILL_SIDE_PORT = 15900
 LAYERED_SIDE_PORT = 15950
@@ -54,7 +55,8 @@ def cluster(tmp_path_factory):
             "nixl_async_push", "kv_producer", {**extra, "push_progressive": True}, engine_id="push-prefill-layered"),
             cpu=0, log_path=root / "layered.log", max_num_batched_tokens=CHUNK_TOKENS),
         "decode": VllmServer(model, 18600, 16000, kv_transfer_config(
-            "nixl_async_push", "kv_consumer", extra, engine_id="push-decode"), cpu=1, log_path=root / "decode.log"),
+            "nixl_async_push", "kv_consumer", extra, engine_id="push-decode"), cpu=1, log_path=root / "decode.log",
+            max_num_seqs=DECODE_SEQS),
         "single": VllmServer(model, 18700, 16100, None, cpu=0, log_path=root / "single.log"),
     }  # fmt: skip
     with running(*servers.values()):
@@ -134,6 +136,25 @@ async def test_a_registration_for_a_request_prefill_freed_fails_at_once(cluster)
     assert status == 500
     assert counter(servers["prefill"], "vllm:nixl_num_kv_expired_reqs_total") == 1
     await complete(servers["decode"].url, make_prompt("after the refusal", 20), _model(root))
+
+
+async def test_a_request_queued_on_decode_past_the_lease_keeps_prefill_s_blocks(cluster):
+    """Decode busy for over two leases, the request waiting in its queue: its heartbeats name the proxy's id
+    and renew prefill's lease on vLLM's suffixed one. Before, they matched nothing: prefill freed the blocks
+    at the lease and decode's late registration was answered gone (HTTP 500)."""
+    root, servers = cluster
+    prompt = make_prompt("a patient push", 90)
+    want = (await complete(servers["single"].url, prompt, _model(root)))["choices"][0]["text"]
+    expired = counter(servers["prefill"], "vllm:nixl_num_kv_expired_reqs_total")
+    blockers = await keep_busy(servers["decode"], _model(root), seconds=3 * LEASE_S, seqs=DECODE_SEQS)
+    started = time.monotonic()
+    status, reply = await _push(servers, prompt, _model(root), order="prefill_first")
+    waited = time.monotonic() - started
+    await asyncio.gather(*blockers)
+    assert waited >= 2 * LEASE_S, f"decode reached the request after {waited:.1f}s: not kept busy long enough"
+    assert status == 200, reply
+    assert reply["choices"][0]["text"] == want
+    assert counter(servers["prefill"], "vllm:nixl_num_kv_expired_reqs_total") == expired
 
 
 async def _push_after_lease(servers: dict[str, VllmServer], prompt: str, model: str) -> tuple[int, Any]:

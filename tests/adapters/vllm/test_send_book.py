@@ -82,3 +82,21 @@ def test_a_renewal_while_still_in_batch_is_applied_when_the_lease_starts():
     book.renew(["r2"], until=5.0)
     book.hold("r2", deadline=20.0)
     assert book.collect(now=19.0) == (set(), set()), "an earlier renewal does not shorten the lease"
+
+
+def test_push_renewals_match_the_id_the_proxy_gave_prefill():
+    """In push mode decode knows prefill's request by the proxy's id; vLLM adds a suffix on prefill.
+    Before, such renewals matched nothing and a request queued on decode past the lease lost its blocks."""
+    from nixl_async_vllm.push_book import base_request_id
+
+    book = SendBook(base_id=base_request_id)
+    book.in_batch({"cmpl-x-0-abcd1234"})
+    assert book.renew(["cmpl-x-0"], until=15.0) == {"cmpl-x-0": 15.0}, "still computing: renewed on hold"
+    book.hold("cmpl-x-0-abcd1234", deadline=10.0)
+    assert book.renew(["cmpl-x-0"], until=20.0) == {"cmpl-x-0": 20.0}
+    assert book.collect(now=19.9) == (set(), set())
+    assert book.collect(now=20.0) == (set(), {"cmpl-x-0-abcd1234"})
+    assert book.renew(["cmpl-x-0"], until=30.0) == {}, "a freed request renews nothing"
+    pull = SendBook()
+    pull.hold("cmpl-x-0-abcd1234", deadline=10.0)
+    assert pull.renew(["cmpl-x-0"], until=30.0) == {}, "pull mode matches exact ids only"
