@@ -258,13 +258,14 @@ class PushTarget:
 
 
 async def pd_push_complete(session: Any, prefill_url: str, decode_url: str, body: dict[str, Any],
-                           target: PushTarget) -> Any:  # fmt: skip
+                           target: PushTarget, request_id: str | None = None) -> Any:  # fmt: skip
     """Push mode, as vLLM's push proxies: both legs under one X-Request-Id; decode names prefill's request.
 
     vLLM names a completion's request ``cmpl-{X-Request-Id}-0`` plus a random suffix on each
-    server; decode registers that name and prefill matches it without the suffix.
+    server; decode registers that name and prefill matches it without the suffix. `request_id`:
+    the X-Request-Id (a fresh one by default; a client's retry may send its first one again).
     """
-    request_id = uuid.uuid4().hex
+    request_id = request_id or uuid.uuid4().hex
     headers = {"X-Request-Id": request_id}
     first = dict(body, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
     first.pop("stream_options", None)

@@ -9,6 +9,10 @@ Decode and prefill name a request differently: vLLM appends a random ``-<8 hex>`
 proxy gives both legs, so a registration matches a finished request by exact id, else by the
 id without that suffix (vLLM's `get_base_request_id`, as its push connector matches them).
 
+So a registration naming a request prefill already freed (or aborted) cannot be told from a
+retry under the same id whose prefill has not begun: it waits `grace_s` for such a request,
+then its decode is told the push failed (`doubted`), well before decode's own deadline.
+
 Decode plans the transfer from prefill's layout, as it does in pull mode (`tp_mapping`), and
 sends the plan's views; prefill only adds its own block ids, so one planner serves both modes.
 """
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import msgspec
 
@@ -24,7 +29,6 @@ from nixl_async import ViewSpec
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id as base_request_id
 
 __all__ = [
-    "GONE",
     "PUSH_PREFIX",
     "PUSH_TOPIC",
     "PushBook",
@@ -38,8 +42,7 @@ __all__ = [
 PUSH_TOPIC = "kv_push"
 PUSH_PREFIX = b"push:"
 PUSH_FAILED_PREFIX = b"push-failed:"
-GONE = "gone"  # a registration for a request prefill has freed
-GONE_REMEMBERED = 4096  # freed requests remembered to answer late registrations
+GONE_REMEMBERED = 4096  # freed requests remembered, so that late registrations for them are doubted
 
 
 def push_notification(decode_request_id: str, prefill_rank: int) -> bytes:
@@ -107,6 +110,13 @@ class _Entry:
     closing: bool = False  # to be freed: matches no more registrations
 
 
+class Expired(NamedTuple):
+    """Registrations `PushBook.expire` dropped."""
+
+    unclaimed: list[PushRegistration]  # past their write_by: decode has given up on them
+    doubted: list[PushRegistration]  # their request was freed, and no retry of it came: tell decode
+
+
 @dataclass
 class PushBook:
     """Prefill side: requests and decode registrations, matched as they meet.
@@ -116,15 +126,18 @@ class PushBook:
     rank). With progressive push, `claim` takes the registrations of a request prefill is still
     computing (its layers are pushed as they are computed); later ones wait for the next claim
     or for `finished`. `release` says whether a request's blocks may be freed: not while a push
-    of it runs (the push reads them); it then matches nothing more. A registration for a
-    request already released is answered `GONE`, so decode fails it at once instead of waiting.
-    Registrations nobody claims are dropped once their `write_by` has passed (`expire`).
+    of it runs (the push reads them); it then matches nothing more. A registration for a request
+    freed (or being freed, or aborted) waits `grace_s` for a retry under the same id, then is
+    `doubted`. Registrations nobody claims are dropped once their `write_by` has passed (`expire`).
+    Times are wall-clock seconds (registrations carry decode's `write_by` in them).
     """
 
+    grace_s: float = 30.0
     _entries: dict[str, _Entry] = field(default_factory=dict)
     _by_base: dict[str, str] = field(default_factory=dict)  # base id -> request
     _waiting: dict[str, list[PushRegistration]] = field(default_factory=dict)  # by base id
     _gone: dict[str, None] = field(default_factory=dict)  # base ids of released requests, oldest first
+    _doubted: dict[str, float] = field(default_factory=dict)  # gone base id -> when its registrations are told
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def _take_waiting(self, request_id: str, blocks: tuple[list[int], ...] | None) -> list[PushRegistration]:
@@ -135,6 +148,8 @@ class PushBook:
         self._by_base[base] = request_id
         if entry.closing:
             return []
+        self._gone.pop(base, None)  # a retry under a freed request's id: its registrations are for it
+        self._doubted.pop(base, None)
         matched = self._waiting.pop(base, [])
         entry.running += len(matched)
         return matched
@@ -149,23 +164,22 @@ class PushBook:
         with self._lock:
             return self._take_waiting(request_id, blocks)
 
-    def register(self, registration: PushRegistration) -> tuple[str, tuple[list[int], ...]] | str | None:
-        """A decode rank registered: (prefill request, its blocks) to push now, None if it waits, or `GONE`."""
+    def register(self, registration: PushRegistration, now: float) -> tuple[str, tuple[list[int], ...]] | None:
+        """A decode rank registered: (prefill request, its blocks) to push now, or None if it waits."""
         base = base_request_id(registration.request_id)
         with self._lock:
             request_id = registration.request_id
             if request_id not in self._entries:
                 request_id = self._by_base.get(base, "")
             entry = self._entries.get(request_id)
-            if entry is not None and entry.closing:
-                return GONE
-            if entry is None and base in self._gone:
-                return GONE
-            if entry is None or entry.blocks is None:  # not computed yet: the next claim or `finished` takes it
-                self._waiting.setdefault(base, []).append(registration)
-                return None
-            entry.running += 1
-            return request_id, entry.blocks
+            if entry is not None and entry.blocks is not None and not entry.closing:
+                entry.running += 1
+                return request_id, entry.blocks
+            # Not computed yet (the next claim or `finished` takes it), or freed: then it waits for a retry.
+            self._waiting.setdefault(base, []).append(registration)
+            if (entry is not None and entry.closing) or (entry is None and base in self._gone):
+                self._doubted[base] = max(self._doubted.get(base, 0.0), now + self.grace_s)
+            return None
 
     def ended(self, request_id: str) -> None:
         """One push of `request_id` ended (its transfers are quiet)."""
@@ -176,16 +190,23 @@ class PushBook:
                 if entry.closing and entry.running <= 0:
                     self._forget(request_id)
 
-    def release(self, request_id: str) -> bool:
-        """May `request_id`'s blocks be freed? Not while a push reads them (it then matches nothing more)."""
+    def release(self, request_id: str, now: float) -> bool:
+        """May `request_id`'s blocks be freed? Not while a push reads them (it then matches nothing more).
+
+        Freed (finished or aborted), its id is gone: registrations waiting for it are doubted.
+        """
         with self._lock:
             entry = self._entries.get(request_id)
-            if entry is None:
-                return True
-            if entry.running > 0:
+            if entry is not None and entry.running > 0:
                 entry.closing = True
                 return False
-            self._forget(request_id)
+            if entry is not None:
+                self._forget(request_id)
+            else:
+                self._mark_gone(base_request_id(request_id))
+            base = base_request_id(request_id)
+            if base in self._waiting:
+                self._doubted[base] = max(self._doubted.get(base, 0.0), now + self.grace_s)
             return True
 
     def _forget(self, request_id: str) -> None:
@@ -193,6 +214,9 @@ class PushBook:
         base = base_request_id(request_id)
         if self._by_base.get(base) == request_id:
             del self._by_base[base]
+        self._mark_gone(base)
+
+    def _mark_gone(self, base: str) -> None:
         self._gone[base] = None
         if len(self._gone) > GONE_REMEMBERED:
             del self._gone[next(iter(self._gone))]
@@ -202,18 +226,32 @@ class PushBook:
         with self._lock:
             return [r for r, entry in self._entries.items() if entry.closing]
 
-    def expire(self, wall_now: float) -> list[PushRegistration]:
-        """Drop (and return) waiting registrations whose `write_by` has passed."""
-        dropped = []
+    def expire(self, wall_now: float) -> Expired:
+        """Drop (and return) waiting registrations past their `write_by`, or doubted past their grace."""
+        expired = Expired([], [])
         with self._lock:
-            for key in list(self._waiting):
-                keep = [r for r in self._waiting[key] if r.write_by > wall_now]
-                dropped += [r for r in self._waiting[key] if r.write_by <= wall_now]
+            for base in list(self._waiting):
+                doubted = self._doubted.get(base, float("inf")) <= wall_now
+                keep = []
+                for registration in self._waiting[base]:
+                    if registration.write_by <= wall_now:
+                        expired.unclaimed.append(registration)
+                    elif doubted:
+                        expired.doubted.append(registration)
+                    else:
+                        keep.append(registration)
                 if keep:
-                    self._waiting[key] = keep
+                    self._waiting[base] = keep
                 else:
-                    del self._waiting[key]
-        return dropped
+                    del self._waiting[base]
+                if doubted or not keep:
+                    self._doubted.pop(base, None)
+        return expired
+
+    def next_doubt(self) -> float | None:
+        """When the earliest doubted registrations are due to be told (None: none are doubted)."""
+        with self._lock:
+            return min(self._doubted.values(), default=None)
 
     def waiting(self) -> int:
         with self._lock:

@@ -56,7 +56,6 @@ from nixl_async import (
 
 from .progressive import LayerCoverage, LayerReady, PrefillStep, ProgressiveFeed, RequestDone
 from .push_book import (
-    GONE,
     PUSH_TOPIC,
     PushBook,
     PushRegistration,
@@ -72,16 +71,12 @@ from .settings import UnsupportedSetting, connect_rank, rank_engine_id
 from .tp_mapping import expected_consumers, remote_ranks
 from .worker import LAYOUT, ConnectorWorker, KVGeometry, RecvJob, connect_job_rank
 
-__all__ = ["DecodeRestarted", "PushConnectorWorker", "PushFailed", "PushRefused", "push", "push_or_tell",
-           "push_progressively", "receive_pushed"]  # fmt: skip
+__all__ = ["DecodeRestarted", "PushConnectorWorker", "PushFailed", "push", "push_or_tell", "push_progressively",
+           "receive_pushed"]  # fmt: skip
 
 log = logging.getLogger(f"vllm.{__name__}")
 
 PUSH_ID = "push>"  # facade request ids of prefill's pushes: "push>{request}>{decode engine}"
-
-
-class PushRefused(LeaseExpired):
-    """Prefill no longer holds the request (freed before decode registered): nothing will be written."""
 
 
 class PushFailed(TransferFailed):
@@ -119,7 +114,9 @@ class PushConnectorWorker(ConnectorWorker):
         super().__init__(vllm_config, engine_id, kv_cache_config)
         # Decode heartbeats the id the proxy gave prefill, without the suffix vLLM appends here.
         self._sends = SendBook(base_id=base_request_id)
-        self._book = PushBook()
+        # A registration for a request freed here waits a lease for a retry under the same id.
+        self._book = PushBook(grace_s=self.settings.lease_s)
+        self._doubt_check: asyncio.TimerHandle | None = None  # (loop thread)
         # running push -> (its prefill request, decode ranks reading this rank); both threads, under the lock
         self._push_ids: dict[str, tuple[str, int]] = {}
         self._push_lock = threading.Lock()
@@ -226,19 +223,53 @@ class PushConnectorWorker(ConnectorWorker):
             self._results.put(result)
 
     def _abandon(self, request_id: str) -> None:
-        """Prefill will not finish `request_id` (aborted): end its progressive pushes, forget it."""
+        """Prefill will not finish `request_id` (aborted): end its progressive pushes, forget it.
+
+        Decode ranks registered for it are told once no retry under its id came (`PushBook`).
+        """
         for feed in self._feeds.pop(request_id, []):
             self.sync.cancel(feed.push_id)
-        self._book.release(request_id)
+        self._release(request_id)
 
     def _answer_registration(self, _sender: str, payload: bytes) -> bytes:
         registration = decode_registration(payload)  # a malformed one raises ValueError: refused
-        match = self._book.register(registration)
-        if match == GONE:
-            return GONE.encode()
-        if isinstance(match, tuple):
+        match = self._book.register(registration, time.time())
+        if match is not None:
             self._start_push(match[0], match[1], registration)
+        else:
+            self._arm_doubt_check()
         return b"ok"
+
+    def _arm_doubt_check(self) -> None:
+        """(Loop thread) Tell decode about doubted registrations once their grace ends, even if vLLM idles."""
+        when = self._book.next_doubt()
+        if when is None or (self._doubt_check is not None and self._doubt_check.when() <= when):
+            return
+        if self._doubt_check is not None:
+            self._doubt_check.cancel()
+        loop = asyncio.get_running_loop()
+        self._doubt_check = loop.call_at(loop.time() + max(0.0, when - time.time()) + 0.01, self._check_doubts)
+
+    def _check_doubts(self) -> None:
+        self._doubt_check = None
+        self._tell_expired()
+        self._arm_doubt_check()
+
+    def _tell_expired(self) -> None:
+        """Drop registrations past their write_by; tell the decode ranks of doubted ones their push failed."""
+        expired = self._book.expire(time.time())
+        for registration in expired.unclaimed:
+            log.warning("registration of %s by %s was never matched before its deadline", registration.request_id,
+                        registration.decode_engine_id)  # fmt: skip
+        for registration in expired.doubted:
+            if registration.write:  # (a rank that writes nothing only let us free the request)
+                log.info("request %s is no longer here and no retry of it came: telling %s", registration.request_id,
+                         registration.decode_engine_id)  # fmt: skip
+                self.sync.spawn(self._tell_failed, registration)
+
+    async def _tell_failed(self, engine: TransferEngine, registration: PushRegistration) -> None:
+        if self.geometry is not None:
+            await tell_push_failed(engine, self.geometry.tp_rank, registration)
 
     def _start_push(self, request_id: str, blocks: tuple[list[int], ...], registration: PushRegistration) -> None:
         push_id = self._claim_push_id(request_id, registration)
@@ -295,7 +326,10 @@ class PushConnectorWorker(ConnectorWorker):
         return finished
 
     def _release(self, request_id: str) -> bool:
-        return self._book.release(request_id)
+        released = self._book.release(request_id, time.time())
+        if self._book.next_doubt() is not None:
+            self.sync.call_soon(self._arm_doubt_check)
+        return released
 
     def _finished_sending(self) -> set[str]:
         for request_id in self._book.closing():  # lease ran out while a push reads the blocks: stop it
@@ -304,9 +338,7 @@ class PushConnectorWorker(ConnectorWorker):
             for push_id in running:
                 self._cancelled.add(push_id)
                 self.sync.cancel(push_id)
-        for registration in self._book.expire(time.time()):
-            log.warning("registration of %s by %s was never matched before its deadline", registration.request_id,
-                        registration.decode_engine_id)  # fmt: skip
+        self._tell_expired()
         return super()._finished_sending()
 
 
@@ -324,12 +356,12 @@ async def receive_pushed(
 ) -> None:
     """Decode: register `job`'s blocks with every prefill rank it needs and wait for their WRITEs.
 
-    `deadline` is this host's wall clock. Raises `PushRefused` when prefill freed the request
-    already, `LayoutError` for what push cannot place (before any registration is sent),
-    `NotificationTimeout` at `deadline` (never earlier once a registration was sent: a prefill
-    rank may write until ``deadline - margin_s``), and `PushFailed` once every writing rank
-    answered and one said its push failed with none of its WRITEs left (after `WRITE_MARGIN_S`
-    more: bytes a stopped WRITE had sent may still be landing).
+    `deadline` is this host's wall clock. Raises `LayoutError` for what push cannot place
+    (before any registration is sent), `NotificationTimeout` at `deadline` (never earlier once a
+    registration was sent: a prefill rank may write until ``deadline - margin_s``), and
+    `PushFailed` once every writing rank answered and one said its push failed with none of its
+    WRITEs left, or that it no longer holds the request and no retry of it came (after
+    `WRITE_MARGIN_S` more: bytes a stopped WRITE had sent may still be landing).
     """
     write_by = deadline - margin_s
     ranks = remote_ranks(local_tp=geometry.tp_size, local_rank=geometry.tp_rank, remote_tp=job.remote_tp)
@@ -350,13 +382,9 @@ async def receive_pushed(
              for rank, registration in registrations if registration.write]  # fmt: skip
     maybe_writing = False  # some prefill rank may have taken a registration to write
     try:
-        for i, ((_rank, registration), peer) in enumerate(zip(registrations, peers, strict=True)):
+        for (_rank, registration), peer in zip(registrations, peers, strict=True):
             maybe_writing |= registration.write  # even if the reply is lost, the registration may have arrived
-            reply = await engine.call(peer, PUSH_TOPIC, encode_registration(registration))
-            if reply == GONE.encode():
-                maybe_writing = any(r.write for _, r in registrations[:i])
-                raise PushRefused(f"prefill {peer.engine_id} no longer holds request {job.remote_request_id}",
-                                  peer=peer.engine_id)  # fmt: skip
+            await engine.call(peer, PUSH_TOPIC, encode_registration(registration))
         outcomes = await asyncio.gather(*waits, return_exceptions=True)
         errors = [o for o in outcomes if isinstance(o, BaseException)]
         if errors and all(isinstance(e, PushFailed) for e in errors):
@@ -411,14 +439,18 @@ async def push_or_tell(
         return await push(engine, geometry, blocks, reg)
     except BaseException as exc:
         if not isinstance(exc, TransferFenced | DecodeRestarted):  # (fenced: NIXL may still write into its blocks)
-            try:
-                peer = await connect_decode(engine, reg)
-                await engine.notify(peer, push_failure_notification(reg.decode_request_id, geometry.tp_rank,
-                                                                     reg.write_by))  # fmt: skip
-            except Exception as again:  # decode waits until write_by, as it would have
-                log.info("could not tell %s that the push of %s failed: %s", reg.decode_engine_id, reg.request_id,
-                         again)  # fmt: skip
+            await tell_push_failed(engine, geometry.tp_rank, reg)
         raise
+
+
+async def tell_push_failed(engine: TransferEngine, rank: int, reg: PushRegistration) -> None:
+    """Tell the decode rank of `reg` that prefill rank `rank` writes nothing more for it (best effort:
+    failing that, decode waits until its deadline, as it would have)."""
+    try:
+        peer = await connect_decode(engine, reg)
+        await engine.notify(peer, push_failure_notification(reg.decode_request_id, rank, reg.write_by))
+    except Exception as exc:
+        log.info("could not tell %s that no push of %s comes: %s", reg.decode_engine_id, reg.request_id, exc)
 
 
 async def push(

@@ -12,7 +12,6 @@ if os.environ.get("NIXL_ASYNC_REQUIRE_VLLM") != "1":
 
 from nixl_async import ViewSpec
 from nixl_async_vllm.push_book import (
-    GONE,
     PushBook,
     PushGroup,
     PushRegistration,
@@ -22,6 +21,7 @@ from nixl_async_vllm.push_book import (
 )
 
 BLOCKS = ([3, 4, 5],)
+NOW = 50.0  # wall clock; registrations' write_by is 100 by default
 
 
 def _reg(request_id: str, decode: str = "d/tp0", write_by: float = 100.0) -> PushRegistration:
@@ -45,7 +45,7 @@ def test_suffix_stripping_matches_vllm_ids_only():
 
 def test_a_registration_before_the_request_finishes_waits_for_it():
     book = PushBook()
-    assert book.register(_reg("cmpl-a-0")) is None
+    assert book.register(_reg("cmpl-a-0"), NOW) is None
     assert book.waiting() == 1
     matched = book.finished("cmpl-a-0-0badf00d", BLOCKS)  # prefill's id carries vLLM's suffix
     assert [r.request_id for r in matched] == ["cmpl-a-0"] and book.waiting() == 0
@@ -54,37 +54,62 @@ def test_a_registration_before_the_request_finishes_waits_for_it():
 def test_a_registration_after_the_request_finished_is_pushed_at_once():
     book = PushBook()
     assert book.finished("cmpl-a-0-0badf00d", BLOCKS) == []
-    assert book.register(_reg("cmpl-a-0")) == ("cmpl-a-0-0badf00d", BLOCKS)
-    assert book.register(_reg("cmpl-b-0")) is None, "another request does not match"
+    assert book.register(_reg("cmpl-a-0"), NOW) == ("cmpl-a-0-0badf00d", BLOCKS)
+    assert book.register(_reg("cmpl-b-0"), NOW) is None, "another request does not match"
 
 
 def test_blocks_are_not_released_while_a_push_reads_them():
-    book = PushBook()
+    book = PushBook(grace_s=5.0)
     book.finished("r-0badf00d", BLOCKS)
-    assert book.register(_reg("r", "d/tp0")) is not None
-    assert book.register(_reg("r", "d/tp1")) is not None  # two decode ranks read this prefill rank
-    assert not book.release("r-0badf00d"), "two pushes run"
+    assert book.register(_reg("r", "d/tp0"), NOW) is not None
+    assert book.register(_reg("r", "d/tp1"), NOW) is not None  # two decode ranks read this prefill rank
+    assert not book.release("r-0badf00d", NOW), "two pushes run"
     assert book.closing() == ["r-0badf00d"]
-    assert book.register(_reg("r", "d/tp2")) == GONE, "a request being freed takes no new registration"
+    assert book.register(_reg("r", "d/tp2"), NOW) is None, "a request being freed takes no new registration"
     book.ended("r-0badf00d")
-    assert not book.release("r-0badf00d"), "one push still runs"
+    assert not book.release("r-0badf00d", NOW), "one push still runs"
     book.ended("r-0badf00d")
-    assert book.release("r-0badf00d") and book.closing() == []
+    assert book.release("r-0badf00d", NOW) and book.closing() == []
+    assert book.expire(NOW + 5.0).doubted == [_reg("r", "d/tp2")], "told once no retry came"
 
 
-def test_a_registration_for_a_released_request_is_told_it_is_gone():
-    book = PushBook()
+def test_a_registration_for_a_released_request_is_doubted_then_told():
+    """Before, it was answered "gone" at once, and so was a retry under the same id (vLLM's serves it)."""
+    book = PushBook(grace_s=5.0)
     book.finished("r-0badf00d", BLOCKS)
-    assert book.release("r-0badf00d")  # lease ran out, no decode came
-    assert book.register(_reg("r")) == GONE
-    assert book.waiting() == 0
+    assert book.release("r-0badf00d", NOW)  # lease ran out, no decode came
+    assert book.register(_reg("r"), NOW) is None and book.waiting() == 1
+    assert book.next_doubt() == NOW + 5.0
+    assert book.expire(NOW + 4.9) == ([], []), "waits for a retry"
+    assert book.expire(NOW + 5.0) == ([], [_reg("r")])
+    assert book.waiting() == 0 and book.next_doubt() is None
+
+
+def test_a_retry_under_a_freed_request_s_id_gets_its_registration():
+    book = PushBook(grace_s=5.0)
+    book.finished("r-0badf00d", BLOCKS)
+    assert book.release("r-0badf00d", NOW)
+    assert book.register(_reg("r"), NOW) is None  # decode's leg of the retry came first
+    assert book.finished("r-0feedbee", BLOCKS) == [_reg("r")], "the retry, computed, takes it"
+    assert book.next_doubt() is None and book.expire(NOW + 10.0) == ([], [])
+    assert book.register(_reg("r", "d/tp1"), NOW) == ("r-0feedbee", BLOCKS), "and the retry is not gone"
+
+
+def test_registrations_for_a_request_aborted_before_it_finished_are_told():
+    """Prefill dropped the request (client gone): before, its decode waited out its whole deadline."""
+    book = PushBook(grace_s=5.0)
+    assert book.register(_reg("r"), NOW) is None
+    assert book.release("r-0badf00d", NOW + 1.0), "aborted: nothing was computed, nothing runs"
+    assert book.next_doubt() == NOW + 6.0
+    assert book.expire(NOW + 6.0).doubted == [_reg("r")]
+    assert book.register(_reg("r", "d/tp1"), NOW + 7.0) is None and book.next_doubt() == NOW + 12.0
 
 
 def test_unclaimed_registrations_expire_at_their_write_by():
     book = PushBook()
-    book.register(_reg("early", write_by=10.0))
-    book.register(_reg("late", write_by=20.0))
-    assert [r.request_id for r in book.expire(15.0)] == ["early"]
+    book.register(_reg("early", write_by=10.0), 0.0)
+    book.register(_reg("late", write_by=20.0), 0.0)
+    assert [r.request_id for r in book.expire(15.0).unclaimed] == ["early"]
     assert book.finished("early", BLOCKS) == [], "an expired registration is never pushed"
     assert [r.request_id for r in book.finished("late", BLOCKS)] == ["late"]
 
@@ -92,23 +117,24 @@ def test_unclaimed_registrations_expire_at_their_write_by():
 def test_a_request_still_computing_is_claimed_by_registrations_already_there():
     """Progressive push: registrations present while prefill computes are pushed layer by layer."""
     book = PushBook()
-    assert book.register(_reg("r", "d/tp0")) is None
+    assert book.register(_reg("r", "d/tp0"), NOW) is None
     assert [x.decode_engine_id for x in book.claim("r-0badf00d")] == ["d/tp0"]
-    assert book.register(_reg("r", "d/tp1")) is None, "not computed yet: waits for the next claim or the end"
+    assert book.register(_reg("r", "d/tp1"), NOW) is None, "not computed yet: waits for the next claim or the end"
     assert book.claim("r-0badf00d") and book.claim("r-0badf00d") == []
-    assert book.register(_reg("r", "d/tp2")) is None
+    assert book.register(_reg("r", "d/tp2"), NOW) is None
     assert [x.decode_engine_id for x in book.finished("r-0badf00d", BLOCKS)] == ["d/tp2"]
-    assert book.register(_reg("r", "d/tp3")) == ("r-0badf00d", BLOCKS), "computed: pushed whole at once"
-    assert not book.release("r-0badf00d"), "four pushes run"
+    assert book.register(_reg("r", "d/tp3"), NOW) == ("r-0badf00d", BLOCKS), "computed: pushed whole at once"
+    assert not book.release("r-0badf00d", NOW), "four pushes run"
     for _ in range(4):
         book.ended("r-0badf00d")
-    assert book.closing() == [] and book.register(_reg("r", "d/tp4")) == GONE, "forgotten once the last push ended"
+    assert book.closing() == [] and book.register(_reg("r", "d/tp4"), NOW) is None, "forgotten once the last push ended"
+    assert book.next_doubt() is not None
 
 
 def test_an_abandoned_request_takes_no_registration_and_is_forgotten_after_its_pushes():
     book = PushBook()
-    book.register(_reg("r"))
-    assert book.claim("r") and not book.release("r"), "prefill aborted it while its layers were pushed"
-    assert book.register(_reg("r", "d/tp1")) == GONE and book.claim("r") == []
+    book.register(_reg("r"), NOW)
+    assert book.claim("r") and not book.release("r", NOW), "prefill aborted it while its layers were pushed"
+    assert book.register(_reg("r", "d/tp1"), NOW) is None and book.claim("r") == []
     book.ended("r")
-    assert book.closing() == [] and book.release("r")
+    assert book.closing() == [] and book.release("r", NOW)
