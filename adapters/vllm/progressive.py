@@ -169,3 +169,17 @@ class ProgressiveFeed:
         """Loop thread: queue `item` for the push, unless it is over."""
         if not self.over:
             self.queue.put_nowait(item)
+
+    def hand_over(self, step: PrefillStep, block_size: int) -> LayerReady | None:
+        """Model thread: what this step hands the push (its region set per layer), or None.
+
+        The blocks completed since the last step; and a resumed step always hands something,
+        if only an empty range, since its flag must break the coverage: a step that recomputes
+        only blocks already handed over would otherwise let a preemption go unseen.
+        """
+        done = step.done_blocks(block_size)
+        if done <= self.next_block and not step.resumed:
+            return None
+        item = LayerReady(-1, self.next_block, max(done, self.next_block), step.blocks[0], step.resumed)
+        self.next_block = item.hi
+        return item

@@ -185,11 +185,9 @@ class PushConnectorWorker(ConnectorWorker):
         for request_id, step in steps.items():
             for registration in self._book.claim(request_id):
                 self._start_progressive(request_id, step, registration)
-            done = step.done_blocks(self.block_size)
             for feed in self._feeds.get(request_id, []):
-                if done > feed.next_block:
-                    jobs.append((feed, LayerReady(-1, feed.next_block, done, step.blocks[0], step.resumed)))
-                    feed.next_block = done
+                if (item := feed.hand_over(step, self.block_size)) is not None:
+                    jobs.append((feed, item))
         return jobs
 
     def save_kv_layer(self, layer_name: str, metadata: Any) -> None:

@@ -10,6 +10,7 @@ nothing lands after decode's `write_by`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import numpy as np
@@ -24,7 +25,7 @@ from nixl_async.testing import (
     fill_pattern,
     transfers_settled,
 )
-from nixl_async_vllm.progressive import LayerReady, ProgressiveFeed, RequestDone
+from nixl_async_vllm.progressive import LayerCoverage, LayerReady, PrefillStep, ProgressiveFeed, RequestDone
 from nixl_async_vllm.push_book import PushGroup, PushRegistration, push_notification
 from nixl_async_vllm.push_worker import push_progressively
 from nixl_async_vllm.worker import KVGeometry
@@ -135,3 +136,24 @@ async def test_nothing_lands_and_nothing_commits_after_write_by(prefill, decode)
     feed.give(RequestDone((PREFILL_BLOCKS,)))  # too late: the push is over
     assert await _not_committed(decode, 1.0)
     assert await decode.request(Checksums(blocks=list(range(BLOCKS)))) == ended, "bytes landed after write_by"
+
+
+def test_a_resumed_step_that_hands_over_no_new_block_still_breaks_the_coverage():
+    """Preempted after blocks 0-3 went, resumed, and recomputing only blocks already handed over: before,
+    that step handed nothing, its `resumed` flag was lost, and the push committed layers that WRITEs in
+    flight at the preemption may have read from blocks another request reused."""
+    feed = ProgressiveFeed("push>r>d", prompt_blocks=6)
+    blocks = ([10, 11, 12, 13, 14, 15],)
+    first = feed.hand_over(PrefillStep(blocks, 0, 64, 96), block_size=16)
+    assert first == LayerReady(-1, 0, 4, blocks[0], False)
+    assert feed.hand_over(PrefillStep(blocks, 64, 64, 96), block_size=16) is None, "no new block: nothing"
+    resumed = feed.hand_over(PrefillStep(blocks, 16, 48, 96, resumed=True), block_size=16)
+    assert resumed is not None and resumed.resumed and resumed.lo == resumed.hi == 4
+    last = feed.hand_over(PrefillStep(blocks, 48, 96, 96), block_size=16)
+    assert last == LayerReady(-1, 4, 6, blocks[0], False)
+    coverage = LayerCoverage(regions=1)
+    for item in (first, resumed, last):
+        item = dataclasses.replace(item, region=0)
+        if coverage.accepts(item):
+            coverage.wrote(item)
+    assert not coverage.whole(blocks[0]), "a preemption in between: the whole request is written again"
