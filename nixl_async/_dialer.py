@@ -34,7 +34,7 @@ from .exceptions import (
 from .handshake import fetch_metadata
 from .stats import EngineStats
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("nixl_async.engine")
 
 
 def segment_mismatch(reader_receives: int, server_sends: int) -> str:
@@ -87,11 +87,16 @@ class Dialer:
         """The segment our handshakes state: ours, or UCX's default without a UCX backend (never checked then)."""
         return UCX_TCP_DEFAULT_SEGMENT if self._tcp_segment is None else self._tcp_segment
 
-    async def close(self) -> None:
-        """Stop following etcd and connecting; our record leaves etcd (its lease revoked)."""
+    def stop(self) -> None:
+        """The engine is closing: start no follower, and stop the one running (before the server closes)."""
         self._closing = True
         if self._follower is not None:
             self._follower.cancel()
+
+    async def close(self) -> None:
+        """Stop following etcd and connecting; our record leaves etcd (its lease revoked)."""
+        self.stop()
+        if self._follower is not None:
             await asyncio.gather(self._follower, return_exceptions=True)
         connecting = list(self._connecting.values())
         for task in connecting:

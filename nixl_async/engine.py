@@ -190,6 +190,7 @@ class TransferEngine:
             return
         if self._closer is None:
             self._closing = True
+            self._dialer.stop()  # no follower adopts peers, none starts, from here on
             self._admission.close()  # waiters wake and fail with EngineClosedError
             self._notifications.close(EngineClosedError("the engine was closed"))
             self._driver.end_all(lambda t: TransferCancelled("the engine was closed", transfer_id=t.id, peer=t.peer))
