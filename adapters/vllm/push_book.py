@@ -19,7 +19,9 @@ sends the plan's views; prefill only adds its own block ids, so one planner serv
 
 from __future__ import annotations
 
+import math
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -138,6 +140,7 @@ class PushBook:
     _waiting: dict[str, list[PushRegistration]] = field(default_factory=dict)  # by base id
     _gone: dict[str, None] = field(default_factory=dict)  # base ids of released requests, oldest first
     _doubted: dict[str, float] = field(default_factory=dict)  # gone base id -> when its registrations are told
+    _superseded: list[PushRegistration] = field(default_factory=list)  # to tell at once (see `register`)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def _take_waiting(self, request_id: str, blocks: tuple[list[int], ...] | None) -> list[PushRegistration]:
@@ -164,10 +167,28 @@ class PushBook:
         with self._lock:
             return self._take_waiting(request_id, blocks)
 
+    def computing(self, request_ids: Iterable[str]) -> None:
+        """Prefill computes these requests now: a freed one's id in use again is a retry's, not gone."""
+        with self._lock:
+            for request_id in request_ids:
+                base = base_request_id(request_id)
+                self._gone.pop(base, None)
+                self._doubted.pop(base, None)
+
     def register(self, registration: PushRegistration, now: float) -> tuple[str, tuple[list[int], ...]] | None:
-        """A decode rank registered: (prefill request, its blocks) to push now, or None if it waits."""
+        """A decode rank registered: (prefill request, its blocks) to push now, or None if it waits.
+
+        A registration waiting from the same decode rank for another of its requests under this id
+        (an earlier attempt) is superseded: its decode is told, the newer one waits in its place.
+        """
         base = base_request_id(registration.request_id)
         with self._lock:
+            waiting = self._waiting.get(base, [])
+            older = [r for r in waiting if r.decode_engine_id == registration.decode_engine_id
+                     and r.decode_request_id != registration.decode_request_id]  # fmt: skip
+            if older:
+                self._superseded += older
+                waiting[:] = [r for r in waiting if r not in older]
             request_id = registration.request_id
             if request_id not in self._entries:
                 request_id = self._by_base.get(base, "")
@@ -178,8 +199,12 @@ class PushBook:
             # Not computed yet (the next claim or `finished` takes it), or freed: then it waits for a retry.
             self._waiting.setdefault(base, []).append(registration)
             if (entry is not None and entry.closing) or (entry is None and base in self._gone):
-                self._doubted[base] = max(self._doubted.get(base, 0.0), now + self.grace_s)
+                self._doubt(base, now)
             return None
+
+    def _doubt(self, base: str, now: float) -> None:
+        if base in self._waiting:
+            self._doubted[base] = max(self._doubted.get(base, 0.0), now + self.grace_s)
 
     def ended(self, request_id: str) -> None:
         """One push of `request_id` ended (its transfers are quiet)."""
@@ -195,18 +220,17 @@ class PushBook:
 
         Freed (finished or aborted), its id is gone: registrations waiting for it are doubted.
         """
+        base = base_request_id(request_id)
         with self._lock:
             entry = self._entries.get(request_id)
+            self._doubt(base, now)  # (those that came after a progressive push claimed it, too)
             if entry is not None and entry.running > 0:
                 entry.closing = True
                 return False
             if entry is not None:
                 self._forget(request_id)
             else:
-                self._mark_gone(base_request_id(request_id))
-            base = base_request_id(request_id)
-            if base in self._waiting:
-                self._doubted[base] = max(self._doubted.get(base, 0.0), now + self.grace_s)
+                self._mark_gone(base)
             return True
 
     def _forget(self, request_id: str) -> None:
@@ -230,6 +254,8 @@ class PushBook:
         """Drop (and return) waiting registrations past their `write_by`, or doubted past their grace."""
         expired = Expired([], [])
         with self._lock:
+            expired.doubted.extend(self._superseded)
+            self._superseded.clear()
             for base in list(self._waiting):
                 doubted = self._doubted.get(base, float("inf")) <= wall_now
                 keep = []
@@ -251,6 +277,8 @@ class PushBook:
     def next_doubt(self) -> float | None:
         """When the earliest doubted registrations are due to be told (None: none are doubted)."""
         with self._lock:
+            if self._superseded:
+                return -math.inf
             return min(self._doubted.values(), default=None)
 
     def waiting(self) -> int:

@@ -116,7 +116,7 @@ class PushConnectorWorker(ConnectorWorker):
         self._sends = SendBook(base_id=base_request_id)
         # A registration for a request freed here waits a lease for a retry under the same id.
         self._book = PushBook(grace_s=self.settings.lease_s)
-        self._doubt_check: asyncio.TimerHandle | None = None  # (loop thread)
+        self._doubt_check: tuple[asyncio.TimerHandle, float] | None = None  # (loop thread) timer, its wall time
         # running push -> (its prefill request, decode ranks reading this rank); both threads, under the lock
         self._push_ids: dict[str, tuple[str, int]] = {}
         self._push_lock = threading.Lock()
@@ -170,6 +170,7 @@ class PushConnectorWorker(ConnectorWorker):
         super().start_load_kv(metadata)
         if metadata is None:
             return
+        self._book.computing(metadata.reqs_in_batch)  # (a retry under a freed request's id is not doubted)
         for request_id in metadata.reqs_not_processed:  # prefill dropped it: stop pushing its layers
             self._abandon(request_id)
         for request_id, blocks in getattr(metadata, "push_finished_blocks", {}).items():
@@ -241,12 +242,12 @@ class PushConnectorWorker(ConnectorWorker):
     def _arm_doubt_check(self) -> None:
         """(Loop thread) Tell decode about doubted registrations once their grace ends, even if vLLM idles."""
         when = self._book.next_doubt()
-        if when is None or (self._doubt_check is not None and self._doubt_check.when() <= when):
+        if when is None or (self._doubt_check is not None and self._doubt_check[1] <= when):
             return
         if self._doubt_check is not None:
-            self._doubt_check.cancel()
-        loop = asyncio.get_running_loop()
-        self._doubt_check = loop.call_at(loop.time() + max(0.0, when - time.time()) + 0.01, self._check_doubts)
+            self._doubt_check[0].cancel()
+        delay = max(0.0, when - time.time()) + 0.01
+        self._doubt_check = asyncio.get_running_loop().call_later(delay, self._check_doubts), when
 
     def _check_doubts(self) -> None:
         self._doubt_check = None
@@ -279,7 +280,8 @@ class PushConnectorWorker(ConnectorWorker):
         if not registration.write:  # decode reads nothing from this rank: it only lets it free
             self._served(request_id, self._readers(registration))
             return None
-        push_id = f"{PUSH_ID}{request_id}>{registration.decode_engine_id}"
+        # (per decode request: two attempts under one id from the same decode rank are two pushes)
+        push_id = f"{PUSH_ID}{request_id}>{registration.decode_engine_id}>{registration.decode_request_id}"
         with self._push_lock:
             repeat = push_id in self._push_ids
             if not repeat:
@@ -341,6 +343,7 @@ class PushConnectorWorker(ConnectorWorker):
 
 
 WRITE_MARGIN_S = 2.0  # decode waits this long past `write_by` (plus the engine's release grace)
+_GONE_BEFORE = b"gone"  # what a prefill of an earlier version answered for a request it had freed
 
 
 async def receive_pushed(
@@ -380,9 +383,12 @@ async def receive_pushed(
              for rank, registration in registrations if registration.write]  # fmt: skip
     maybe_writing = False  # some prefill rank may have taken a registration to write
     try:
-        for (_rank, registration), peer in zip(registrations, peers, strict=True):
+        for i, ((_rank, registration), peer) in enumerate(zip(registrations, peers, strict=True)):
             maybe_writing |= registration.write  # even if the reply is lost, the registration may have arrived
-            await engine.call(peer, PUSH_TOPIC, encode_registration(registration))
+            if await engine.call(peer, PUSH_TOPIC, encode_registration(registration)) == _GONE_BEFORE:
+                maybe_writing = any(r.write for _, r in registrations[:i])
+                raise PushFailed(f"prefill {peer.engine_id} no longer holds request {job.remote_request_id}",
+                                 peer=peer.engine_id)  # fmt: skip
         outcomes = await asyncio.gather(*waits, return_exceptions=True)
         errors = [o for o in outcomes if isinstance(o, BaseException)]
         if errors and all(isinstance(e, PushFailed) for e in errors):

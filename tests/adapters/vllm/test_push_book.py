@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import msgspec
@@ -138,3 +139,44 @@ def test_an_abandoned_request_takes_no_registration_and_is_forgotten_after_its_p
     assert book.register(_reg("r", "d/tp1"), NOW) is None and book.claim("r") == []
     book.ended("r")
     assert book.closing() == [] and book.release("r", NOW)
+
+
+def _attempt(request_id: str, decode_request_id: str, decode: str = "d/tp0") -> PushRegistration:
+    return msgspec.structs.replace(_reg(request_id, decode), decode_request_id=decode_request_id)
+
+
+def test_a_retry_s_registration_supersedes_its_earlier_attempt_s_from_the_same_decode_rank():
+    """Both attempts' registrations waited under one id: the push went to the first (attempt 1's decode,
+    the push id being per rank) and the retry's decode waited out its watchdog. Now attempt 1's is told."""
+    book = PushBook(grace_s=5.0)
+    assert book.register(_attempt("r", "r-try1"), NOW) is None
+    assert book.release("r-0badf00d", NOW), "prefill aborted attempt 1"
+    assert book.register(_attempt("r", "r-try2"), NOW + 1.0) is None
+    assert book.register(_attempt("r", "r-other", "d/tp1"), NOW + 1.0) is None, "another rank's stays"
+    assert book.next_doubt() == -math.inf, "attempt 1's decode is told at once"
+    assert book.expire(NOW + 1.0).doubted == [_attempt("r", "r-try1")]
+    taken = book.finished("r-0feedbee", BLOCKS)
+    assert sorted(r.decode_request_id for r in taken) == ["r-other", "r-try2"]
+
+
+def test_a_retry_prefill_computes_is_not_doubted():
+    """The retry's decode registered first and the earlier attempt's id was gone: its registration must
+    wait for the retry's prefill, however long it computes, instead of being told after the grace."""
+    book = PushBook(grace_s=5.0)
+    book.finished("r-0badf00d", BLOCKS)
+    assert book.release("r-0badf00d", NOW)
+    assert book.register(_reg("r"), NOW) is None and book.next_doubt() == NOW + 5.0
+    book.computing({"r-0feedbee"})  # vLLM's step: the retry is in prefill's batch
+    assert book.next_doubt() is None and book.expire(NOW + 40.0) == ([], []), "long after the grace"
+    assert book.finished("r-0feedbee", BLOCKS) == [_reg("r")]
+
+
+def test_a_registration_waiting_while_a_progressive_push_runs_is_told_when_prefill_aborts():
+    """A claim took rank 0's registration; rank 1's came later and waited. Prefill aborted the request:
+    rank 1's was kept until its write_by, and its decode waited out the watchdog."""
+    book = PushBook(grace_s=5.0)
+    assert book.register(_reg("r", "d/tp0"), NOW) is None
+    assert book.claim("r-0badf00d") == [_reg("r", "d/tp0")]
+    assert book.register(_reg("r", "d/tp1"), NOW) is None
+    assert not book.release("r-0badf00d", NOW), "rank 0's push still runs"
+    assert book.expire(NOW + 5.0).doubted == [_reg("r", "d/tp1")]

@@ -360,6 +360,23 @@ async def test_receive_pushed_registers_and_returns_once_every_cut_block_landed(
         _check_bytes(case, d, [c.view(torch.uint8).numpy().reshape(DECODE_BLOCKS, -1) for c in mine])
 
 
+async def test_decode_fails_at_once_when_a_prefill_of_the_earlier_protocol_answers_gone():
+    """Prefill no longer answers "gone" (it waits a lease for a retry, then tells); one not upgraded yet
+    still does, and a decode that ignored that answer would wait out its whole deadline."""
+    case = Case(1, 1, 1, blocks=2)
+    async with _prefill(case) as prefill, TransferEngine(EngineConfig(engine_id="push-decode-gone")) as decode:
+        prefill.engines[0].handle_calls(PUSH_TOPIC, lambda _sender, _payload: b"gone")
+        decode.register("kv", [torch.zeros(case.shape(1, case.decode_block_size, DECODE_BLOCKS), dtype=torch.bfloat16)
+                               for _ in range(LAYERS)], num_blocks=DECODE_BLOCKS)  # fmt: skip
+        address = await decode.serve("127.0.0.1", 0)
+        job = _job(case, prefill.name, prefill.port, "req-gone")
+        started = time.monotonic()
+        with pytest.raises(PushFailed, match="no longer holds"):
+            await receive_pushed(decode, _geometry(case, 1, 0, case.decode_block_size), job, address,
+                                 deadline=time.time() + 20, margin_s=2.0)  # fmt: skip
+        assert time.monotonic() - started < 5
+
+
 # -- the notification comes once, after every part's data (UCX over TCP: data in flight) ---------
 BIG = Case(1, 1, 4, blocks=62, head_dim=128, block_size=64, decode_cache_blocks=64)  # 16 MiB in 8 WRITEs
 
