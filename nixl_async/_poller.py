@@ -8,7 +8,11 @@ Why this shape (measured on 2-core CPU machines, see docs in README "Design"):
   iteration, yielding in between (``sleep(0)``). Completion is then seen tens of microseconds
   after it happens. Sub-ms sleeps cannot do this: asyncio's timers round up to ~1.1 ms.
 - While transfers are in flight but none is expected to end yet (from the rate recent
-  transfers moved at), we check every ~1 ms instead of spinning. Over UCX/TCP a spin was paid
+  transfers moved at), we check every ~1 ms instead of spinning. A "1 ms" sleep between checks
+  of a TCP read lasts 2-3 ms in fact (asyncio rounds timers up, and each check receives what
+  arrived meanwhile), so the poller goes hot once a transfer may end within the interval it
+  measured between such checks, not within the nominal one: else most reads ended during the
+  last sleep and were seen ~1 ms late. Over UCX/TCP a spin was paid
   twice: a core's worth of CPU (and GIL) for every in-flight second, and, on 2 cores, half the
   throughput, since the spinning thread took the CPU the kernel and the peer needed to move
   the bytes (192 MiB read: 0.7 GB/s spinning, 1.2-1.5 GB/s checking every ms, 5x less CPU).
@@ -37,13 +41,17 @@ class AdaptivePacer:
     the engine can cut the sleep short).
     """
 
-    __slots__ = ("_backoff", "_brisk_until", "_config", "_last_activity")
+    __slots__ = ("_backoff", "_brisk_until", "_config", "_last_activity", "_slept_at", "busy_gap_s")
+
+    GAP_WEIGHT = 0.5  # of each new measurement in `busy_gap_s`
 
     def __init__(self, config: PollConfig) -> None:
         self._config = config
         self._last_activity = float("-inf")
         self._brisk_until = float("-inf")
         self._backoff = config.backoff_start_s
+        self._slept_at: float | None = None  # when the last busy check chose to sleep
+        self.busy_gap_s = config.busy_interval_s  # what such a sleep lasts until the next check, as measured
 
     def activity(self, now: float) -> None:
         """Our own transfers moved (a post, a completion): poll hot again."""
@@ -58,8 +66,15 @@ class AdaptivePacer:
         """`hot_in`: seconds until a transfer in flight may end or wants a post (<= 0: now)."""
         cfg = self._config
         if busy:
-            hot = hot_in < cfg.busy_interval_s and cfg.spin
-            return cfg.busy_interval_s if cfg.busy_interval_s > 0 and not hot else 0.0
+            last = cfg.busy_interval_s
+            if self._slept_at is not None:
+                last = min(now - self._slept_at, 10 * cfg.busy_interval_s)
+                self.busy_gap_s += self.GAP_WEIGHT * (last - self.busy_gap_s)
+            hot = hot_in < max(cfg.busy_interval_s, self.busy_gap_s, last) and cfg.spin
+            sleep = cfg.busy_interval_s > 0 and not hot
+            self._slept_at = now if sleep else None
+            return cfg.busy_interval_s if sleep else 0.0
+        self._slept_at = None
         if now - self._last_activity < cfg.linger_s:
             return 0.0
         delay = self._backoff

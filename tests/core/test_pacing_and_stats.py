@@ -39,6 +39,23 @@ def test_in_flight_it_checks_every_busy_interval_until_a_transfer_may_end():
     assert spinning.delay(10.5, busy=True, waiting=False, hot_in=0.030) == 0.0
 
 
+def test_a_transfer_due_within_the_interval_its_sleeps_really_last_is_checked_hot():
+    """A "1 ms" sleep between checks of a TCP read lasted 2-3 ms (the timer rounds up, the next check receives
+    what came meanwhile): a read due in 1.5 ms was slept on and, ending during that sleep, seen late."""
+    pacer = AdaptivePacer(PollConfig(busy_interval_s=0.001))
+    assert pacer.delay(1.0, busy=True, waiting=False, hot_in=0.030) == 0.001
+    assert pacer.delay(1.0025, busy=True, waiting=False, hot_in=0.030) == 0.001  # that sleep lasted 2.5 ms
+    assert pacer.delay(1.0050, busy=True, waiting=False, hot_in=0.0015) == 0.0, "due before the next check"
+    assert pacer.delay(1.0051, busy=True, waiting=False, hot_in=0.0015) == 0.0
+    fresh = AdaptivePacer(PollConfig(busy_interval_s=0.001))  # never slept: the nominal interval
+    assert fresh.delay(1.0, busy=True, waiting=False, hot_in=0.0015) == 0.001
+    assert fresh.delay(1.0011, busy=True, waiting=False, hot_in=0.0) == 0.0
+    idle = AdaptivePacer(PollConfig(busy_interval_s=0.001))
+    idle.delay(1.0, busy=True, waiting=False, hot_in=0.030)
+    idle.delay(2.0, busy=False, waiting=False)  # an idle spell is no check interval
+    assert idle.delay(3.0, busy=True, waiting=False, hot_in=0.0015) == 0.001
+
+
 def test_wire_rate_drops_at_once_and_rises_halfway():
     rate = WireRate(initial=10e9)
     rate.observe(1 << 20, 0.0002)  # too short to say anything about a rate

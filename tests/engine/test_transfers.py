@@ -487,7 +487,8 @@ async def test_a_read_in_flight_over_tcp_is_checked_every_interval_not_spun_on(n
         await poll_once(running_loop)
 
     nixl_engine._sleep, nixl_engine._poll_once = traced_sleep, traced_poll
-    hot_from = loop.time() + 0.8 * (64 << 20) / peer.link.wire.bytes_per_s - 0.002  # see WireRate.spin_from
+    # see WireRate.spin_from; the poller goes hot up to the interval its sleeps really last before (at most 10 ms)
+    hot_from = loop.time() + 0.8 * (64 << 20) / peer.link.wire.bytes_per_s - 0.010
     result = await nixl_engine.read(peer, range(64), range(64))
     early = [after_sleep for when, after_sleep in polls if when < hot_from]
     # The previous poller spun for the whole read: hundreds of checks, none after a sleep. Now every check
