@@ -262,7 +262,8 @@ def run(quick: bool = False) -> Result:
         runs.setdefault((spec.name, transport, setup), []).append(summarize(loads))
     _progress(len(plan), len(plan), "done")
 
-    metrics: dict[str, float] = {}
+    # What the goals need to judge the figures (3 alternating runs per set-up, 100 requests per point).
+    metrics: dict[str, float] = {"runs_per_setup": order.count("nixl_async"), "requests_per_point": n}
     notes: list[str] = []
     rows: list[list[Any]] = []
     for (model, transport, setup), measured in runs.items():

@@ -33,6 +33,18 @@ def test_a_pattern_judges_every_size_it_matches_in_both_directions():
     }
 
 
+def test_a_figure_from_a_run_smaller_than_its_goal_needs_is_not_judged():
+    """A quick vLLM run (1 run of 24 prompts per set-up) showed "met" where the issue asks 3 runs of 100."""
+    goal = Goal("vllm", "ttft_*", 0.8, True, "#13", (("runs_per_setup", 3), ("requests_per_point", 100)))
+    quick = result("vllm", {"ttft_c1": 0.5}, {"runs_per_setup": 1, "requests_per_point": 24})
+    full = result("vllm", {"ttft_c1": 0.5}, {"runs_per_setup": 3, "requests_per_point": 100})
+    older = result("vllm", {"ttft_c1": 0.5})  # a run that did not say
+    assert [(r.value, r.met) for r in judge([quick], (goal,))] == [(0.5, "not measured")]
+    assert [r.met for r in judge([full], (goal,))] == ["yes"]
+    assert [r.met for r in judge([older], (goal,))] == ["not measured"]
+    assert "runs_per_setup ≥ 3" in goal.text
+
+
 def test_a_metric_is_judged_and_other_metrics_are_left_out():
     rows = judge([result("lat", {}, {"p50_us": 140.0, "p99_us": 300.0})], (METRIC,))
     assert [(r.key, r.value, r.met) for r in rows] == [("p50_us", 140.0, "no")]
