@@ -301,7 +301,8 @@ def run(quick: bool = False) -> Result:
         notes=[
             f"{MAX_TOKENS} output tokens, greedy, streamed; {n} unique prompts per concurrency and run (larger model:"
             " 12); TTFT includes the prefill call; ITL: gaps between streamed tokens of every request at"
-            " concurrency 4, i.e. decode steps taken while other requests' KV was being pulled (ms)",
+            " concurrency 4, as requests keep arriving (steps while others' KV is pulled among them, not"
+            " separated) (ms)",
             f"runs per transport in the order {order}, fresh servers each; headline ratios: tiny model, TCP, c=4;"
             f" logs in {work}",
             "vllm = vLLM's NixlConnector with its progress thread patched off (benchmarks/stock_nixl.py)",
