@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -63,8 +63,8 @@ def _progress(done: int, total: int, label: str) -> None:
         sys.stderr.write("\n")
 
 
-async def _one(session: Any, url: str, model: str, prompt: str) -> tuple[float, float, list[float]]:
-    """(TTFT, latency, gaps between streamed tokens) in seconds."""
+async def _one(session: Any, url: str, model: str, prompt: str) -> tuple[float, float, list[tuple[float, float]]]:
+    """(TTFT, latency) in seconds, and each gap between streamed tokens as its (start, end) perf_counter times."""
     body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
             "ignore_eos": True}  # fmt: skip
     started = time.perf_counter()
@@ -76,7 +76,7 @@ async def _one(session: Any, url: str, model: str, prompt: str) -> tuple[float, 
             if line.startswith(b"data: {"):
                 stamps.append(time.perf_counter())
     ttft = stamps[0] - started if stamps else float("nan")
-    return ttft, time.perf_counter() - started, [b - a for a, b in itertools.pairwise(stamps)]
+    return ttft, time.perf_counter() - started, list(itertools.pairwise(stamps))
 
 
 @dataclass
@@ -89,6 +89,7 @@ class Load:
     gaps: list[float]
     wall: float
     started: float = 0.0
+    spans: list[tuple[float, float]] = field(default_factory=list)  # each gap's (start, end), as `gaps`
 
 
 async def _load(url: str, model: str, prompts: list[str], concurrency: int) -> Load:
@@ -101,10 +102,11 @@ async def _load(url: str, model: str, prompts: list[str], concurrency: int) -> L
 
         async def worker() -> None:
             while queue:
-                ttft, latency, gaps = await _one(session, url, model, queue.pop(0))
+                ttft, latency, spans = await _one(session, url, model, queue.pop(0))
                 load.ttfts.append(ttft)
                 load.latencies.append(latency)
-                load.gaps.extend(gaps)
+                load.spans.extend(spans)
+                load.gaps.extend(b - a for a, b in spans)
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     load.wall = time.perf_counter() - started
@@ -112,6 +114,29 @@ async def _load(url: str, model: str, prompts: list[str], concurrency: int) -> L
 
 
 LOAD_LOG_ENV = "NIXL_ASYNC_BENCH_LOAD_LOG"  # where `load_clock`'s connectors log decode's KV loads
+
+
+def load_spans(path: Path) -> list[tuple[float, float]]:
+    """Every KV load decode logged, as (start, end) ``time.perf_counter()`` values (this host's monotonic clock)."""
+    if not path.exists():
+        return []
+    return [(began / 1e9, (began + took) / 1e9)
+            for began, took in (map(int, line.split()) for line in path.read_text().splitlines())]  # fmt: skip
+
+
+def itl_beside_loads(load: Load, loads: list[tuple[float, float]], key: str) -> dict[str, float]:
+    """The inter-token gaps during which decode was loading some request's KV, and the others (ms, p50).
+
+    A gap counts as "during a load" if any load (from its hand-over to the connector to its report)
+    overlaps it: those are the decode steps the issue asks about, taken while other requests' KV is pulled.
+    """
+    during: list[float] = []
+    other: list[float] = []
+    for a, b in load.spans:
+        (during if any(s < b and e > a for s, e in loads) else other).append((b - a) * 1e3)
+    (d50,), (o50,) = percentiles(during, 50), percentiles(other, 50)
+    return {f"{key}_itl_during_load_p50_ms": d50, f"{key}_itl_other_p50_ms": o50,
+            f"{key}_itl_during_load_share": len(during) / max(1, len(during) + len(other))}  # fmt: skip
 
 
 def load_times(path: Path, start: float, stop: float) -> list[float]:
@@ -256,10 +281,15 @@ def run(quick: bool = False) -> Result:
         # Unique prompts per run and concurrency: no prefix cache helps anyone.
         prompts = {c: [make_prompt(f"{setup} {transport} r{index} c{c} #{i}", spec.prompt_words) for i in range(count)]
                    for c in (1, 4)}  # fmt: skip
-        connector = None if setup == "single" else setup
+        # The P/D set-ups run clocked connectors: decode logs each KV load, so gaps can be told apart by loads.
+        connector = None if setup == "single" else f"{setup}_clocked"
+        load_log = work / f"run{index}-loads.txt"
         loads = measure(connector, spec, str(make_model(spec, work)), prompts, work, f"run{index}-{spec.name}-{setup}",
-                        env=TRANSPORTS[transport])  # fmt: skip
-        runs.setdefault((spec.name, transport, setup), []).append(summarize(loads))
+                        env={**TRANSPORTS[transport], LOAD_LOG_ENV: str(load_log)})  # fmt: skip
+        figures = summarize(loads)
+        if connector is not None:
+            figures.update(itl_beside_loads(loads[4], load_spans(load_log), "c4"))
+        runs.setdefault((spec.name, transport, setup), []).append(figures)
     _progress(len(plan), len(plan), "done")
 
     # What the issue's goals need to judge the figures (3 alternating runs per set-up, 100 requests per point).
@@ -285,9 +315,14 @@ def run(quick: bool = False) -> Result:
         ratios[f"{tag}_adapter_over_stock_ttft_p50_c1_lower_is_better"] = ratio("c1_ttft_p50_ms")
         ratios[f"{tag}_adapter_over_stock_ttft_p50_c4_lower_is_better"] = ratio("c4_ttft_p50_ms")
         ratios[f"{tag}_adapter_over_stock_itl_p50_c4_lower_is_better"] = ratio("c4_itl_p50_ms")
+        ratios[f"{tag}_adapter_over_stock_itl_during_load_p50_c4_lower_is_better"] = ratio("c4_itl_during_load_p50_ms")
         ratios[f"{tag}_adapter_over_stock_req_per_s_c4_higher_is_better"] = ratio("c4_req_per_s")
     # The headline figures (issue #13's names): the tiny model over TCP, where transfers are in flight.
-    for name, figure in (("ttft_p50", "ttft_p50_c4"), ("itl_p50", "itl_p50_c4"), ("req_per_s_c4", "req_per_s_c4")):
+    for name, figure in (
+        ("ttft_p50", "ttft_p50_c4"),
+        ("itl_p50", "itl_during_load_p50_c4"),
+        ("req_per_s_c4", "req_per_s_c4"),
+    ):
         direction = "higher" if name.startswith("req") else "lower"
         ratios[f"adapter_over_stock_{name}_{direction}_is_better"] = ratios[
             f"tiny_tcp_adapter_over_stock_{figure}_{direction}_is_better"
@@ -301,8 +336,8 @@ def run(quick: bool = False) -> Result:
         notes=[
             f"{MAX_TOKENS} output tokens, greedy, streamed; {n} unique prompts per concurrency and run (larger model:"
             " 12); TTFT includes the prefill call; ITL: gaps between streamed tokens of every request at"
-            " concurrency 4, as requests keep arriving (steps while others' KV is pulled among them, not"
-            " separated) (ms)",
+            " concurrency 4; itl_during_load: those gaps during which decode was loading some request's KV (its"
+            " connector's loads, logged by `load_clock`), the issue's figure and the headline ITL (ms)",
             f"runs per transport in the order {order}, fresh servers each; headline ratios: tiny model, TCP, c=4;"
             f" logs in {work}",
             "vllm = vLLM's NixlConnector with its progress thread patched off (benchmarks/stock_nixl.py)",
