@@ -76,7 +76,7 @@ __all__ = ["DecodeRestarted", "PushConnectorWorker", "PushFailed", "push", "push
 
 log = logging.getLogger(f"vllm.{__name__}")
 
-PUSH_ID = "push>"  # facade request ids of prefill's pushes: "push>{request}>{decode engine}"
+PUSH_ID = "push>"  # facade request ids of prefill's pushes: "push>{request}>{decode engine}>{decode request}"
 
 
 class PushFailed(TransferFailed):
