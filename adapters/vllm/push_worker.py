@@ -546,8 +546,10 @@ async def push_progressively(
     every WRITE has landed: if each block's every layer was written from the block the request
     ends with, decode is notified (the commit); otherwise (claimed late, a layer unreported, the
     request moved to other blocks, block sizes that differ) the whole request is written again
-    with the notification. A WRITE that fails fails the push (the facade settles the others).
+    with the notification. A push that fails or is cancelled (prefill aborted the request) settles
+    its WRITEs and, once NIXL holds none of them, tells decode, as `push_or_tell` does.
     """
+    started: list[Transfer] = []
     try:
         peer = await connect_decode(engine, reg)
         parts = write_parts(geometry, (list(range(feed.prompt_blocks)),), reg)  # planned on positions
@@ -556,7 +558,6 @@ async def push_progressively(
             for p in parts
         )
         coverage = LayerCoverage(regions)
-        started: list[Transfer] = []
         loop = asyncio.get_running_loop()
         give_up = loop.time() + (reg.write_by - time.time())
         while True:
@@ -582,5 +583,10 @@ async def push_progressively(
         log.info("progressive push of %s to %s: not every layer of every block went as computed; writing the whole "
                  "request", reg.request_id, reg.decode_engine_id)  # fmt: skip
         return [*results, await push(engine, geometry, item.blocks, reg)]
+    except BaseException as exc:
+        # (fenced, or another decode at that address: say nothing; decode waits for its deadline)
+        if not isinstance(exc, TransferFenced | DecodeRestarted) and await _settled(engine, started):
+            await tell_push_failed(engine, geometry.tp_rank, reg)
+        raise
     finally:
         feed.over = True

@@ -26,7 +26,7 @@ from nixl_async.testing import (
     transfers_settled,
 )
 from nixl_async_vllm.progressive import LayerCoverage, LayerReady, PrefillStep, ProgressiveFeed, RequestDone
-from nixl_async_vllm.push_book import PushGroup, PushRegistration, push_notification
+from nixl_async_vllm.push_book import PushGroup, PushRegistration, push_failure_notification, push_notification
 from nixl_async_vllm.push_worker import push_progressively
 from nixl_async_vllm.worker import KVGeometry
 
@@ -136,6 +136,24 @@ async def test_nothing_lands_and_nothing_commits_after_write_by(prefill, decode)
     feed.give(RequestDone((PREFILL_BLOCKS,)))  # too late: the push is over
     assert await _not_committed(decode, 1.0)
     assert await decode.request(Checksums(blocks=list(range(BLOCKS)))) == ended, "bytes landed after write_by"
+
+
+async def test_a_push_cancelled_midway_tells_decode_once_no_write_is_held(prefill, decode):
+    """Prefill aborted the request while its layers were being written (vLLM: `reqs_not_processed`, the
+    facade cancels the push). Before, decode heard nothing and held its blocks until its watchdog."""
+    write_by = time.time() + 30
+    feed, push = _start(prefill, decode, write_by)
+    for region in range(REGIONS):
+        feed.give(_layer(region, 0, BLOCKS))  # 96 MiB over TCP: in flight when cancelled
+    while not prefill.snapshot().counters.get("transfers_submitted"):
+        await asyncio.sleep(0.001)
+    push.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await push
+    assert await transfers_settled(prefill) == 0, "told before NIXL let go of every WRITE"
+    told = push_failure_notification("req-d", 0, write_by)
+    assert await decode.request(WaitNotifications(message=told, count=1, timeout=5)) == [prefill.engine_id]
+    assert await _not_committed(decode, 0.3)
 
 
 def test_a_resumed_step_that_hands_over_no_new_block_still_breaks_the_coverage():
