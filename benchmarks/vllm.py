@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -81,15 +81,18 @@ async def _one(session: Any, url: str, model: str, prompt: str) -> tuple[float, 
 
 @dataclass
 class Load:
-    """One batch of prompts at one concurrency: per-request TTFT and latency, every inter-token gap, wall time
-    (from `started`, a ``time.perf_counter()`` value)."""
+    """One batch of prompts at one concurrency: per-request TTFT and latency, every inter-token gap as its
+    (start, end), wall time (from `started`; all ``time.perf_counter()`` values)."""
 
     ttfts: list[float]
     latencies: list[float]
-    gaps: list[float]
+    spans: list[tuple[float, float]]
     wall: float
     started: float = 0.0
-    spans: list[tuple[float, float]] = field(default_factory=list)  # each gap's (start, end), as `gaps`
+
+    @property
+    def gaps(self) -> list[float]:
+        return [b - a for a, b in self.spans]
 
 
 async def _load(url: str, model: str, prompts: list[str], concurrency: int) -> Load:
@@ -106,7 +109,6 @@ async def _load(url: str, model: str, prompts: list[str], concurrency: int) -> L
                 load.ttfts.append(ttft)
                 load.latencies.append(latency)
                 load.spans.extend(spans)
-                load.gaps.extend(b - a for a, b in spans)
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     load.wall = time.perf_counter() - started
@@ -116,12 +118,16 @@ async def _load(url: str, model: str, prompts: list[str], concurrency: int) -> L
 LOAD_LOG_ENV = "NIXL_ASYNC_BENCH_LOAD_LOG"  # where `load_clock`'s connectors log decode's KV loads
 
 
-def load_spans(path: Path) -> list[tuple[float, float]]:
-    """Every KV load decode logged, as (start, end) ``time.perf_counter()`` values (this host's monotonic clock)."""
+def _logged_loads(path: Path) -> list[tuple[int, int]]:
+    """(start, duration) in ns of every KV load decode logged (none if it logged nothing)."""
     if not path.exists():
         return []
-    return [(began / 1e9, (began + took) / 1e9)
-            for began, took in (map(int, line.split()) for line in path.read_text().splitlines())]  # fmt: skip
+    return [(int(began), int(took)) for began, took in (line.split() for line in path.read_text().splitlines())]
+
+
+def load_spans(path: Path) -> list[tuple[float, float]]:
+    """Every KV load decode logged, as (start, end) ``time.perf_counter()`` values (this host's monotonic clock)."""
+    return [(began / 1e9, (began + took) / 1e9) for began, took in _logged_loads(path)]
 
 
 def itl_beside_loads(load: Load, loads: list[tuple[float, float]], key: str) -> dict[str, float]:
@@ -141,14 +147,7 @@ def itl_beside_loads(load: Load, loads: list[tuple[float, float]], key: str) -> 
 
 def load_times(path: Path, start: float, stop: float) -> list[float]:
     """Loads (seconds) that began between `start` and `stop` (``time.perf_counter()`` values)."""
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        began, took = (int(x) for x in line.split())
-        if start * 1e9 <= began <= stop * 1e9:
-            out.append(took / 1e9)
-    return out
+    return [took / 1e9 for began, took in _logged_loads(path) if start * 1e9 <= began <= stop * 1e9]
 
 
 def summarize_loads(loads: list[float], key: str) -> dict[str, float]:

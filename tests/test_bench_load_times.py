@@ -30,7 +30,7 @@ def test_inter_token_gaps_are_told_apart_by_whether_a_kv_load_overlapped_them(tm
     log = tmp_path / "loads.txt"
     log.write_text("10000000000 5000000\n20000000000 1000000\n")  # loads over 10.000-10.005 s and 20.000-20.001 s
     spans = [(9.990, 10.001), (10.004, 10.010), (10.010, 10.013), (19.9995, 20.0035), (30.0, 30.002)]
-    load = Load([], [], [(b - a) for a, b in spans], 1.0, spans=spans)
+    load = Load([], [], spans, 1.0)
     figures = itl_beside_loads(load, load_spans(log), "c4")
     assert math.isclose(figures["c4_itl_during_load_p50_ms"], 6.0)  # 11, 6 and 4 ms overlap a load
     assert math.isclose(figures["c4_itl_other_p50_ms"], 2.5)  # 3 and 2 ms do not
