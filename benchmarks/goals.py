@@ -50,6 +50,8 @@ GOALS: tuple[Goal, ...] = (
     # Per size, and the issue's headline key (the largest size again).
     Goal("busy", "engine_over_raw_cpu_seconds_per_gb_*lower_is_better", 1.2, True, "#13"),
     Goal("busy", "completion_p50_us", 100, True, "#13"),
+    # A decode server's small loads: the loop thread's CPU per read, as for large ones in `busy`.
+    Goal("small_reads", "engine_over_raw_cpu_per_read_lower_is_better", 1.2, True, "#13"),
     # Every transport and concurrency measured (the headline keys repeat the TCP c=4 ones), judged only
     # from runs as large as the issue asks: 3 alternating runs per set-up, 100 requests per point.
     Goal("vllm", "tiny_*_adapter_over_stock_ttft_p50_c*_lower_is_better", 0.8, True, "#4, #13", _VLLM_RUNS),

@@ -58,9 +58,16 @@ from typing import Any
 from nixl_async import EngineConfig, EtcdConfig, HandshakeError, Peer, PollConfig, TransferEngine
 from nixl_async.config import TCP_SEGMENT_BYTES, TCP_SEGMENT_RANGE
 
-__all__ = ["REFUSED", "AdapterSettings", "UnsupportedSetting", "connect_rank", "rank_engine_id"]
+__all__ = ["ADAPTER_POLL", "REFUSED", "AdapterSettings", "UnsupportedSetting", "connect_rank", "rank_engine_id"]
 
 ADAPTER_PROTOCOL = "nixl_async-vllm-pull-1"
+
+# Never spin: the loop thread shares the interpreter and the cores with vLLM's model thread
+# (measured, tiny model: decode TTFT p50 at concurrency 4 62 -> 42 ms without the 2 ms linger;
+# inter-token latency during P/D over TCP ~4.4 -> ~2.2 ms, NixlConnector's, without the spin near
+# a read's end and without busy hints). A producer ignores busy hints: vLLM steps it while readers
+# may read, and each step pokes the loop.
+ADAPTER_POLL = PollConfig(linger_s=0.0, spin=False, follow_busy_hints=False)
 
 # Keys we read, ours and NixlConnector's (see the module docstring).
 _KNOWN = {
@@ -319,10 +326,5 @@ class AdapterSettings:
             # Readers notify producers through the side channel: a NIXL notification would hold
             # the reader's next read until the producer's loop polls (see EngineConfig.notify_via).
             notify_via="side_channel",
-            # Never spin: the loop thread shares the interpreter and the cores with vLLM's model
-            # thread (measured, tiny model: decode TTFT p50 at concurrency 4 62 -> 42 ms without the
-            # 2 ms linger; inter-token latency during P/D over TCP ~4.4 -> ~2.2 ms, NixlConnector's,
-            # without the spin near a read's end and without busy hints). A producer ignores busy
-            # hints: vLLM steps it while readers may read, and each step pokes the loop.
-            poll=PollConfig(linger_s=0.0, spin=False, follow_busy_hints=False),
+            poll=ADAPTER_POLL,
         )

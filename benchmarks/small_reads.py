@@ -1,0 +1,155 @@
+"""A decode server's KV loads, one at a time: the reading thread's CPU per small read.
+
+A vLLM decode server reads each request's KV as it arrives (the tiny model: 4 blocks of 32 KiB,
+~35 loads a second at concurrency 4). On its one core the CPU our loop thread spends on a load
+is taken from the model thread in the very steps that run beside the load, so it shows in
+decode's inter-token latency while KV is pulled (#13's ``itl_during_load``). That figure is
+too noisy on these machines to tell 0.3 ms per load apart; this scenario measures the cost
+itself.
+
+Both readers run over UCX/TCP against the same peer process (checking every 2 ms when idle,
+`BRISK_PEER_POLL_S`), one read every `PACE_S` with a notification to the peer, and count the CPU
+of the thread that drives NIXL (``RUSAGE_THREAD``), less what the pacing sleeps cost alone:
+
+- ``engine``: `TransferEngine` configured as the vLLM adapter configures it (its poller and
+  side-channel notifications, `nixl_async_vllm.settings.ADAPTER_POLL`);
+- ``raw``: NIXL driven directly, as vLLM's worker does: one post carrying its notification,
+  state checked every 1 ms until DONE (vLLM checks once per step, on the model thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import resource
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+
+from .common import BRISK_PEER_POLL_S, RawReader, Result, percentiles, run_tcp_child
+
+BLOCK = 32 << 10
+BLOCKS = 64
+PER_READ = 4  # the tiny vLLM model's load: 2 layers x K and V
+PACE_S = 0.02
+
+
+def _thread_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_THREAD)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _picks(reads: int) -> list[list[int]]:
+    rng = np.random.default_rng(1)
+    return [sorted(rng.choice(BLOCKS, PER_READ, replace=False).tolist()) for _ in range(reads)]
+
+
+async def _per_read(picks: list[list[int]], read: Callable[[int, list[int]], Awaitable[None]],
+                    pause: Callable[[], Awaitable[None]]) -> tuple[float, list[float]]:  # fmt: skip
+    """(CPU seconds per read net of the pauses, each read's wall time)."""
+    walls = []
+    cpu0 = _thread_cpu()
+    for i, ids in enumerate(picks):
+        began = time.perf_counter()
+        await read(i, ids)
+        walls.append(time.perf_counter() - began)
+        await pause()
+    spent = _thread_cpu() - cpu0
+    cpu0 = _thread_cpu()
+    for _ in picks:
+        await pause()
+    return (spent - (_thread_cpu() - cpu0)) / len(picks), walls
+
+
+async def _engine(address: tuple[str, int], picks: list[list[int]]) -> tuple[float, list[float]]:
+    from nixl_async import EngineConfig, TransferEngine
+    from nixl_async_vllm.settings import ADAPTER_POLL
+
+    region = np.zeros(BLOCK * BLOCKS, dtype=np.uint8)
+    config = EngineConfig(engine_id="bench-small-reads", notify_via="side_channel", poll=ADAPTER_POLL)
+    async with TransferEngine(config) as engine:
+        engine.register("kv", [region], block_len=BLOCK)
+        peer = await engine.connect(*address)
+        await engine.read(peer, [0], [0], notify=b"warm-up")
+        await asyncio.sleep(0.2)  # past the warm-up's activity
+
+        async def read(i: int, ids: list[int]) -> None:
+            await engine.read(peer, ids, ids, notify=b"read-%d" % i)
+
+        return await _per_read(picks, read, lambda: asyncio.sleep(PACE_S))
+
+
+def _raw(address: tuple[str, int], picks: list[list[int]]) -> tuple[float, list[float]]:
+    from nixl_async.layout import BlockLayout
+
+    region = np.zeros(BLOCK * BLOCKS, dtype=np.uint8)
+    layout = BlockLayout.from_regions("kv", [region.ctypes.data], num_blocks=BLOCKS, block_len=BLOCK)
+    raw = RawReader("bench-small-reads-raw", layout, address, progress_thread=False)
+    nixl = raw.agent.public
+
+    async def read(i: int, ids: list[int]) -> None:  # blocking inside: no loop runs here
+        index = np.asarray(ids)
+        handle = nixl.make_prepped_xfer("READ", raw.local, index, raw.remote, index, notif_msg=b"read-%d" % i)
+        state = nixl.transfer(handle)
+        while state == "PROC":
+            time.sleep(0.001)
+            state = nixl.check_xfer_state(handle)
+        nixl.release_xfer_handle(handle)
+        assert state == "DONE", state
+
+    async def pause() -> None:
+        time.sleep(PACE_S)
+
+    try:
+        return asyncio.run(_per_read(picks, read, pause))
+    finally:
+        raw.close()
+        del region
+
+
+def _child(quick: bool) -> dict[str, Any]:
+    from nixl_async.testing.peer_process import PeerProcess, PeerSpec
+
+    picks = _picks(200 if quick else 1000)
+    spec = PeerSpec(engine_id="bench-small-reads-peer", num_regions=1, num_blocks=BLOCKS, block_len=BLOCK,
+                    idle_poll_s=BRISK_PEER_POLL_S)  # fmt: skip
+    out: dict[str, Any] = {}
+    with PeerProcess(spec) as peer:  # inherits UCX over TCP from this child's environment
+        for name in ("engine", "raw", "engine", "raw"):  # alternating: neither goes first only
+            cpu, walls = asyncio.run(_engine(peer.address, picks)) if name == "engine" else _raw(peer.address, picks)
+            out.setdefault(name, []).append({"cpu": cpu, "walls": walls})
+    return out
+
+
+def run(quick: bool = False) -> Result:
+    samples = run_tcp_child("small_reads", quick)
+    rows: list[list[Any]] = []
+    metrics: dict[str, float] = {}
+    for name, runs in samples.items():
+        cpu_us = float(np.median([r["cpu"] for r in runs])) * 1e6
+        (wall_p50,) = percentiles([w for r in runs for w in r["walls"]], 50)
+        rows.append([name, sum(len(r["walls"]) for r in runs), cpu_us, wall_p50 * 1e3])
+        metrics[f"{name}_cpu_us_per_read"] = cpu_us
+        metrics[f"{name}_read_p50_ms"] = wall_p50 * 1e3
+    engine_over_raw = metrics["engine_cpu_us_per_read"] / metrics["raw_cpu_us_per_read"]
+    return Result(
+        "small_reads",
+        ["reader", "reads", "CPU us per read (median of 2 runs)", "read p50 ms"],
+        rows,
+        metrics=metrics,
+        ratios={"engine_over_raw_cpu_per_read_lower_is_better": engine_over_raw},
+        notes=[
+            f"UCX over TCP on loopback; {PER_READ} x {BLOCK >> 10} KiB per read with a notification, one every"
+            f" {PACE_S * 1e3:g} ms; CPU: the thread driving NIXL (RUSAGE_THREAD), less the pauses' own",
+            "engine = TransferEngine with the vLLM adapter's poller and side-channel notifications;"
+            " raw = NIXL directly, the notification carried by the READ, state checked every 1 ms",
+        ],
+    )
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--child"]:
+        print(json.dumps(_child(sys.argv[2] == "quick")))
