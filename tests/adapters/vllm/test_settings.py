@@ -11,7 +11,8 @@ import pytest
 if os.environ.get("NIXL_ASYNC_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm", reason="vLLM not installed (bash scripts/setup-vllm.sh)")
 
-from nixl_async_vllm.settings import AdapterSettings, UnsupportedSetting, rank_engine_id
+from nixl_async._poller import AdaptivePacer
+from nixl_async_vllm.settings import ADAPTER_POLL, AdapterSettings, UnsupportedSetting, rank_engine_id
 
 SECRET = "correct horse battery staple"
 
@@ -194,3 +195,13 @@ def test_idle_step_wait_is_bounded_and_can_be_turned_off():
     for bad in (0.5, -1, "soon"):
         with pytest.raises(ValueError, match="idle_step_wait_s"):
             AdapterSettings.from_vllm(_config({"idle_step_wait_s": bad}))
+
+
+def test_after_its_own_reads_end_the_poller_waits_its_idle_interval_but_stays_brisk_for_a_notification():
+    """A decode server's loop does not check at 1, 2, 4, ... ms after each KV load (`small_reads`)."""
+    pacer = AdaptivePacer(ADAPTER_POLL)
+    pacer.activity(10.0)  # a read just ended
+    assert pacer.delay(10.0001, busy=False, waiting=False) == ADAPTER_POLL.idle_interval_s
+    pacer.activity(11.0)
+    assert pacer.delay(11.0001, busy=False, waiting=True) == ADAPTER_POLL.waiting_interval_s
+    assert pacer.delay(11.0002, busy=True, waiting=False) == ADAPTER_POLL.busy_interval_s  # in flight: never spins
