@@ -8,8 +8,10 @@ too noisy on these machines to tell 0.3 ms per load apart; this scenario measure
 itself.
 
 Both readers run over UCX/TCP against the same peer process (checking every 2 ms when idle,
-`BRISK_PEER_POLL_S`), one read every `PACE_S` with a notification to the peer, and count the CPU
-of the thread that drives NIXL (``RUSAGE_THREAD``), less what the pacing sleeps cost alone:
+`BRISK_PEER_POLL_S`), one read with a notification to the peer after each pause of `PAUSE_S`
+(drawn at random, the same for both: a fixed pause locks reads to the phase of the peer's checks),
+and count the CPU of the thread that drives NIXL (``RUSAGE_THREAD``), less what the pauses cost
+alone:
 
 - ``engine``: `TransferEngine` configured as the vLLM adapter configures it (its poller and
   side-channel notifications, `nixl_async_vllm.settings.ADAPTER_POLL`);
@@ -34,7 +36,7 @@ from .common import BRISK_PEER_POLL_S, RawReader, Result, percentiles, run_tcp_c
 BLOCK = 32 << 10
 BLOCKS = 64
 PER_READ = 4  # the tiny vLLM model's load: 2 layers x K and V
-PACE_S = 0.02
+PAUSE_S = (0.015, 0.025)  # between reads: ~40 loads a second
 
 
 def _thread_cpu() -> float:
@@ -42,29 +44,31 @@ def _thread_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _picks(reads: int) -> list[list[int]]:
+def _picks(reads: int) -> list[tuple[list[int], float]]:
+    """Each read's blocks and the pause after it."""
     rng = np.random.default_rng(1)
-    return [sorted(rng.choice(BLOCKS, PER_READ, replace=False).tolist()) for _ in range(reads)]
+    return [(sorted(rng.choice(BLOCKS, PER_READ, replace=False).tolist()), float(rng.uniform(*PAUSE_S)))
+            for _ in range(reads)]  # fmt: skip
 
 
-async def _per_read(picks: list[list[int]], read: Callable[[int, list[int]], Awaitable[None]],
-                    pause: Callable[[], Awaitable[None]]) -> tuple[float, list[float]]:  # fmt: skip
+async def _per_read(picks: list[tuple[list[int], float]], read: Callable[[int, list[int]], Awaitable[None]],
+                    pause: Callable[[float], Awaitable[None]]) -> tuple[float, list[float]]:  # fmt: skip
     """(CPU seconds per read net of the pauses, each read's wall time)."""
     walls = []
     cpu0 = _thread_cpu()
-    for i, ids in enumerate(picks):
+    for i, (ids, seconds) in enumerate(picks):
         began = time.perf_counter()
         await read(i, ids)
         walls.append(time.perf_counter() - began)
-        await pause()
+        await pause(seconds)
     spent = _thread_cpu() - cpu0
     cpu0 = _thread_cpu()
-    for _ in picks:
-        await pause()
+    for _, seconds in picks:
+        await pause(seconds)
     return (spent - (_thread_cpu() - cpu0)) / len(picks), walls
 
 
-async def _engine(address: tuple[str, int], picks: list[list[int]]) -> tuple[float, list[float]]:
+async def _engine(address: tuple[str, int], picks: list[tuple[list[int], float]]) -> tuple[float, list[float]]:
     from nixl_async import EngineConfig, TransferEngine
     from nixl_async_vllm.settings import ADAPTER_POLL
 
@@ -79,10 +83,10 @@ async def _engine(address: tuple[str, int], picks: list[list[int]]) -> tuple[flo
         async def read(i: int, ids: list[int]) -> None:
             await engine.read(peer, ids, ids, notify=b"read-%d" % i)
 
-        return await _per_read(picks, read, lambda: asyncio.sleep(PACE_S))
+        return await _per_read(picks, read, asyncio.sleep)
 
 
-def _raw(address: tuple[str, int], picks: list[list[int]]) -> tuple[float, list[float]]:
+def _raw(address: tuple[str, int], picks: list[tuple[list[int], float]]) -> tuple[float, list[float]]:
     from nixl_async.layout import BlockLayout
 
     region = np.zeros(BLOCK * BLOCKS, dtype=np.uint8)
@@ -100,8 +104,8 @@ def _raw(address: tuple[str, int], picks: list[list[int]]) -> tuple[float, list[
         nixl.release_xfer_handle(handle)
         assert state == "DONE", state
 
-    async def pause() -> None:
-        time.sleep(PACE_S)
+    async def pause(seconds: float) -> None:
+        time.sleep(seconds)
 
     try:
         return asyncio.run(_per_read(picks, read, pause))
@@ -142,8 +146,9 @@ def run(quick: bool = False) -> Result:
         metrics=metrics,
         ratios={"engine_over_raw_cpu_per_read_lower_is_better": engine_over_raw},
         notes=[
-            f"UCX over TCP on loopback; {PER_READ} x {BLOCK >> 10} KiB per read with a notification, one every"
-            f" {PACE_S * 1e3:g} ms; CPU: the thread driving NIXL (RUSAGE_THREAD), less the pauses' own",
+            f"UCX over TCP on loopback; {PER_READ} x {BLOCK >> 10} KiB per read with a notification, pauses of"
+            f" {PAUSE_S[0] * 1e3:g}-{PAUSE_S[1] * 1e3:g} ms; CPU: the thread driving NIXL (RUSAGE_THREAD), less the"
+            " pauses' own",
             "engine = TransferEngine with the vLLM adapter's poller and side-channel notifications;"
             " raw = NIXL directly, the notification carried by the READ, state checked every 1 ms",
         ],
