@@ -69,7 +69,7 @@ ADAPTER_PROTOCOL = "nixl_async-vllm-pull-1"
 # may read, and each step pokes the loop. Nor does it check again 1, 2, 4, ... ms after its own
 # transfers end (the engine's back-off, which catches a burst's next request): a submit wakes it
 # anyway, readers notify through the side channel, and on decode's one core each such check after
-# a KV load is CPU taken from the model steps beside the load (bench `small_reads`: 713 -> ~550 us
+# a KV load is CPU taken from the model steps beside the load (bench `small_reads`: 748 -> 497 us
 # per read). It still checks every `waiting_interval_s` while a notification is awaited.
 ADAPTER_POLL = PollConfig(linger_s=0.0, spin=False, follow_busy_hints=False, backoff_start_s=PollConfig.idle_interval_s)
 
