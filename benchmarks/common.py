@@ -153,9 +153,10 @@ class RawReader:
         self.remote = self.agent.prep_view(self.remote_name, self.remote_layout.view())
 
     # The transfers go through NIXL's public Python API (`nixl_agent`), as vLLM's connector calls it.
-    def post(self, local_idx: np.ndarray, remote_idx: np.ndarray) -> tuple[Any, str]:
+    def post(self, local_idx: np.ndarray, remote_idx: np.ndarray, notify: bytes = b"") -> tuple[Any, str]:
+        """`notify`: a notification riding the READ (NIXL sends it to the peer once the data has moved)."""
         nixl = self.agent.public
-        handle = nixl.make_prepped_xfer("READ", self.local, local_idx, self.remote, remote_idx)
+        handle = nixl.make_prepped_xfer("READ", self.local, local_idx, self.remote, remote_idx, notif_msg=notify)
         return handle, nixl.transfer(handle)
 
     def state(self, handle: Any) -> str:
@@ -164,9 +165,10 @@ class RawReader:
     def release(self, handle: Any) -> None:
         self.agent.public.release_xfer_handle(handle)
 
-    def read(self, local_idx: np.ndarray, remote_idx: np.ndarray, check_every_s: float = 0.0) -> None:
+    def read(self, local_idx: np.ndarray, remote_idx: np.ndarray, check_every_s: float = 0.0,
+             notify: bytes = b"") -> None:  # fmt: skip
         """One READ as one post, its state checked every `check_every_s` (0: without pause) until DONE."""
-        handle, state = self.post(local_idx, remote_idx)
+        handle, state = self.post(local_idx, remote_idx, notify)
         while state == "PROC":
             if check_every_s:
                 time.sleep(check_every_s)

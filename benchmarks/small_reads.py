@@ -92,17 +92,10 @@ def _raw(address: tuple[str, int], picks: list[tuple[list[int], float]]) -> tupl
     region = np.zeros(BLOCK * BLOCKS, dtype=np.uint8)
     layout = BlockLayout.from_regions("kv", [region.ctypes.data], num_blocks=BLOCKS, block_len=BLOCK)
     raw = RawReader("bench-small-reads-raw", layout, address, progress_thread=False)
-    nixl = raw.agent.public
 
     async def read(i: int, ids: list[int]) -> None:  # blocking inside: no loop runs here
         index = np.asarray(ids)
-        handle = nixl.make_prepped_xfer("READ", raw.local, index, raw.remote, index, notif_msg=b"read-%d" % i)
-        state = nixl.transfer(handle)
-        while state == "PROC":
-            time.sleep(0.001)
-            state = nixl.check_xfer_state(handle)
-        nixl.release_xfer_handle(handle)
-        assert state == "DONE", state
+        raw.read(index, index, check_every_s=0.001, notify=b"read-%d" % i)
 
     async def pause(seconds: float) -> None:
         time.sleep(seconds)
