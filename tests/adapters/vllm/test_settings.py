@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 if os.environ.get("NIXL_ASYNC_REQUIRE_VLLM") != "1":
@@ -205,3 +207,21 @@ def test_after_its_own_reads_end_the_poller_waits_its_idle_interval_but_stays_br
     pacer.activity(11.0)
     assert pacer.delay(11.0001, busy=False, waiting=True) == ADAPTER_POLL.waiting_interval_s
     assert pacer.delay(11.0002, busy=True, waiting=False) == ADAPTER_POLL.busy_interval_s  # in flight: never spins
+
+
+@pytest.mark.nixl_engine_config(poll=ADAPTER_POLL, notify_via="side_channel")
+async def test_after_a_read_over_tcp_ends_the_adapters_loop_sleeps_until_there_is_something_to_do(
+    nixl_engine, nixl_peer_factory
+):
+    """The same with a real read in flight over UCX/TCP: once it ended (and its notification went out
+    through the side channel), the loop does not wake to check on nothing for the next 40 ms."""
+    block = 32 << 10
+    proc = nixl_peer_factory(num_regions=1, num_blocks=8, block_len=block, tcp=True)
+    nixl_engine.register("kv", [np.zeros(8 * block, dtype=np.uint8)], block_len=block)
+    peer = await nixl_engine.connect(*proc.address)
+    transfer = await nixl_engine.start_read(peer, [0, 1, 2, 3], [4, 5, 6, 7], notify=b"read")
+    assert (await transfer).notified
+    assert transfer.last_pending_at  # a check saw it in flight (over CMA it would be copied inside the post)
+    polls = nixl_engine.snapshot().counters["polls"]
+    await asyncio.sleep(0.04)
+    assert nixl_engine.snapshot().counters["polls"] - polls <= 1  # the engine's own back-off: 4 or more
