@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from nixl_async import EngineConfig, LayoutError, LeaseExpired, NotificationFailed, TransferEngine
+from nixl_async import EngineConfig, LayoutError, LeaseExpired, NotificationFailed, TransferEngine, TransferFailed
 from nixl_async._agent import NIXL_ERRORS
 from nixl_async._notify_transport import NotificationTransport
 from nixl_async.testing import WaitNotifications, free_port_base, pattern_block
@@ -107,15 +107,15 @@ async def _decode_rank(
     return [c.view(torch.uint8).numpy().reshape(NUM_BLOCKS, -1) for c in caches], results
 
 
-def _spawn_prefill(factory, tp_p, mla, ratio, kv_heads=HEADS):
-    """(base port, prefill rank processes)."""
+def _spawn_prefill(factory, tp_p, mla, ratio, kv_heads=HEADS, tcp=False):
+    """(base port, prefill rank processes); `tcp`: UCX over TCP only, so reads are really in flight."""
     port = free_port_base(4)
     bs_p = LOCAL_BLOCK_SIZE // ratio
     return port, [
         factory(
             engine_id=rank_engine_id("prefill", p), port=port + p, num_regions=LAYERS, num_blocks=NUM_BLOCKS,
             block_len=_page(_heads(kv_heads, tp_p), bs_p, mla), seed=100 if mla else _seed(p, tp_p, kv_heads),
-            extra={"block_size": str(bs_p)},
+            extra={"block_size": str(bs_p)}, tcp=tcp,
         )
         for p in range(tp_p)
     ]  # fmt: skip
@@ -206,6 +206,38 @@ async def test_a_notice_that_cannot_be_sent_keeps_the_data(nixl_peer_factory, mo
     _assert_landed(outcomes, local_blocks, tp_p, tp_d, mla, ratio, backend, kv_heads)
     assert len(untold) == tp_d * len(remote_ranks(local_tp=tp_d, local_rank=0, remote_tp=tp_p))
     assert all(isinstance(error, NotificationFailed) for error in untold)
+
+
+async def test_when_a_part_of_a_one_rank_read_cannot_start_the_parts_in_flight_are_quiet_before_the_error(
+    nixl_peer_factory, monkeypatch
+):
+    """One producer rank is read without a task of its own; the error still reaches the caller only once NIXL
+    holds none of the request's reads (vLLM may reuse its blocks as soon as it hears). Over UCX/TCP, so the
+    part started first is really in flight when the next one fails to start."""
+    tp_p, tp_d, mla, ratio, backend, kv_heads = CASES[7]  # one rank; the block ratio splits its read
+    port, _prefill = _spawn_prefill(nixl_peer_factory, tp_p, mla, ratio, kv_heads, tcp=True)
+    started, quiet_when_raised = [], []
+    real_start_read, real_receive = TransferEngine.start_read, receive
+
+    async def start_read(self, *args, **kwargs):
+        if started:
+            raise TransferFailed("the second part could not start")
+        started.append(transfer := await real_start_read(self, *args, **kwargs))
+        return transfer
+
+    async def receive_noting_quiet(*args, **kwargs):
+        try:
+            return await real_receive(*args, **kwargs)
+        except TransferFailed:
+            quiet_when_raised.extend(t.quiet for t in started)  # before _decode_rank closes the engine
+            raise
+
+    monkeypatch.setattr(TransferEngine, "start_read", start_read)
+    monkeypatch.setitem(globals(), "receive", receive_noting_quiet)
+    local_blocks = LOCAL_CANDIDATES[: -(-(len(REMOTE_BLOCKS) - LOCAL_HIT * ratio) // ratio)]
+    with pytest.raises(TransferFailed, match="second part"):
+        await _decode_rank(0, tp_p, tp_d, mla, ratio, port, local_blocks, backend=backend, kv_heads=kv_heads)
+    assert quiet_when_raised == [True]
 
 
 async def test_a_block_size_ratio_into_the_cpu_backend_is_refused_before_reading(nixl_peer_factory):
