@@ -689,10 +689,6 @@ async def receive(
         local_blocks += local
         remote_blocks += remote
     lease = None if job.expires_at is None else job.expires_at - lease_margin_s
-    if [step.remote_rank for step in plan.steps] == ranks[:1]:  # equal TP: the rank already connected
-        peers = [first]
-    else:
-        peers = await asyncio.gather(*(connect_job_rank(engine, job, step.remote_rank) for step in plan.steps))
     results: list[TransferResult] = []
     started: list[Transfer] = []
 
@@ -726,14 +722,16 @@ async def receive(
             # The facade reports the request only once these are quiet (fenced meanwhile).
             log.error("request %s: NIXL still holds reads into its blocks after cancelling them", job.request_id)
 
-    # One rank is read without a task of its own (and the rank connected above is reused): each task
-    # and gather is one more turn of the loop before the post, and at each turn the loop thread may
+    # One rank is connected (a held peer answers at once) and read without a gather or task of its
+    # own: each is one more turn of the loop before the post, and at each turn the loop thread may
     # lose the GIL to the model thread (vLLM decode, tiny model over TCP, c=4, two alternating runs
     # each: from the facade running the request to the post 0.37 -> 0.26 ms p50, 0.7-1.1 -> 0.4 p90).
     try:
         if len(plan.steps) == 1:
-            await one_rank(plan.steps[0], peers[0])
+            step = plan.steps[0]
+            await one_rank(step, await connect_job_rank(engine, job, step.remote_rank))
         else:
+            peers = await asyncio.gather(*(connect_job_rank(engine, job, step.remote_rank) for step in plan.steps))
             async with asyncio.TaskGroup() as group:
                 for step, peer in zip(plan.steps, peers, strict=True):
                     group.create_task(one_rank(step, peer))
