@@ -133,13 +133,14 @@ class PushConnectorWorker(ConnectorWorker):
         if req.remote is None:
             return
         job = self._recv_job(request_id, req, None)  # no lease: prefill writes when it is done
-        if job.local_blocks:  # vLLM waits for it (an empty one only lets prefill free the request)
-            self._awaiting[request_id] = job.local_blocks
         deadline = time.time() + self.settings.push_registration_timeout_s
         try:
             self.sync.submit(request_id, self._receive_pushed, job, deadline)
-        except ValueError:
+        except ValueError:  # the same request is still in flight: keep the first, and its blocks
             log.warning("request %s is already being received; ignoring the repeat", request_id)
+            return
+        if job.local_blocks:  # vLLM waits for it (an empty one only lets prefill free the request)
+            self._awaiting[request_id] = job.local_blocks
 
     async def _receive_pushed(self, engine: TransferEngine, job: RecvJob, deadline: float) -> None:
         if self.geometry is None:

@@ -388,12 +388,13 @@ class ConnectorWorker:
         if req.remote is None:
             return
         job = self._recv_job(request_id, req, req.remote.blocks_expiry_time)
-        if req.awaiting_kvs:
-            self._awaiting[request_id] = job.local_blocks
         try:
             self.sync.submit(request_id, self._receive, job)
-        except ValueError:  # the same request is still in flight (vLLM re-sent it): keep the first
+        except ValueError:  # the same request is still in flight (vLLM re-sent it): keep the first, and its blocks
             log.warning("request %s is already being received; ignoring the repeat", request_id)
+            return
+        if req.awaiting_kvs:  # (read only by this thread's get_transfer_results: the outcome cannot come first)
+            self._awaiting[request_id] = job.local_blocks
 
     def _group_blocks(self, req: Any) -> tuple[GroupBlocks, ...]:
         """Each transfer group's blocks of `req` (empty lists for a full prefix hit)."""

@@ -1,0 +1,41 @@
+"""A request vLLM hands the worker again while its first receive is still in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from nixl_async import EngineConfig
+from nixl_async.sync import SyncEngine
+from nixl_async_vllm.push_worker import PushConnectorWorker
+from nixl_async_vllm.worker import ConnectorWorker
+
+
+@pytest.mark.parametrize(("worker_class", "receive_name"),
+                         [(ConnectorWorker, "_receive"), (PushConnectorWorker, "_receive_pushed")])  # fmt: skip
+def test_the_repeat_is_ignored_and_the_blocks_in_flight_stay_the_requests(worker_class, receive_name):
+    """The blocks recorded are those the running receive writes into: on its failure they are the ones
+    reported invalid (and, with host staging, copied), not the repeat's."""
+    release = threading.Event()
+
+    async def receive(engine, job, *args):
+        while not release.is_set():
+            await asyncio.sleep(0.005)
+
+    worker = worker_class.__new__(worker_class)  # only the receive bookkeeping runs here: no vLLM config
+    worker.sync = SyncEngine(EngineConfig(engine_id="repeat"))
+    worker._awaiting = {}
+    worker.settings = SimpleNamespace(push_registration_timeout_s=10.0)
+    worker._recv_job = lambda request_id, req, expiry: SimpleNamespace(local_blocks=req.blocks)
+    setattr(worker, receive_name, receive)
+    remote = SimpleNamespace(blocks_expiry_time=None)
+    try:
+        worker._start_receive("req-1", SimpleNamespace(remote=remote, awaiting_kvs=True, blocks=[1, 2]))
+        worker._start_receive("req-1", SimpleNamespace(remote=remote, awaiting_kvs=True, blocks=[7, 8]))
+        assert worker._awaiting == {"req-1": [1, 2]}
+    finally:
+        release.set()
+        worker.sync.close()
