@@ -74,6 +74,11 @@ async def _per_read(picks: list[tuple[list[int], float]], read: Callable[[int, l
     return (spent - (cpu() - cpu0)) / len(picks), walls
 
 
+async def _blocking_pause(seconds: float) -> None:
+    """A pause for readers that block their thread (no loop runs beside them)."""
+    time.sleep(seconds)
+
+
 async def _engine(address: tuple[str, int], picks: list[tuple[list[int], float]]) -> tuple[float, list[float]]:
     from nixl_async import EngineConfig, TransferEngine
     from nixl_async_vllm.settings import ADAPTER_POLL
@@ -117,13 +122,10 @@ def _facade(address: tuple[str, int], picks: list[tuple[list[int], float]]) -> t
         async def read(i: int, ids: list[int]) -> None:  # blocking inside, as vLLM's thread is
             read_and_collect(f"read-{i}", ids, b"read-%d" % i)
 
-        async def pause(seconds: float) -> None:
-            time.sleep(seconds)
-
         def both_threads() -> float:
             return _thread_cpu() + time.clock_gettime(loop_clock)
 
-        return asyncio.run(_per_read(picks, read, pause, both_threads))
+        return asyncio.run(_per_read(picks, read, _blocking_pause, both_threads))
 
 
 def _raw(address: tuple[str, int], picks: list[tuple[list[int], float]]) -> tuple[float, list[float]]:
@@ -137,11 +139,8 @@ def _raw(address: tuple[str, int], picks: list[tuple[list[int], float]]) -> tupl
         index = np.asarray(ids)
         raw.read(index, index, check_every_s=0.001, notify=b"read-%d" % i)
 
-    async def pause(seconds: float) -> None:
-        time.sleep(seconds)
-
     try:
-        return asyncio.run(_per_read(picks, read, pause))
+        return asyncio.run(_per_read(picks, read, _blocking_pause))
     finally:
         raw.close()
         del region

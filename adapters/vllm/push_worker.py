@@ -134,13 +134,8 @@ class PushConnectorWorker(ConnectorWorker):
             return
         job = self._recv_job(request_id, req, None)  # no lease: prefill writes when it is done
         deadline = time.time() + self.settings.push_registration_timeout_s
-        try:
-            self.sync.submit(request_id, self._receive_pushed, job, deadline)
-        except ValueError:  # the same request is still in flight: keep the first, and its blocks
-            log.warning("request %s is already being received; ignoring the repeat", request_id)
-            return
-        if job.local_blocks:  # vLLM waits for it (an empty one only lets prefill free the request)
-            self._awaiting[request_id] = job.local_blocks
+        # vLLM waits only for a request with blocks (an empty one only lets prefill free the request)
+        self._hand_over(job, bool(job.local_blocks), self._receive_pushed, deadline)
 
     async def _receive_pushed(self, engine: TransferEngine, job: RecvJob, deadline: float) -> None:
         if self.geometry is None:

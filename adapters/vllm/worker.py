@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import queue
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -388,13 +388,18 @@ class ConnectorWorker:
         if req.remote is None:
             return
         job = self._recv_job(request_id, req, req.remote.blocks_expiry_time)
+        self._hand_over(job, req.awaiting_kvs, self._receive)
+
+    def _hand_over(self, job: RecvJob, awaited: bool, receive: Callable[..., Coroutine[Any, Any, None]],
+                   *args: Any) -> None:  # fmt: skip
+        """Run ``receive(engine, job, *args)`` on the loop; note the blocks vLLM waits on (`awaited`) once it runs."""
         try:
-            self.sync.submit(request_id, self._receive, job)
+            self.sync.submit(job.request_id, receive, job, *args)
         except ValueError:  # the same request is still in flight (vLLM re-sent it): keep the first, and its blocks
-            log.warning("request %s is already being received; ignoring the repeat", request_id)
+            log.warning("request %s is already being received; ignoring the repeat", job.request_id)
             return
-        if req.awaiting_kvs:  # (read only by this thread's get_transfer_results: the outcome cannot come first)
-            self._awaiting[request_id] = job.local_blocks
+        if awaited:  # (read only by this thread's get_transfer_results: the outcome cannot come first)
+            self._awaiting[job.request_id] = job.local_blocks
 
     def _group_blocks(self, req: Any) -> tuple[GroupBlocks, ...]:
         """Each transfer group's blocks of `req` (empty lists for a full prefix hit)."""
