@@ -11,11 +11,15 @@ from dataclasses import dataclass, field
 __all__ = [
     "TCP_SEGMENT_BYTES",
     "TCP_SEGMENT_RANGE",
+    "TCP_SEND_BUFFER_BYTES",
+    "TCP_SEND_BUFFER_RANGE",
     "UCX_TCP_DEFAULT_SEGMENT",
     "EngineConfig",
     "EtcdConfig",
     "PollConfig",
+    "SendBufferLimits",
     "tcp_segment_in_use",
+    "tcp_send_buffer_request",
     "ucx_link_settings",
 ]
 
@@ -24,6 +28,8 @@ UCX_TCP_DEFAULT_SEGMENT = 64 << 10
 TCP_SEGMENT_BYTES = 512 << 10  # ours (EngineConfig.tcp_segment_bytes)
 TCP_SEGMENT_RANGE = (16 << 10, 64 << 20)  # what EngineConfig.tcp_segment_bytes accepts
 _SEGMENT_KEYS = ("TCP_RX_SEG_SIZE", "TCP_TX_SEG_SIZE")
+TCP_SEND_BUFFER_BYTES = 8 << 20  # ours (EngineConfig.tcp_send_buffer_bytes)
+TCP_SEND_BUFFER_RANGE = (64 << 10, 1 << 30)  # what EngineConfig.tcp_send_buffer_bytes accepts
 _MEMUNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _MEMUNITS |= {f"{unit}b": size for unit, size in _MEMUNITS.items() if unit not in ("", "b")}
 
@@ -111,6 +117,43 @@ def tcp_segment_in_use(configured: int | None, environ: Mapping[str, str]) -> in
         given = environ.get("UCX_TCP_RX_SEG_SIZE")
         return UCX_TCP_DEFAULT_SEGMENT if given is None else _memunits(given)
     return UCX_TCP_DEFAULT_SEGMENT if configured is None else configured
+
+
+@dataclass(frozen=True)
+class SendBufferLimits:
+    """The host's say over a TCP socket's send buffer (Linux sysctls, read by `of_host`).
+
+    A socket that asks for a send buffer (SO_SNDBUF) gets twice what it asked, at most twice
+    ``net.core.wmem_max``, and the kernel stops autotuning it; left alone, autotuning grows it
+    up to ``net.ipv4.tcp_wmem``'s third field.
+    """
+
+    wmem_max: int
+    autotune_max: int
+
+    @classmethod
+    def of_host(cls) -> SendBufferLimits | None:
+        """This network namespace's limits (None where /proc does not say: not Linux, or hidden)."""
+        try:
+            with open("/proc/sys/net/core/wmem_max") as f:
+                wmem_max = int(f.read())
+            with open("/proc/sys/net/ipv4/tcp_wmem") as f:
+                autotune_max = int(f.read().split()[2])
+        except (OSError, ValueError, IndexError):
+            return None
+        return cls(wmem_max, autotune_max)
+
+
+def tcp_send_buffer_request(wanted: int | None, limits: SendBufferLimits | None) -> int | None:
+    """What UCX should ask SO_SNDBUF for so a socket's send buffer is `wanted` bytes, or None.
+
+    None (leave the kernel's autotuning) unless the host grants `wanted` in full and autotuning
+    would stop short of it: a smaller fixed buffer would only cap the socket.
+    """
+    if wanted is None or limits is None:
+        return None
+    asked = wanted // 2  # the kernel doubles it
+    return asked if asked <= limits.wmem_max and wanted > limits.autotune_max else None
 
 
 @dataclass(frozen=True)
@@ -214,6 +257,15 @@ class EngineConfig:
     # handshake refuses it by name. None: UCX's default (for peers on older versions).
     # ``UCX_TCP_RX_SEG_SIZE`` or ``UCX_TCP_TX_SEG_SIZE`` in the environment still win.
     tcp_segment_bytes: int | None = TCP_SEGMENT_BYTES
+    # Over TCP a READ's data leaves the *target* only while the target's UCX worker is
+    # progressed (an engine every ms or two while it serves): each progress call sends what fits
+    # in the socket's send buffer. Autotuning stops at 4 MiB by default, which held reads between
+    # two processes to ~2 GB/s where a reader progressing without pause got ~3; with 8 MiB the
+    # engine's paced reader matched it (README, Design). The UCX backend asks each socket for
+    # this much where the host allows it in full and autotuning would stop short of it
+    # (`SendBufferLimits`); elsewhere, and with None, the kernel's autotuning stays.
+    # ``UCX_TCP_SNDBUF`` in the environment, or TCP_SNDBUF in `backend_params`, still wins.
+    tcp_send_buffer_bytes: int | None = TCP_SEND_BUFFER_BYTES
     # A peer unused this long (no connect, no transfer) with nothing in flight is forgotten: its
     # remote agent, descriptor lists and notification socket go (vLLM's engine TTL is 3600 s).
     # None keeps peers until `disconnect()`.
@@ -291,6 +343,15 @@ class EngineConfig:
                 f"EngineConfig.tcp_segment_bytes must be whole bytes in {list(TCP_SEGMENT_RANGE)} or None, "
                 f"got {self.tcp_segment_bytes!r}"
             )
+        if self.tcp_send_buffer_bytes is not None and (
+            isinstance(self.tcp_send_buffer_bytes, bool)
+            or not isinstance(self.tcp_send_buffer_bytes, int)
+            or not TCP_SEND_BUFFER_RANGE[0] <= self.tcp_send_buffer_bytes <= TCP_SEND_BUFFER_RANGE[1]
+        ):
+            raise ValueError(
+                f"EngineConfig.tcp_send_buffer_bytes must be whole bytes in {list(TCP_SEND_BUFFER_RANGE)} or None, "
+                f"got {self.tcp_send_buffer_bytes!r}"
+            )
         if clash := sorted(_named_keys(self.backend_params.get("engine_config", "")) & set(_SEGMENT_KEYS)):
             raise ValueError(
                 f"backend_params['engine_config'] sets {', '.join(clash)}: set EngineConfig.tcp_segment_bytes "
@@ -306,12 +367,15 @@ class EngineConfig:
         object.__setattr__(self, "compat", dict(self.compat))
         object.__setattr__(self, "backend_params", dict(self.backend_params))
 
-    def backend_settings(self, backend: str, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    def backend_settings(self, backend: str, environ: Mapping[str, str] | None = None,
+                         send_limits: SendBufferLimits | None = None) -> dict[str, str]:  # fmt: skip
         """The parameters NIXL's `backend` is created with: `backend_params`, and for UCX the link
-        timeout, cuda_ipc GET and TCP segment size as UCX settings (an ``engine_config`` the caller
-        gave wins key by key). `environ`: the process environment UCX will read; where it sets a TCP
-        segment size, ours is left out (UCX would take the environment's anyway, and a receive
-        segment below our send segment is an error)."""
+        timeout, cuda_ipc GET, TCP segment size and TCP send buffer as UCX settings (an
+        ``engine_config`` the caller gave wins key by key). `environ`: the process environment UCX
+        will read; where it sets a TCP segment size, ours is left out (UCX would take the
+        environment's anyway, and a receive segment below our send segment is an error), and so
+        is our send buffer where it sets one. `send_limits`: the host's (`SendBufferLimits.of_host`);
+        None asks for no send buffer."""
         params = dict(self.backend_params)
         if backend != "UCX":
             return params
@@ -320,6 +384,9 @@ class EngineConfig:
             settings["CUDA_IPC_ENABLE_GET_ZCOPY"] = "on"  # unknown to a UCX without CUDA: ignored there
         if self.tcp_segment_bytes is not None and not _environment_sets_segment(environ or {}):
             settings.update(dict.fromkeys(_SEGMENT_KEYS, str(self.tcp_segment_bytes)))
+        asked = tcp_send_buffer_request(self.tcp_send_buffer_bytes, send_limits)
+        if asked is not None and "UCX_TCP_SNDBUF" not in (environ or {}):
+            settings["TCP_SNDBUF"] = str(asked)
         given = [item for item in params.get("engine_config", "").split(",") if "=" in item]
         named = _named_keys(",".join(given))
         ours = [f"{key}={value}" for key, value in settings.items() if key not in named]

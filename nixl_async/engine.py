@@ -52,7 +52,7 @@ from ._notify_transport import WIREUP_BRISK_S, NotificationTransport
 from ._peers import Peer, PeerTable, pick_layout, reply_fingerprint
 from ._poller import AdaptivePacer, ErrorThrottle
 from ._state import TransferState
-from .config import UCX_TCP_DEFAULT_SEGMENT, EngineConfig, tcp_segment_in_use
+from .config import UCX_TCP_DEFAULT_SEGMENT, EngineConfig, SendBufferLimits, tcp_segment_in_use
 from .exceptions import (
     EngineClosedError,
     EngineIdMismatch,
@@ -163,7 +163,8 @@ class TransferEngine:
         agent_name = f"{self.engine_id}/{time.time_ns():x}"
         if "UCX" in self.config.backends:  # before the agent: an unreadable UCX size in the environment stops here
             self._tcp_segment = tcp_segment_in_use(self.config.tcp_segment_bytes, os.environ)
-        settings = {backend: self.config.backend_settings(backend, os.environ) for backend in self.config.backends}
+        limits = SendBufferLimits.of_host()
+        settings = {name: self.config.backend_settings(name, os.environ, limits) for name in self.config.backends}
         self._agent = OwnedAgent(agent_name, self.config.backends, settings)
         self._zmq = zmq.asyncio.Context()
         self._notify.open(self._agent, self._zmq)

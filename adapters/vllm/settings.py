@@ -17,6 +17,9 @@ NixlConnector; our own knobs live in ``kv_connector_extra_config``:
 - ``tcp_segment_bytes`` (default 524288; ``null``: UCX's 64 KiB): the largest active message UCX
   over TCP carries a READ's data in (`EngineConfig.tcp_segment_bytes`). Prefill and decode must
   agree: a reader receiving smaller segments than its producer sends is refused at the handshake.
+- ``tcp_send_buffer_bytes`` (default 8388608; ``null``: the kernel's autotuning): each UCX/TCP socket's
+  send buffer, asked for only where the host grants it in full and autotuning would stop short of it
+  (`EngineConfig.tcp_send_buffer_bytes`). A producer sends a READ's data from it.
 - ``etcd_endpoint`` (``host:port``; default none), ``etcd_namespace`` (default ``nixl_async``) and
   ``etcd_lease_ttl`` (s, default 10): publish each rank's engine in etcd and find producers by engine
   id there, so ``kv_transfer_params`` need no ``remote_host``/``remote_port`` (`EngineConfig.etcd`).
@@ -56,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from nixl_async import EngineConfig, EtcdConfig, HandshakeError, Peer, PollConfig, TransferEngine
-from nixl_async.config import TCP_SEGMENT_BYTES, TCP_SEGMENT_RANGE
+from nixl_async.config import TCP_SEGMENT_BYTES, TCP_SEGMENT_RANGE, TCP_SEND_BUFFER_BYTES, TCP_SEND_BUFFER_RANGE
 
 __all__ = ["ADAPTER_POLL", "REFUSED", "AdapterSettings", "UnsupportedSetting", "connect_rank", "rank_engine_id"]
 
@@ -79,6 +82,7 @@ _KNOWN = {
     "handshake_timeout", "link_timeout", "switch_interval_s", "backends", "num_threads", "engine_ttl",
     "enforce_handshake_compat", "kv_recompute_threshold", "etcd_endpoint", "etcd_namespace", "etcd_lease_ttl",
     "push_registration_timeout", "push_progressive", "idle_step_wait_s", "tcp_segment_bytes",
+    "tcp_send_buffer_bytes",
 }  # fmt: skip
 PUSH_ONLY = ("push_registration_timeout", "push_progressive")
 PUSH_CONNECTOR = "NixlAsyncPushConnector"
@@ -209,13 +213,12 @@ def _link_timeout(extra: dict[str, Any]) -> float | None:
     return timeout
 
 
-def _tcp_segment(extra: dict[str, Any]) -> int | None:
-    value = extra.get("tcp_segment_bytes", TCP_SEGMENT_BYTES)
-    low, high = TCP_SEGMENT_RANGE
+def _bytes_or_null(extra: dict[str, Any], key: str, default: int, bounds: tuple[int, int]) -> int | None:
+    value = extra.get(key, default)
+    low, high = bounds
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high):
         raise ValueError(
-            f"kv_connector_extra_config['tcp_segment_bytes'] must be whole bytes in [{low}, {high}] or null, "
-            f"got {value!r}"
+            f"kv_connector_extra_config[{key!r}] must be whole bytes in [{low}, {high}] or null, got {value!r}"
         )
     return value
 
@@ -256,6 +259,7 @@ class AdapterSettings:
     enforce_compat: bool = True
     link_timeout_s: float | None = 5.0
     tcp_segment_bytes: int | None = TCP_SEGMENT_BYTES
+    tcp_send_buffer_bytes: int | None = TCP_SEND_BUFFER_BYTES
     etcd: EtcdConfig | None = None
     push_registration_timeout_s: float = 480.0  # push mode: how long decode waits for prefill's WRITE
     push_progressive: bool = False  # push mode: WRITE each layer as soon as prefill computed it
@@ -297,7 +301,10 @@ class AdapterSettings:
             peer_ttl_s=float(ttl) if ttl > 0 else None,  # as NixlConnector: <= 0 turns eviction off
             enforce_compat=_flag(extra, "enforce_handshake_compat", True),
             link_timeout_s=_link_timeout(extra),
-            tcp_segment_bytes=_tcp_segment(extra),
+            tcp_segment_bytes=_bytes_or_null(extra, "tcp_segment_bytes", TCP_SEGMENT_BYTES, TCP_SEGMENT_RANGE),
+            tcp_send_buffer_bytes=_bytes_or_null(
+                extra, "tcp_send_buffer_bytes", TCP_SEND_BUFFER_BYTES, TCP_SEND_BUFFER_RANGE
+            ),
             etcd=_etcd(extra),
             push_registration_timeout_s=_number(extra, "push_registration_timeout", 480),
             push_progressive=_flag(extra, "push_progressive", False),
@@ -326,6 +333,7 @@ class AdapterSettings:
             enforce_compat=self.enforce_compat,
             link_timeout_s=self.link_timeout_s,
             tcp_segment_bytes=self.tcp_segment_bytes,
+            tcp_send_buffer_bytes=self.tcp_send_buffer_bytes,
             etcd=self.etcd,
             # Readers notify producers through the side channel: a NIXL notification would hold
             # the reader's next read until the producer's loop polls (see EngineConfig.notify_via).

@@ -62,6 +62,13 @@ def test_the_tcp_segment_reaches_the_engine():
         assert config.tcp_segment_bytes == given
 
 
+def test_the_tcp_send_buffer_reaches_the_engine():
+    assert AdapterSettings.from_vllm(_config({})).engine_config("e", {}).tcp_send_buffer_bytes == 8 << 20
+    for given in (None, 16 << 20):
+        config = AdapterSettings.from_vllm(_config({"tcp_send_buffer_bytes": given})).engine_config("e", {})
+        assert config.tcp_send_buffer_bytes == given
+
+
 def test_the_switch_interval_is_left_alone_unless_asked_for_and_never_raised():
     """A process-wide setting the model thread pays for: the adapter changes it only on request."""
     before = sys.getswitchinterval()
@@ -92,6 +99,8 @@ def test_the_switch_interval_is_left_alone_unless_asked_for_and_never_raised():
         {"tcp_segment_bytes": "512k"},
         {"tcp_segment_bytes": 4096},
         {"tcp_segment_bytes": True},
+        {"tcp_send_buffer_bytes": "8m"},
+        {"tcp_send_buffer_bytes": 1024},
         {"etcd_endpoint": "etcd-0:2379,etcd-1:2379"},
         {"etcd_endpoint": "etcd:2379", "etcd_lease_ttl": 1},
         {"etcd_namespace": "fleet"},  # without an endpoint
