@@ -886,6 +886,8 @@ class Checks:
 
     # throughput --------------------------------------------------------------------------------
     async def throughput(self) -> dict[str, Any]:
+        from nixl_async.config import SendBufferLimits
+
         from .common import busy_python_thread, raw_ucx_params
 
         assert self.proc is not None
@@ -893,7 +895,7 @@ class Checks:
         rows: list[dict[str, Any]] = []
         ok = True
         ceiling = self._copy_ceiling(self.tput_bytes)
-        engine_ucx = self.engine.config.backend_settings("UCX", os.environ)
+        engine_ucx = self.engine.config.backend_settings("UCX", os.environ, SendBufferLimits.of_host())
         for block_len in TPUT_BLOCK_LENS:
             name = f"tput_{block_len >> 10}k"
             dst, src = self.mem[name], self.peer_spec(name)

@@ -4,6 +4,7 @@ environment behind the caller's back; adapters translate their own settings into
 from __future__ import annotations
 
 import dataclasses
+import socket
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ TCP_SEGMENT_RANGE = (16 << 10, 64 << 20)  # what EngineConfig.tcp_segment_bytes 
 _SEGMENT_KEYS = ("TCP_RX_SEG_SIZE", "TCP_TX_SEG_SIZE")
 TCP_SEND_BUFFER_BYTES = 8 << 20  # ours (EngineConfig.tcp_send_buffer_bytes)
 TCP_SEND_BUFFER_RANGE = (64 << 10, 1 << 30)  # what EngineConfig.tcp_send_buffer_bytes accepts
+_PROBE_BYTES = 1 << 30  # asked of a throwaway socket: the kernel grants twice its cap (net.core.wmem_max)
 _MEMUNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _MEMUNITS |= {f"{unit}b": size for unit, size in _MEMUNITS.items() if unit not in ("", "b")}
 
@@ -101,6 +103,12 @@ def _environment_sets_segment(environ: Mapping[str, str]) -> bool:
     return any(f"UCX_{key}" in environ for key in _SEGMENT_KEYS)
 
 
+def _upper_key(item: str) -> str:
+    """A "key=value" UCX setting with its key upper-cased (the value as given)."""
+    key, value = item.split("=", 1)
+    return f"{key.strip().upper()}={value}"
+
+
 def _named_keys(engine_config: str) -> set[str]:
     """The UCX settings an ``engine_config`` string ("KEY=value,...") names, upper-cased."""
     return {item.split("=", 1)[0].strip().upper() for item in engine_config.split(",") if "=" in item}
@@ -121,7 +129,7 @@ def tcp_segment_in_use(configured: int | None, environ: Mapping[str, str]) -> in
 
 @dataclass(frozen=True)
 class SendBufferLimits:
-    """The host's say over a TCP socket's send buffer (Linux sysctls, read by `of_host`).
+    """The host's say over a TCP socket's send buffer (Linux; found by `of_host`).
 
     A socket that asks for a send buffer (SO_SNDBUF) gets twice what it asked, at most twice
     ``net.core.wmem_max``, and the kernel stops autotuning it; left alone, autotuning grows it
@@ -133,15 +141,20 @@ class SendBufferLimits:
 
     @classmethod
     def of_host(cls) -> SendBufferLimits | None:
-        """This network namespace's limits (None where /proc does not say: not Linux, or hidden)."""
+        """This network namespace's limits (None where the kernel does not say: not Linux, or hidden).
+
+        The cap is probed on a throwaway socket, not read from /proc: a container's network
+        namespace on an older kernel has no ``net.core.wmem_max`` of its own to read.
+        """
         try:
-            with open("/proc/sys/net/core/wmem_max") as f:
-                wmem_max = int(f.read())
             with open("/proc/sys/net/ipv4/tcp_wmem") as f:
                 autotune_max = int(f.read().split()[2])
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _PROBE_BYTES)
+                granted = probe.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
         except (OSError, ValueError, IndexError):
             return None
-        return cls(wmem_max, autotune_max)
+        return cls(granted // 2, autotune_max)
 
 
 def tcp_send_buffer_request(wanted: int | None, limits: SendBufferLimits | None) -> int | None:
@@ -152,7 +165,7 @@ def tcp_send_buffer_request(wanted: int | None, limits: SendBufferLimits | None)
     """
     if wanted is None or limits is None:
         return None
-    asked = wanted // 2  # the kernel doubles it
+    asked = -(-wanted // 2)  # the kernel doubles it
     return asked if asked <= limits.wmem_max and wanted > limits.autotune_max else None
 
 
@@ -261,9 +274,10 @@ class EngineConfig:
     # progressed (an engine every ms or two while it serves): each progress call sends what fits
     # in the socket's send buffer. Autotuning stops at 4 MiB by default, which held reads between
     # two processes to ~2 GB/s where a reader progressing without pause got ~3; with 8 MiB the
-    # engine's paced reader matched it (README, Design). The UCX backend asks each socket for
-    # this much where the host allows it in full and autotuning would stop short of it
-    # (`SendBufferLimits`); elsewhere, and with None, the kernel's autotuning stays.
+    # engine's paced reader got 0.85-1.19x that one (README, Design). The UCX backend asks each
+    # socket for this much where the host allows it in full and autotuning would stop short of
+    # it (`SendBufferLimits`); elsewhere, and with None, the kernel's autotuning stays. Such a
+    # buffer is not trimmed under memory pressure: up to this much per socket while a reader lags.
     # ``UCX_TCP_SNDBUF`` in the environment, or TCP_SNDBUF in `backend_params`, still wins.
     tcp_send_buffer_bytes: int | None = TCP_SEND_BUFFER_BYTES
     # A peer unused this long (no connect, no transfer) with nothing in flight is forgotten: its
@@ -387,7 +401,9 @@ class EngineConfig:
         asked = tcp_send_buffer_request(self.tcp_send_buffer_bytes, send_limits)
         if asked is not None and "UCX_TCP_SNDBUF" not in (environ or {}):
             settings["TCP_SNDBUF"] = str(asked)
-        given = [item for item in params.get("engine_config", "").split(",") if "=" in item]
+        # UCX matches setting names exactly, and all of them are upper case: a lower-case one
+        # would be refused (NIXL logs that only at debug level) and the setting silently lost.
+        given = [_upper_key(item) for item in params.get("engine_config", "").split(",") if "=" in item]
         named = _named_keys(",".join(given))
         ours = [f"{key}={value}" for key, value in settings.items() if key not in named]
         if given or ours:

@@ -196,13 +196,14 @@ def test_the_link_timeout_becomes_ucx_settings_of_the_ucx_backend_only():
     # The caller's own UCX settings win, key by key.
     mine = EngineConfig(backend_params={"engine_config": "tcp_user_timeout=9s,RNDV_THRESH=8k"})
     assert mine.backend_settings("UCX")["engine_config"] == (
-        "tcp_user_timeout=9s,RNDV_THRESH=8k,TCP_KEEPIDLE=2s,TCP_KEEPINTVL=1s,TCP_KEEPCNT=3,CUDA_IPC_ENABLE_GET_ZCOPY=on,"
+        "TCP_USER_TIMEOUT=9s,RNDV_THRESH=8k,TCP_KEEPIDLE=2s,TCP_KEEPINTVL=1s,TCP_KEEPCNT=3,CUDA_IPC_ENABLE_GET_ZCOPY=on,"
         "TCP_RX_SEG_SIZE=524288,TCP_TX_SEG_SIZE=524288"
     )
     off = EngineConfig(
         link_timeout_s=None, tcp_segment_bytes=None, backend_params={"engine_config": "cuda_ipc_enable_get_zcopy=auto"}
     )
-    assert off.backend_settings("UCX")["engine_config"] == "cuda_ipc_enable_get_zcopy=auto"
+    # (forwarded upper-cased: UCX matches setting names exactly, and would refuse the lower-case one)
+    assert off.backend_settings("UCX")["engine_config"] == "CUDA_IPC_ENABLE_GET_ZCOPY=auto"
 
 
 def test_histogram_percentiles_within_a_bucket():

@@ -7,6 +7,7 @@ the sockets of two processes with ``ss`` after a READ between them.
 
 import os
 import re
+import shutil
 import subprocess
 
 import numpy as np
@@ -54,12 +55,17 @@ def test_config_refuses_send_buffers_it_cannot_ask_for(value):
         EngineConfig(tcp_send_buffer_bytes=value)
 
 
-def _send_buffers(ours: int, theirs: int) -> tuple[list[int], list[int]]:
-    """Send-buffer sizes of the TCP connections between two processes: (our sockets', theirs')."""
+def _ucx_send_buffers(ours: int, theirs: int, zmq_ports: set[int]) -> tuple[list[int], list[int]]:
+    """Send-buffer sizes of the UCX connections between two processes: (our sockets', theirs').
+
+    Connections to or from `zmq_ports` (the peer's handshake and control sockets) are left out.
+    """
     listing = subprocess.run(["ss", "-tmpnH"], capture_output=True, text=True, check=True).stdout
     sockets = []  # (pid, local, remote, send buffer)
     for entry in re.finditer(r"(\S+)\s+(\S+)\s+users:\(\(.*?pid=(\d+),.*?\n\s*skmem:\(.*?tb(\d+)", listing):
         local, remote, pid, tb = entry.groups()
+        if {int(local.rpartition(":")[2]), int(remote.rpartition(":")[2])} & zmq_ports:
+            continue
         sockets.append((int(pid), local, remote, int(tb)))
     their_ends = {local for pid, local, _, _ in sockets if pid == theirs}
     our_ends = {local for pid, local, _, _ in sockets if pid == ours}
@@ -68,25 +74,35 @@ def _send_buffers(ours: int, theirs: int) -> tuple[list[int], list[int]]:
     return mine, peer
 
 
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs iproute2's ss")
 @pytest.mark.skipif(
     tcp_send_buffer_request(TCP_SEND_BUFFER_BYTES, SendBufferLimits.of_host()) is None,
     reason="this host's net.core.wmem_max / tcp_wmem leave the send buffer to autotuning",
 )
-@pytest.mark.parametrize("ours", [TCP_SEND_BUFFER_BYTES, None])
-async def test_engines_send_from_the_buffer_they_asked_for(nixl_peer_factory, ours):
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        ({}, TCP_SEND_BUFFER_BYTES),
+        ({"tcp_send_buffer_bytes": None}, None),  # autotuned: below the host's ceiling
+        # a caller's own UCX setting wins, and reaches UCX even written in lower case (UCX would refuse it)
+        ({"tcp_send_buffer_bytes": None, "backend_params": {"engine_config": "tcp_sndbuf=3m"}}, 6 << 20),
+    ],
+)
+async def test_engines_send_from_the_buffer_they_asked_for(nixl_peer_factory, monkeypatch, config, expected):
+    monkeypatch.delenv("UCX_TCP_SNDBUF", raising=False)  # it would win over both engines' settings
     peer_proc = nixl_peer_factory(num_regions=1, num_blocks=BLOCKS, block_len=BLOCK, tcp=True)
-    engine = TransferEngine(EngineConfig(tcp_send_buffer_bytes=ours))
+    engine = TransferEngine(EngineConfig(**config))
     await engine.start()
     try:
         engine.register("kv", [np.zeros(BLOCKS * BLOCK, dtype=np.uint8)], block_len=BLOCK)
         peer = await engine.connect(*peer_proc.address)
         await engine.read(peer, list(range(BLOCKS)), list(range(BLOCKS)))
-        mine, theirs = _send_buffers(os.getpid(), peer_proc.pid)
+        mine, theirs = _ucx_send_buffers(os.getpid(), peer_proc.pid, {peer_proc.port, peer_proc.control_port})
     finally:
         await engine.close()
-    assert mine and theirs, "no TCP connection between the two processes"
-    assert max(theirs) == TCP_SEND_BUFFER_BYTES  # the peer's engine, on the default
-    if ours is None:
-        assert max(mine) < TCP_SEND_BUFFER_BYTES  # autotuned (the host's ceiling is below)
+    assert mine and theirs, "no UCX connection between the two processes"
+    assert set(theirs) == {TCP_SEND_BUFFER_BYTES}  # the peer's engine, on the default: every socket
+    if expected is None:
+        assert max(mine) <= SendBufferLimits.of_host().autotune_max  # autotuned
     else:
-        assert max(mine) == TCP_SEND_BUFFER_BYTES
+        assert set(mine) == {expected}
