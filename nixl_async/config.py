@@ -348,24 +348,12 @@ class EngineConfig:
             raise ValueError("EngineConfig.slice_flight_s must be > 0 or None")
         if self.notify_via not in ("nixl", "side_channel"):
             raise ValueError(f"EngineConfig.notify_via must be 'nixl' or 'side_channel', got {self.notify_via!r}")
-        if self.tcp_segment_bytes is not None and (
-            isinstance(self.tcp_segment_bytes, bool)
-            or not isinstance(self.tcp_segment_bytes, int)
-            or not TCP_SEGMENT_RANGE[0] <= self.tcp_segment_bytes <= TCP_SEGMENT_RANGE[1]
-        ):
-            raise ValueError(
-                f"EngineConfig.tcp_segment_bytes must be whole bytes in {list(TCP_SEGMENT_RANGE)} or None, "
-                f"got {self.tcp_segment_bytes!r}"
-            )
-        if self.tcp_send_buffer_bytes is not None and (
-            isinstance(self.tcp_send_buffer_bytes, bool)
-            or not isinstance(self.tcp_send_buffer_bytes, int)
-            or not TCP_SEND_BUFFER_RANGE[0] <= self.tcp_send_buffer_bytes <= TCP_SEND_BUFFER_RANGE[1]
-        ):
-            raise ValueError(
-                f"EngineConfig.tcp_send_buffer_bytes must be whole bytes in {list(TCP_SEND_BUFFER_RANGE)} or None, "
-                f"got {self.tcp_send_buffer_bytes!r}"
-            )
+        for name, (low, high) in (("tcp_segment_bytes", TCP_SEGMENT_RANGE),
+                                  ("tcp_send_buffer_bytes", TCP_SEND_BUFFER_RANGE)):  # fmt: skip
+            value = getattr(self, name)
+            whole = isinstance(value, int) and not isinstance(value, bool)
+            if value is not None and not (whole and low <= value <= high):
+                raise ValueError(f"EngineConfig.{name} must be whole bytes in {[low, high]} or None, got {value!r}")
         if clash := sorted(_named_keys(self.backend_params.get("engine_config", "")) & set(_SEGMENT_KEYS)):
             raise ValueError(
                 f"backend_params['engine_config'] sets {', '.join(clash)}: set EngineConfig.tcp_segment_bytes "
