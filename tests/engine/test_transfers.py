@@ -470,9 +470,12 @@ async def test_wire_time_spans_a_read_in_flight_over_tcp(nixl_engine, nixl_peer_
 
 async def test_a_read_in_flight_over_tcp_is_checked_every_interval_not_spun_on(nixl_engine, nixl_peer_factory):
     """Until the read may end (from the rate the previous one moved at), the poller sleeps between checks."""
-    _proc, peer = await _tcp_peer(nixl_engine, nixl_peer_factory, 64, 1 << 20)
-    for _ in range(3):  # 64 MiB in flight: teaches the wire rate (a slow first read, wire-up and all, set it
-        await nixl_engine.read(peer, range(64), range(64))  # low, and the test's hot_from then came too late)
+    # 192 MiB: ~60 ms in flight at the ~3.5 GB/s engines reach from 8 MiB send buffers (64 MiB, ~18 ms, left
+    # room for only two sleeps before the read might end)
+    blocks = 192
+    _proc, peer = await _tcp_peer(nixl_engine, nixl_peer_factory, blocks, 1 << 20)
+    for _ in range(3):  # in flight: teaches the wire rate (a slow first read, wire-up and all, set it
+        await nixl_engine.read(peer, range(blocks), range(blocks))  # low, and the test's hot_from then came too late)
     loop, sleep, poll_once = asyncio.get_running_loop(), nixl_engine._sleep, nixl_engine._poll_once
     polls: list[tuple[float, bool]] = []  # (when, whether the poller slept since the poll before)
     slept = [False]
@@ -488,8 +491,8 @@ async def test_a_read_in_flight_over_tcp_is_checked_every_interval_not_spun_on(n
 
     nixl_engine._sleep, nixl_engine._poll_once = traced_sleep, traced_poll
     # see WireRate.spin_from; the poller goes hot up to the interval its sleeps really last before (at most 10 ms)
-    hot_from = loop.time() + 0.8 * (64 << 20) / peer.link.wire.bytes_per_s - 0.010
-    result = await nixl_engine.read(peer, range(64), range(64))
+    hot_from = loop.time() + 0.8 * (blocks << 20) / peer.link.wire.bytes_per_s - 0.010
+    result = await nixl_engine.read(peer, range(blocks), range(blocks))
     early = [after_sleep for when, after_sleep in polls if when < hot_from]
     # The previous poller spun for the whole read: hundreds of checks, none after a sleep. Now every check
     # before the read may end follows a ~1 ms sleep, but for the one after a slice ends (to post the next).
