@@ -392,7 +392,7 @@ class EngineConfig:
         # UCX matches setting names exactly, and all of them are upper case: a lower-case one
         # would be refused (NIXL logs that only at debug level) and the setting silently lost.
         given = [_upper_key(item) for item in params.get("engine_config", "").split(",") if "=" in item]
-        named = _named_keys(",".join(given))
+        named = {item.split("=", 1)[0] for item in given}
         ours = [f"{key}={value}" for key, value in settings.items() if key not in named]
         if given or ours:
             params["engine_config"] = ",".join(given + ours)

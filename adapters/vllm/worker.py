@@ -392,7 +392,7 @@ class ConnectorWorker:
 
     def _hand_over(self, job: RecvJob, awaited: bool, receive: Callable[..., Coroutine[Any, Any, None]],
                    *args: Any) -> None:  # fmt: skip
-        """Run ``receive(engine, job, *args)`` on the loop; note the blocks vLLM waits on (`awaited`) once it runs."""
+        """Run ``receive(engine, job, *args)`` on the loop; once the facade took it, note the blocks vLLM waits on."""
         try:
             self.sync.submit(job.request_id, receive, job, *args)
         except ValueError:  # the same request is still in flight (vLLM re-sent it): keep the first, and its blocks
