@@ -1303,8 +1303,10 @@ def connector_worker_check(
                 worker.register_kv_caches({f"layer{i}": c for i, c in enumerate(mem.caches)})
                 worker.set_host_xfer_buffer_ops(copy_blocks)
                 readers.append((worker, mem))
+            # vLLM 0.32's RemoteMeta: the prompt's length comes with the producer's block ids
             remote = ns(request_id="req-p", engine_id="prefill", host="127.0.0.1", port=prefill_port,
-                        block_ids=[remote_blocks], blocks_expiry_time=time.time() + 30)  # fmt: skip
+                        block_ids=[remote_blocks], blocks_expiry_time=time.time() + 30,
+                        num_tokens=len(remote_blocks) * PEER_BS)  # fmt: skip
             request = ns(remote=remote, local_block_ids=[local_blocks], tp_size=1, local_num_computed_blocks=None,
                          awaiting_kvs=True)  # fmt: skip
             for worker, _ in readers:

@@ -54,3 +54,25 @@ def test_dry_run_without_vllm_imports_the_adapter_over_stand_ins(tmp_path):
     imports = next(c for c in summary["checks"] if c["name"] == "imports")
     assert imports["details"]["errors"] == {}, imports
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+def test_the_adapter_checks_pass_on_the_cpu_stand_in_without_vllm(tmp_path):
+    """What the device runs of the adapter (ConnectorWorker over the check's vLLM stand-ins, no vLLM
+    installed), with host memory for VRAM: a worker that reads a field the stand-ins lack fails here,
+    not in a GPU session's scarce device time (it did once: `RemoteMeta.num_tokens`)."""
+    checks = "adapter_connector_worker_vram,adapter_host_staging_kernel_pages2"
+    run_check = (
+        "import sys, runpy; sys.modules['vllm'] = None; "
+        f"sys.argv = ['gpu_check', '--device', 'cpu', '--quick', '--tput-mib', '32', '--only', {checks!r}, "
+        f"'--out', {str(tmp_path)!r}]; "
+        f"runpy.run_module({MODULE!r}, run_name='__main__')"
+    )
+    proc = subprocess.run([sys.executable, "-c", run_check], capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert (tmp_path / "gpu-check.json").exists(), proc.stdout[-2000:] + proc.stderr[-2000:]
+    summary = json.loads((tmp_path / "gpu-check.json").read_text())
+    ran = {c["name"]: c for c in summary["checks"]}
+    assert set(checks.split(",")) <= ran.keys(), list(ran)
+    for name in checks.split(","):
+        assert ran[name]["ok"], ran[name]
+        assert ran[name]["details"]["bad_bytes"] == [0, 0], ran[name]
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
