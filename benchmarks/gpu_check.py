@@ -74,7 +74,7 @@ ROW = 2 * HEAD_DIM * ELT  # bytes of one head's K and V for one token
 PEER_BS, DECODE_BS = 16, 32  # tokens per block: producer, and a reader with block-size ratio 2
 BLOCKS = 64
 TPUT_BLOCK_LENS = (64 << 10, 1 << 20)
-LARGE_POST_BYTES = 1 << 30  # max_post_bytes of the throughput check's second engine
+OLD_POST_BYTES = 64 << 20  # the throughput check's second engine: max_post_bytes as it was until 2026-11-27
 CHECK_TIMEOUT_S = 150.0
 ENGINE_CHECKS = frozenset({
     "vram_read_blocks", "vram_write_blocks", "vram_read_tp_head_slice", "vram_write_tp_head_slice",
@@ -904,14 +904,14 @@ class Checks:
             ids = list(range(n))
             copy = self.whole(src.seed or 0, src, dst.spec, ids, order)
             await self.engine.read(self.peer, [0], [0], local=name, remote=name)  # warm up the descriptor lists
-            engine_gbps, engine_cpu = await self._engine_reads(name, ids, order, repeats)
+            engine_gbps, engine_cpu, engine_slices = await self._engine_reads(name, ids, order, repeats)
             engine_check = verify(dst, [copy], self.device)
             # Beside a Python thread that holds the GIL whenever it can (a model thread, worst case):
             # a post copies with the GIL released, and each one waits to get it back.
             with busy_python_thread():
-                beside_busy, _ = await self._engine_reads(name, ids, order, repeats)
+                beside_busy, _, _ = await self._engine_reads(name, ids, order, repeats)
             busy_check = verify(dst, [copy], self.device)
-            large = await self._large_slice_reads(name, ids, order, repeats, copy)
+            old_cap = await self._old_cap_reads(name, ids, order, repeats, copy)
             # Raw NIXL loops over the same descriptors: with the engine's UCX settings (the same
             # transport: what the engine's own work costs) and with UCX's defaults (what a plain
             # NIXL agent, vLLM's NixlConnector among them, gets on this machine), but for the TCP
@@ -922,7 +922,7 @@ class Checks:
             raw_paced = await self._raw_read(name, block_len, order, copy, engine_ucx, check_every_s=0.001)
             with busy_python_thread():
                 raw_beside_busy = await self._raw_read(name, block_len, order, copy, engine_ucx)
-            checked = [engine_check, busy_check, large, raw_same, raw_default, raw_paced, raw_beside_busy]
+            checked = [engine_check, busy_check, old_cap, raw_same, raw_default, raw_paced, raw_beside_busy]
             ok = ok and all(c["ok"] for c in checked)
             rows.append({
                 "block": f"{block_len >> 10} KiB", "blocks": n, "MiB": self.tput_bytes >> 20,
@@ -933,8 +933,10 @@ class Checks:
                 "engine CPU ms/GB": engine_cpu * 10 / engine_gbps,
                 "raw 1 ms CPU ms/GB": raw_paced["cpu"] * 10 / raw_paced["gbps"],
                 "engine, Python thread busy GB/s": beside_busy, "raw, Python thread busy GB/s": raw_beside_busy["gbps"],
-                "engine, max_post_bytes 1 GiB GB/s": large["gbps"], "same, Python thread busy GB/s": large["busy_gbps"],
-                "max_post_bytes 1 GiB, slices per read": large["slices"],
+                "engine, slices per read": engine_slices,
+                "engine, max_post_bytes 64 MiB GB/s": old_cap["gbps"],
+                "same, Python thread busy GB/s": old_cap["busy_gbps"],
+                "max_post_bytes 64 MiB, slices per read": old_cap["slices"],
                 "copy ceiling GB/s": ceiling,
                 "bytes ok": all(c["ok"] for c in checked),
             })  # fmt: skip
@@ -947,9 +949,8 @@ class Checks:
             "(the busy goal's baseline: CPU per GB moved)",
             "Python thread busy: the same reads while another thread of this process runs pure Python "
             "(holding the GIL but for the interpreter's switches), as a model thread might",
-            "max_post_bytes 1 GiB: an engine of its own whose slices may grow past the default 64 MiB cap "
-            "(under 1 ms of a GPU copy), to post_target_s or max_post_descriptors: whether fewer, longer "
-            "posts close the gap to the raw loop",
+            "max_post_bytes 64 MiB: an engine of its own with slices capped as they were until 2026-11-27 "
+            "(half a millisecond of a GPU copy; the default is now 1 GiB, so post_target_s bounds them)",
             "CPU %: this process's CPU time over the transfer's wall time (100 % = one core)",
             "copy ceiling: torch copy_ of the same bytes on the same device (bytes moved per second)",
         ]
@@ -957,26 +958,27 @@ class Checks:
 
     async def _engine_reads(self, name: str, ids: list[int], order: list[int], repeats: int, *,
                             engine: Any = None, peer: Any = None, memory: Memory | None = None
-                            ) -> tuple[float, float]:  # fmt: skip
+                            ) -> tuple[float, float, float]:  # fmt: skip
         """`repeats` READs of the whole layout by the main engine (or `engine` from `peer` into `memory`):
-        median GB/s and this process's CPU % while they ran."""
+        median GB/s, this process's CPU % while they ran, and slices per read."""
         engine, peer, memory = engine or self.engine, peer or self.peer, memory or self.mem[name]
-        rates, cpu = [], []
+        rates, cpu, slices = [], [], []
         for _ in range(repeats):
             memory.fill(None, self.device)
             cpu0, t0 = time.process_time(), time.perf_counter()
-            await engine.read(peer, ids, order, local=name, remote=name)
+            result = await engine.read(peer, ids, order, local=name, remote=name)
             dt = time.perf_counter() - t0
             rates.append(self.tput_bytes / dt / 1e9)
             cpu.append((time.process_time() - cpu0) / dt * 100)
-        return float(np.median(rates)), float(np.median(cpu))
+            slices.append(result.slices)
+        return float(np.median(rates)), float(np.median(cpu)), float(np.median(slices))
 
-    async def _large_slice_reads(self, name: str, ids: list[int], order: list[int], repeats: int,
-                                 copy: BlockCopy) -> dict[str, Any]:  # fmt: skip
-        """The same READs by an engine whose slices may pass the 64 MiB cap, alone and beside a busy Python thread.
+    async def _old_cap_reads(self, name: str, ids: list[int], order: list[int], repeats: int,
+                             copy: BlockCopy) -> dict[str, Any]:  # fmt: skip
+        """The same READs by an engine with slices capped at 64 MiB, alone and beside a busy Python thread.
 
-        The main engine caps a slice at 64 MiB; a GPU copies that in well under the 2 ms a slice aims
-        at, so each read is many posts and every post pays the engine's own work and a GIL wait.
+        The cap until 2026-11-27: a GPU copies 64 MiB in half a millisecond, so each read was many
+        posts and every post paid the engine's own work and, beside a busy thread, a GIL wait.
         """
         from nixl_async import EngineConfig, TransferEngine
 
@@ -984,16 +986,16 @@ class Checks:
 
         assert self.proc is not None
         memory = Memory(self.mem[name].spec, self.device)
-        config = EngineConfig(engine_id=f"gpu-check-large-{name}", transfer_timeout_s=60.0,
-                              max_post_bytes=LARGE_POST_BYTES)  # fmt: skip
+        config = EngineConfig(engine_id=f"gpu-check-old-cap-{name}", transfer_timeout_s=60.0,
+                              max_post_bytes=OLD_POST_BYTES)  # fmt: skip
         async with TransferEngine(config) as engine:
             engine.register(name, memory.regions, block_len=memory.spec.block_bytes)
             peer = await engine.connect(*self.proc.address)
             await engine.read(peer, [0], [0], local=name, remote=name)
-            gbps, _ = await self._engine_reads(name, ids, order, repeats, engine=engine, peer=peer, memory=memory)
-            slices = (await engine.read(peer, ids, order, local=name, remote=name)).slices
+            gbps, _, slices = await self._engine_reads(name, ids, order, repeats, engine=engine, peer=peer,
+                                                       memory=memory)  # fmt: skip
             with busy_python_thread():
-                busy_gbps, _ = await self._engine_reads(name, ids, order, repeats, engine=engine, peer=peer,
+                busy_gbps, _, _ = await self._engine_reads(name, ids, order, repeats, engine=engine, peer=peer,
                                                         memory=memory)  # fmt: skip
             check = verify(memory, [copy], self.device)
         return {"ok": check["ok"], "gbps": gbps, "busy_gbps": busy_gbps, "slices": slices}

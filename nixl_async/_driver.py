@@ -29,7 +29,7 @@ from ._agent import NIXL_ERRORS, OwnedAgent
 from ._notify_transport import NOTIFY_ERRORS, NotificationTransport
 from ._peers import Peer, PeerTable
 from ._poller import AdaptivePacer
-from ._slicing import CopyRate, LinkRates, slice_bytes
+from ._slicing import CopyRates, LinkRates, Route, slice_bytes
 from ._state import Action, Complete, Fenced, Finish, Quiet, Release, TransferState
 from .config import EngineConfig
 from .exceptions import LeaseExpired, NotificationFailed, TransferError, TransferFailed, TransferTimeout
@@ -80,7 +80,7 @@ class TransferDriver:
         self.fenced: dict[int, Transfer] = {}  # told the caller, NIXL still holds handles
         self._handles: dict[int, Any] = {}  # see _SLICE_KEY
         self._ids = itertools.count(1)
-        self._copy_rate = CopyRate(config)  # sizes slices of inline copies (each peer has its wire rate)
+        self.copy_rates = CopyRates(config)  # size slices of inline copies, per route (each peer has its wire rate)
         self.hot_from = -_NEVER  # perf_counter time from which the poller should check hot
         self._hints_checked_at = -_NEVER  # loop time the sweep last looked for busy hints to renew
         self._next_deadline = _NEVER  # no transfer's deadline comes before this
@@ -109,10 +109,11 @@ class TransferDriver:
         notify: bytes | None,
         deadline: float | None,
         lease_deadline: float | None,
+        route: Route,
     ) -> Transfer:
         """Start an admitted transfer: `local`/`remote` are (prepared descriptor list, descriptor ids)."""
         rows = ((local[1], remote[1], notify),)
-        return self.submit_many(op, peer, local[0], remote[0], piece_len, rows, deadline, lease_deadline)[0]
+        return self.submit_many(op, peer, local[0], remote[0], piece_len, rows, deadline, lease_deadline, route)[0]
 
     def submit_many(
         self,
@@ -124,6 +125,7 @@ class TransferDriver:
         rows: Iterable[tuple[DescIds, DescIds, bytes | None]],
         deadline: float | None,
         lease_deadline: float | None,
+        route: Route,
     ) -> list[Transfer]:
         """Start admitted transfers over the same descriptor lists, one per (local ids, remote ids, notify) row.
 
@@ -132,7 +134,8 @@ class TransferDriver:
         agent, loop, config = self.agent, self.loop, self._config
         assert agent is not None and loop is not None
         now = loop.time()
-        per_slice = descriptors_per_slice(piece_len, slice_bytes(config, self._copy_rate, peer.link),
+        copy_rate = self.copy_rates.of(route)
+        per_slice = descriptors_per_slice(piece_len, slice_bytes(config, copy_rate, peer.link),
                                           config.max_post_descriptors)  # fmt: skip
         self._expect(peer, now, deadline)
         started: list[Transfer] = []
@@ -168,6 +171,7 @@ class TransferDriver:
                     future=TransferFuture(loop=loop, transfer_id=transfer_id, on_cancel=self._awaiter_cancelled_cb),
                     cancel_cb=self._end_cb,
                     link=peer.link,
+                    copy_rate=copy_rate,
                     slices_in_flight=config.slices_in_flight,
                     release_grace_s=config.release_grace_s,
                 )
@@ -208,6 +212,7 @@ class TransferDriver:
         nbytes: int,
         deadline: float | None,
         lease_deadline: float | None,
+        route: Route,
     ) -> TransferBatch:
         """Start an admitted batch: row i of `rows` (local, remote descriptor ids) is one request.
 
@@ -235,6 +240,7 @@ class TransferDriver:
             future=TransferFuture(loop=loop, transfer_id=transfer_id, on_cancel=self._awaiter_cancelled_cb),
             cancel_cb=self._end_cb,
             link=peer.link,
+            copy_rate=self.copy_rates.of(route),
             release_grace_s=config.release_grace_s,
         )
         batch.lease_deadline = lease_deadline
@@ -471,11 +477,11 @@ class TransferDriver:
             transfer.post_seconds += took
             self._stats.histograms["post_us"].record(took)
             moved = True
-            if state == "DONE" and timed:  # copied inside the call: tells us the copy rate
+            if state == "DONE" and timed and transfer.copy_rate is not None:  # copied inside the call: a copy rate
                 # The copy is this thread's CPU time; the rest is waiting (for the GIL, mostly). Counted
                 # as copying, that wait shrank the slices, and smaller slices meant more waits (H100,
                 # 1 GiB read beside a busy Python thread: 1 MiB slices, 0.1 GB/s).
-                self._copy_rate.observe(len(lidx) * transfer.piece_len, copy_s, took)
+                transfer.copy_rate.observe(len(lidx) * transfer.piece_len, copy_s, took)
             if not notif:  # (a notification can keep a post in flight that copied inline)
                 transfer.link.posted(state)
             self._apply(transfer, actions)

@@ -18,9 +18,11 @@ import sys
 
 from .config import EngineConfig
 
-__all__ = ["CopyRate", "LinkRates", "WireRate", "slice_bytes"]
+__all__ = ["CopyRate", "CopyRates", "LinkRates", "Route", "WireRate", "slice_bytes"]
 
 _INITIAL_COPY_RATE = 4e9  # a conservative first guess (CMA here does 4-12 GB/s)
+
+Route = tuple[str, str]  # (local memory kind, remote memory kind), e.g. ("VRAM", "VRAM")
 
 
 class CopyRate:
@@ -64,6 +66,27 @@ class CopyRate:
         cfg = self._config
         seconds = max(cfg.post_target_s, self.wait_s * self.COPY_OVER_WAIT)
         return int(min(cfg.max_post_bytes, max(cfg.min_post_bytes, self.bytes_per_s * seconds)))
+
+
+class CopyRates:
+    """One `CopyRate` per route: inline copies differ far more by memory kind than by peer.
+
+    On an H100 a cuda_ipc copy between GPU buffers moved ~120 GB/s where CMA between host buffers
+    moves 4-12 GB/s: a host copy sized by the GPU's rate would stall the loop ~25x its target
+    (and the GPU's slices, sized by the host's, would need a dozen posts to grow back).
+    """
+
+    __slots__ = ("_config", "_rates")
+
+    def __init__(self, config: EngineConfig) -> None:
+        self._config = config
+        self._rates: dict[Route, CopyRate] = {}
+
+    def of(self, route: Route) -> CopyRate:
+        rate = self._rates.get(route)
+        if rate is None:
+            rate = self._rates[route] = CopyRate(self._config)
+        return rate
 
 
 class WireRate:

@@ -235,7 +235,7 @@ class EngineConfig:
     # that wait instead (at most twice Python's switch interval), so fewer posts pay it.
     post_target_s: float = 0.002
     min_post_bytes: int = 1 << 20
-    max_post_bytes: int = 64 << 20
+    max_post_bytes: int = 1 << 30
     max_post_descriptors: int = 8192
     slices_in_flight: int = 2
     # Over transports that do not copy inside the post (TCP, RDMA), a slice instead

@@ -734,7 +734,8 @@ class TransferEngine:
                                                       remote_view)  # fmt: skip
         descriptors = sum(lengths)
         return self._driver.submit_batch(op, peer, local_dlist, remote_dlist, (lidx, ridx), descriptors,
-                                         descriptors * piece_len, deadline, lease_deadline)  # fmt: skip
+                                         descriptors * piece_len, deadline, lease_deadline,
+                                         _route(local_view, remote_view))  # fmt: skip
 
     async def _submit(
         self,
@@ -770,9 +771,8 @@ class TransferEngine:
             local_dlist, remote_dlist = self._admitted(peer, (nbytes,), local_view, remote_view)
         else:
             local_dlist, remote_dlist = await self._admit(peer, (nbytes,), deadline, local_view, remote_view)
-        return self._driver.submit(
-            op, peer, (local_dlist, lidx), (remote_dlist, ridx), local_view.piece_len, notify, deadline, lease_deadline
-        )
+        return self._driver.submit(op, peer, (local_dlist, lidx), (remote_dlist, ridx), local_view.piece_len, notify,
+                                   deadline, lease_deadline, _route(local_view, remote_view))  # fmt: skip
 
     async def _submit_rows(
         self,
@@ -813,7 +813,7 @@ class TransferEngine:
         local_dlist, remote_dlist = await self._admit(peer, sizes, deadline, local_view, remote_view)
         rows = zip(lidx, ridx, notes, strict=True)
         return self._driver.submit_many(op, peer, local_dlist, remote_dlist, piece_len, rows, deadline,
-                                        lease_deadline)  # fmt: skip
+                                        lease_deadline, _route(local_view, remote_view))  # fmt: skip
 
     def _require_peer(self, peer: Peer) -> None:
         self._require_agent()
@@ -979,3 +979,8 @@ class TransferEngine:
         else:
             counters["poller_sleeps"] += 1
             await self._sleep(delay)
+
+
+def _route(local: BlockView, remote: BlockView) -> tuple[str, str]:
+    """The memory kinds a transfer copies between: inline copies are timed per route (`CopyRates`)."""
+    return str(local.layout.mem_type), str(remote.layout.mem_type)

@@ -30,7 +30,7 @@ from .exceptions import TransferCancelled, TransferError, TransferTimeout
 from .layout import DescIds, IdArray
 
 if TYPE_CHECKING:
-    from ._slicing import LinkRates
+    from ._slicing import CopyRate, LinkRates
 
 _NO_IDS: IdArray = np.empty(0, dtype=np.int64)
 
@@ -102,6 +102,7 @@ class Transfer:
         "_future",
         "_is_quiet",
         "_quiet",
+        "copy_rate",
         "core",
         "deadline",
         "descriptors",
@@ -146,6 +147,7 @@ class Transfer:
         future: asyncio.Future[TransferResult],
         cancel_cb: Callable[[Transfer, TransferError], None],
         link: LinkRates,
+        copy_rate: CopyRate | None = None,
         slices_in_flight: int = 2,
         release_grace_s: float = 1.0,
         core: SliceCore | None = None,
@@ -155,6 +157,7 @@ class Transfer:
         self.peer = peer
         self.remote_agent = remote_agent
         self.link = link  # the peer's: learns from this transfer's posts and completion
+        self.copy_rate = copy_rate  # its route's: learns from posts that copy inline (None: no bytes)
         self.local_dlist = local_dlist
         self.remote_dlist = remote_dlist
         # Descriptor ids, posted `per_slice` at a time (views are cut when a slice is posted:

@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from nixl_async._poller import AdaptivePacer
-from nixl_async._slicing import CopyRate, LinkRates, WireRate, slice_bytes
+from nixl_async._slicing import CopyRate, CopyRates, LinkRates, WireRate, slice_bytes
 from nixl_async.config import EngineConfig, PollConfig, ucx_link_settings
 from nixl_async.stats import LatencyHistogram
 
@@ -129,6 +129,33 @@ def test_waits_count_up_to_the_switch_interval(monkeypatch):
     assert copy.slice_bytes() == pytest.approx(4e9 * 0.010, rel=0.01)  # twice the interval, not 1 GiB
     copy.observe(40_000_000, 0.010, 0.210)  # one post 200 ms late moves the mean by no more than an interval
     assert copy.wait_s <= 0.005 + 1e-9
+
+
+def test_the_default_cap_lets_a_gpu_copy_post_its_target_not_64_mib():
+    """cuda_ipc copied ~120 GB/s on an H100: 64 MiB slices were half a millisecond each, and beside a
+    busy Python thread every post also waited for the GIL (1 GiB in 1 MiB blocks: 6 GB/s against
+    23-41 GB/s with the cap at 1 GiB, docs/gpu.md). The cap still bounds a runaway estimate."""
+    cfg = EngineConfig()
+    copy = CopyRate(cfg, initial=120e9)
+    assert copy.slice_bytes() == int(120e9 * cfg.post_target_s)  # 240 MB: 2 ms of copying
+    copy.observe(1 << 30, (1 << 30) / 120e9, (1 << 30) / 120e9 + 0.005)  # each post waits 5 ms for the GIL
+    assert copy.slice_bytes() > 64 << 20
+    assert CopyRate(cfg, initial=1e15).slice_bytes() == cfg.max_post_bytes == 1 << 30
+
+
+def test_each_route_learns_its_own_copy_rate():
+    """A host copy sized by a GPU copy's rate would stall the loop ~25x its target (and the GPU's
+    slices, sized by the host's, would take a dozen posts to grow back)."""
+    cfg = EngineConfig()
+    rates = CopyRates(cfg)
+    gpu, host = rates.of(("VRAM", "VRAM")), rates.of(("DRAM", "DRAM"))
+    assert rates.of(("VRAM", "VRAM")) is gpu and gpu is not host and rates.of(("DRAM", "VRAM")) not in (gpu, host)
+    for _ in range(20):  # cuda_ipc at 120 GB/s
+        gpu.observe(gpu.slice_bytes(), gpu.slice_bytes() / 120e9, gpu.slice_bytes() / 120e9)
+    assert gpu.slice_bytes() == pytest.approx(120e9 * cfg.post_target_s, rel=0.01)
+    assert host.slice_bytes() == int(host.bytes_per_s * cfg.post_target_s) < 16 << 20  # still the first guess
+    host.observe(10_000_000, 0.002, 0.002)  # CMA at 5 GB/s
+    assert gpu.slice_bytes() == pytest.approx(120e9 * cfg.post_target_s, rel=0.01)
 
 
 def test_a_peer_is_hinted_busy_unless_its_posts_copy_inline_and_renewed_before_the_hint_runs_out():
