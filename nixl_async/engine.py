@@ -983,4 +983,4 @@ class TransferEngine:
 
 def _route(local: BlockView, remote: BlockView) -> tuple[str, str]:
     """The memory kinds a transfer copies between: inline copies are timed per route (`CopyRates`)."""
-    return str(local.layout.mem_type), str(remote.layout.mem_type)
+    return local.layout.mem_type, remote.layout.mem_type  # (MemType is a str enum)
