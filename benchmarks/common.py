@@ -140,14 +140,15 @@ class RawReader:
     """NIXL used directly, the way a hand-written loop would: one agent, no engine."""
 
     def __init__(self, name: str, local: BlockLayout, address: tuple[str, int], *, progress_thread: bool,
-                 ucx_params: dict[str, str] | None = None) -> None:  # fmt: skip
-        """`ucx_params`: the UCX backend's parameters (default `raw_ucx_params()`)."""
+                 ucx_params: dict[str, str] | None = None, remote_layout: str | None = None) -> None:  # fmt: skip
+        """`ucx_params`: the UCX backend's parameters (default `raw_ucx_params()`); `remote_layout`:
+        the peer's layout of that name (default its first)."""
         params = raw_ucx_params() if ucx_params is None else ucx_params
         self.agent = OwnedAgent(name, ("UCX",), {"UCX": params}, progress_thread=progress_thread)
         self.memory = self.agent.register(local.region_descriptors(), local.mem_type)
         reply = fetch_reply(*address)
         self.remote_name = self.agent.add_remote(reply.agent_metadata)
-        self.remote_layout = reply.layouts[0]
+        self.remote_layout = next(lay for lay in reply.layouts if remote_layout in (None, lay.name))
         self.local_view: BlockView = local.view()
         self.local = self.agent.prep_view("", self.local_view)
         self.remote = self.agent.prep_view(self.remote_name, self.remote_layout.view())

@@ -19,7 +19,9 @@ its stdin (verify a layout, zero it, wait for notifications). The main process t
   `ConnectorWorker` itself, vLLM replaced by stand-ins for the three things it imports;
 - cancellation and a deadline mid-transfer: the error arrives, no NIXL handle is left and the
   destination memory no longer changes afterwards (the engine's memory-quiet contract);
-- READ throughput against a raw NIXL loop over the same descriptors, and the engine's CPU share.
+- READ throughput against a raw NIXL loop over the same descriptors, and the engine's CPU share;
+- a model thread's step times beside READs posted by the engine's loop, or from that thread itself as
+  vLLM's connector posts them (`gpu_model_step`).
 
 Every destination is compared in full with what it must hold (copied bytes from the pattern,
 zeros elsewhere) with torch on the GPU. Results go to ``DIR/gpu-check.json`` and
@@ -80,8 +82,9 @@ ENGINE_CHECKS = frozenset({
     "vram_read_blocks", "vram_write_blocks", "vram_read_tp_head_slice", "vram_write_tp_head_slice",
     "vram_read_block_ratio_split2", "read_remote_vram_into_dram", "write_dram_into_remote_vram",
     "read_remote_dram_into_vram", "write_vram_into_remote_dram", "cancel_mid_transfer_memory_quiet",
-    "deadline_mid_transfer_memory_quiet", "throughput_vs_raw_nixl",
+    "deadline_mid_transfer_memory_quiet", "throughput_vs_raw_nixl", "model_steps_beside_reads",
 })  # fmt: skip
+MODEL_STEP_READ_BYTES = 256 << 20  # one request's KV, read again and again beside the model thread
 
 # -- the pattern --------------------------------------------------------------------------------
 _P1, _P2, _MASK = 2654435761, 0x45D9F3B, 0xFFFFFFFF
@@ -715,6 +718,7 @@ class Checks:
         await self.report.run("cancel_mid_transfer_memory_quiet", self.cancel_quiet)
         await self.report.run("deadline_mid_transfer_memory_quiet", self.deadline_quiet)
         await self.report.run("throughput_vs_raw_nixl", self.throughput)
+        await self.report.run("model_steps_beside_reads", self.model_steps)
 
     async def handshake(self) -> dict[str, Any]:
         assert self.proc is not None
@@ -1056,6 +1060,62 @@ class Checks:
             agent.deregister(memory)
             del raw_buf
         return {"ok": check["ok"], "gbps": float(np.median(rates)), "cpu": float(np.median(cpu))}
+
+    async def model_steps(self) -> dict[str, Any]:
+        """A model thread's step times beside 256 MiB READs (1 MiB blocks) posted by the engine's loop,
+        or from the model thread itself as vLLM's connector posts them (`gpu_model_step`)."""
+        from nixl_async import BlockLayout, MemType
+        from nixl_async.config import SendBufferLimits
+
+        from .common import RawReader
+        from .gpu_model_step import StepLoad, step_times_beside_reads
+
+        assert self.proc is not None
+        block_len = TPUT_BLOCK_LENS[-1]
+        name = f"tput_{block_len >> 10}k"
+        src = self.peer_spec(name)
+        n = min(MODEL_STEP_READ_BYTES, self.tput_bytes) // block_len
+        order = [int(b) for b in self.rng.permutation(src.num_blocks)[:n]]
+        ids = list(range(n))
+        self.mem[name].fill(None, self.device)  # blocks past n must stay zero for the check
+
+        async def engine_read() -> int:
+            await self.engine.read(self.peer, ids, order, local=name, remote=name)
+            return n * block_len
+
+        raw_buf = Memory(dataclasses.replace(self.mem[name].spec, name="raw", num_blocks=n), self.device)
+        mem_type = MemType.VRAM if self.device.type == "cuda" else MemType.DRAM
+        layout = BlockLayout.from_regions("raw", [raw_buf.regions[0].data_ptr()], num_blocks=n, block_len=block_len,
+                                          mem_type=mem_type, device_id=self.device.index or 0)  # fmt: skip
+        engine_ucx = self.engine.config.backend_settings("UCX", os.environ, SendBufferLimits.of_host())
+        address, lidx, ridx = self.proc.address, np.arange(n), np.asarray(order)
+
+        def open_reader() -> tuple[Any, Any, Any, Any]:  # in the model thread
+            raw = RawReader("gpu-check-model-pattern", layout, address, progress_thread=False, ucx_params=engine_ucx,
+                            remote_layout=name)  # fmt: skip
+            return (lambda: raw.post(lidx, ridx)), raw.state, raw.release, raw.close
+
+        pattern = StepLoad(open_reader, n * block_len)
+        runs = await step_times_beside_reads(self.device, engine_read, pattern)
+        copy = BlockCopy(src.seed or 0, src.region_len, src.block_bytes, order, block_len, ids)
+        checks = [verify(self.mem[name], [copy], self.device), verify(raw_buf, [copy], self.device)]
+        medians = {setup: {k: float(np.median([r[k] for r in rounds])) for k in rounds[0]}
+                   for setup, rounds in runs.items()}  # fmt: skip
+        alone = medians["alone"]["step_ms_p50"]
+        rows: list[dict[str, Any]] = [
+            {"set-up": setup, **figures, "p50 over alone": figures["step_ms_p50"] / alone, "rounds": len(runs[setup])}
+            for setup, figures in medians.items()
+        ]
+        notes = [
+            f"a thread steps a stand-in decode step (300 small kernel launches, one bf16 matmul, a synchronize) "
+            f"for 1 s per set-up and round, alternating; READs of {n * block_len >> 20} MiB back to back",
+            "engine: `await engine.read` on this process's loop; vllm_pattern: a model of vLLM's connector, "
+            "the stepping thread posts a READ when none is in flight and checks its state once per step "
+            "(NIXL's public API, the engine's UCX settings)",
+            "figures: medians over rounds of each round's step-time p50 / p99 and GB/s read",
+        ]
+        ok = all(c["ok"] for c in checks) and not pattern.failed
+        return {"ok": ok, "rows": rows, "notes": notes, "failed_states": pattern.failed}
 
     def _copy_ceiling(self, nbytes: int) -> float:
         """Bytes per second of a plain torch copy on the device (what one copy engine pass can do)."""

@@ -76,3 +76,18 @@ def test_the_adapter_checks_pass_on_the_cpu_stand_in_without_vllm(tmp_path):
         assert ran[name]["ok"], ran[name]
         assert ran[name]["details"]["bad_bytes"] == [0, 0], ran[name]
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+def test_the_model_step_check_runs_on_the_cpu_stand_in(tmp_path):
+    """The model thread beside reads (docs/gpu.md): every set-up steps, the engine and vLLM's pattern both
+    move bytes, and both destinations hold exactly what was read."""
+    proc = _run("--device", "cpu", "--quick", "--tput-mib", "32", "--only", "model_steps_beside_reads",
+                "--out", str(tmp_path))  # fmt: skip
+    summary = json.loads((tmp_path / "gpu-check.json").read_text())
+    check = next(c for c in summary["checks"] if c["name"] == "model_steps_beside_reads")
+    assert check["ok"], check
+    rows = {row["set-up"]: row for row in check["details"]["rows"]}
+    assert set(rows) == {"alone", "engine", "vllm_pattern"}
+    assert all(row["steps"] > 0 for row in rows.values()), rows
+    assert rows["engine"]["GB/s"] > 0 and rows["vllm_pattern"]["GB/s"] > 0 and rows["alone"]["GB/s"] == 0, rows
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
