@@ -25,7 +25,7 @@ import torch
 
 __all__ = ["Between", "ModelThread", "StepLoad", "step_times_beside_reads"]
 
-LAUNCHES = 300  # small kernels per step: a decode step launches hundreds
+LAUNCHES = 300  # small kernels per step: an eager-mode decode step launches hundreds
 PHASE_S = 1.0  # each set-up runs this long, per round
 
 
