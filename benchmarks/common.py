@@ -148,7 +148,10 @@ class RawReader:
         self.memory = self.agent.register(local.region_descriptors(), local.mem_type)
         reply = fetch_reply(*address)
         self.remote_name = self.agent.add_remote(reply.agent_metadata)
-        self.remote_layout = next(lay for lay in reply.layouts if remote_layout in (None, lay.name))
+        named = [lay for lay in reply.layouts if remote_layout in (None, lay.name)]
+        if not named:
+            raise ValueError(f"the peer has no layout {remote_layout!r} ({[lay.name for lay in reply.layouts]})")
+        self.remote_layout = named[0]
         self.local_view: BlockView = local.view()
         self.local = self.agent.prep_view("", self.local_view)
         self.remote = self.agent.prep_view(self.remote_name, self.remote_layout.view())

@@ -2,7 +2,8 @@
 
 Over UCX's CMA transport (and cuda_ipc between GPUs) a post is a synchronous copy inside
 `transfer()`, so the slice size bounds how long one post stalls the event loop; the engine aims
-at `post_target_s` of copying per post. Only posts that complete inline tell us a copy rate:
+at `post_target_s` of copying per post, at the rate of its route (local and remote memory kind: a
+GPU copy is ~20x a host copy). Only posts that complete inline tell us a copy rate:
 the estimate drops at once on a slow copy (an overestimate means a long stall) and recovers
 gradually. Time a post spends waiting (for the GIL, mostly) is not copying: it stretches the
 slices instead of shrinking them (`CopyRate`).
