@@ -27,6 +27,7 @@ from nixl_async import (
     WrongThreadError,
 )
 from nixl_async._agent import NIXL_ERRORS
+from nixl_async._slicing import CopyRate
 from nixl_async.testing import (
     Stats,
     Verify,
@@ -508,11 +509,15 @@ async def test_slices_to_a_peer_over_tcp_grow_to_the_wire_rate(nixl_engine, nixl
     second = await nixl_engine.read(tcp, range(64), range(64))
     # 0.2 s at the rate the first read moved (> 160 MB/s on loopback) is >= 32 MiB a slice
     assert first.slices >= 8 and second.slices <= 2, (first, second)
+    host_copies = nixl_engine._driver.copy_rates.of(("DRAM", "DRAM"))
+    untaught = host_copies.bytes_per_s
     cma_proc = nixl_peer_factory(num_regions=1, num_blocks=64, block_len=1 << 20)
     cma = await nixl_engine.connect(*cma_proc.address)
     for _ in range(2):  # over CMA each post is a copy inside the call: slices stay sized for the loop
         assert (await nixl_engine.read(cma, range(64), range(64))).slices >= 8  # (8 MiB is 0.5 ms at 16 GB/s)
     assert cma.link.inline and tcp.link.inline is False
+    # The route's copy rate is taught by the CMA posts (inline copies) and was by none of the TCP ones
+    assert untaught == CopyRate(nixl_engine.config).bytes_per_s != host_copies.bytes_per_s
     hints = nixl_engine.stats.counters["busy_hints_sent"]
     await nixl_engine.read(cma, range(64), range(64))
     assert nixl_engine.stats.counters["busy_hints_sent"] == hints, "a CMA peer has nothing in flight to serve"
