@@ -101,37 +101,37 @@ class ModelThread:
             raise RuntimeError(f"the model thread failed: {self.error!r}") from self.error
 
 
+# One READ's worth of NIXL calls: post() -> (handle, state), state(handle), release(handle), close()
+Reader = tuple[Callable[[], tuple[Any, str]], Callable[[Any], str], Callable[[Any], None], Callable[[], None]]
+
+
 class StepLoad:
     """vLLM's pattern: READs posted and checked by the stepping thread itself, one per step at most.
 
     `open_reader` is called in that thread (a NIXL agent belongs to the thread that made it, as
-    vLLM's worker makes its own) and returns (post, state, release, close) for one READ's worth.
+    vLLM's worker makes its own).
     """
 
-    def __init__(self, open_reader: Callable[[], tuple[Callable[[], tuple[Any, str]], Callable[[Any], str],
-                                                         Callable[[Any], None], Callable[[], None]]],
-                 nbytes: int) -> None:  # fmt: skip
+    def __init__(self, open_reader: Callable[[], Reader], nbytes: int) -> None:
         self._open, self._nbytes = open_reader, nbytes
-        self._post: Callable[[], tuple[Any, str]] | None = None
-        self._state: Callable[[Any], str] = str
-        self._release: Callable[[Any], None] = lambda handle: None
-        self._close: Callable[[], None] = lambda: None
+        self._reader: Reader | None = None  # while started
         self._handle: Any = None
         self.moved = 0  # bytes of the READs that completed while the thread stepped
         self.failed: list[str] = []
 
     def start(self) -> None:
-        self._post, self._state, self._release, self._close = self._open()
+        self._reader = self._open()
 
     def __call__(self) -> None:
-        assert self._post is not None
+        assert self._reader is not None
+        post, state_of, release, _ = self._reader
         if self._handle is None:  # start_load_kv: post the next request's READ
-            self._handle, state = self._post()
+            self._handle, state = post()
         else:  # get_finished: one state check per step
-            state = self._state(self._handle)
+            state = state_of(self._handle)
         if state == "PROC":
             return
-        self._release(self._handle)
+        release(self._handle)
         self._handle = None
         if state == "DONE":
             self.moved += self._nbytes
@@ -140,12 +140,13 @@ class StepLoad:
 
     def stop(self) -> None:
         """Wait out a READ still in flight, release it, close the reader."""
+        assert self._reader is not None
         moved = self.moved
         while self._handle is not None:
             self()
         self.moved = moved  # (a READ that lands after the steps stopped is not counted)
-        self._close()
-        self._post = None
+        self._reader[3]()
+        self._reader = None
 
 
 def _summary(model: ModelThread, moved: int, seconds: float) -> dict[str, float]:
