@@ -66,6 +66,7 @@ class TransferDriver:
         notify: NotificationTransport,
         pacer: AdaptivePacer,
         wakeup: Callable[[], None],
+        check_by: Callable[[float], None],
     ) -> None:
         self._config = config
         self._stats = stats
@@ -74,6 +75,7 @@ class TransferDriver:
         self._notify = notify
         self._pacer = pacer
         self._wakeup = wakeup
+        self._check_by = check_by  # transfers posted at submit: the poller's first check (their `hot_from`)
         self.agent: OwnedAgent | None = None  # set while the engine runs (and while it closes)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.active: dict[int, Transfer] = {}  # not yet told, or told but still releasing
@@ -140,6 +142,7 @@ class TransferDriver:
         self._expect(peer, now, deadline)
         started: list[Transfer] = []
         posting, notify_only = False, 0
+        hot_from = _NEVER  # of the transfers posted here (-_NEVER: one still wants a post)
         collected = COLLECTOR.get()
         # Small transfers are posted here, for as long as one sweep's budget lasts; the poller posts
         # the rest of a large batch, yielding as it goes, so a batch never stalls the loop for long.
@@ -186,7 +189,10 @@ class TransferDriver:
                 ):
                     self._pump_inline(agent, transfer, 1)  # the fast path: small transfers finish here
                 # (a bigger first slice, or a late one of a batch, is posted by the poller)
-                posting = posting or transfer.core.state is TransferState.POSTING
+                if transfer.core.state is TransferState.POSTING:
+                    posting = True
+                    if hot_from > -_NEVER:
+                        hot_from = min(hot_from, self._hot_from(transfer))
         except BaseException:
             # Give back the room admitted for rows that never became transfers (those that did
             # give theirs back when they end, as usual).
@@ -198,7 +204,10 @@ class TransferDriver:
             self._stats.counters["transfers_submitted"] += len(started) - notify_only
             if posting:
                 self._pacer.activity(loop.time())
-                self._wakeup()
+                if hot_from == -_NEVER:
+                    self._wakeup()  # a slice still to post
+                else:
+                    self._check_by(hot_from)
         return started
 
     def submit_batch(
@@ -373,11 +382,8 @@ class TransferDriver:
             if transfer.id in self.active:  # fenced ones never keep the poller hot
                 if renew_hints and transfer.link.busy_hint_due(started):  # a long transfer: renew it
                     self._send_busy_hint(self._table.of_agent(transfer.remote_agent))
-                if not transfer.first_post_at or transfer.core.can_post_now:
-                    hot_from = -_NEVER
-                elif hot_from > -_NEVER:
-                    spin_from = transfer.link.wire.spin_from(transfer.first_post_at, transfer.nbytes, _HOT_MARGIN_S)
-                    hot_from = min(hot_from, spin_from)
+                if hot_from > -_NEVER:
+                    hot_from = min(hot_from, self._hot_from(transfer))
             # A post can be a multi-ms copy, and 10k state checks add up: bound the stall. (After
             # the last transfer the poller yields anyway: a second yield costs a loop iteration.)
             if (activity or not n % 256) and n < last and time.perf_counter() - swept > _SWEEP_BUDGET_S:
@@ -388,6 +394,13 @@ class TransferDriver:
         if now >= self._next_deadline:
             self._expire(now)
         return activity
+
+    @staticmethod
+    def _hot_from(transfer: Transfer) -> float:
+        """When the poller should start checking `transfer` on every turn (-_NEVER: now, it wants a post)."""
+        if not transfer.first_post_at or transfer.core.can_post_now:
+            return -_NEVER
+        return transfer.link.wire.spin_from(transfer.first_post_at, transfer.nbytes, _HOT_MARGIN_S)
 
     def _send_busy_hint(self, peer: Peer | None) -> None:
         """Keep `peer` progressing its worker while transfers with it may be in flight (see `LinkRates`)."""

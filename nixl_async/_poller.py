@@ -62,6 +62,15 @@ class AdaptivePacer:
         """Poll at least every `waiting_interval_s` until `until` (e.g. after a handshake)."""
         self._brisk_until = max(self._brisk_until, until)
 
+    def after_post(self, hot_in: float) -> float:
+        """Transfers were just posted and are in flight: 0.0 to check them at once, else seconds until
+        their first check. Checking a read that just left finds it in flight (a loop turn, a
+        notification drain and a state check wasted); this is the sleep a busy check would choose."""
+        cfg = self._config
+        if cfg.busy_interval_s <= 0 or (cfg.spin and hot_in < max(cfg.busy_interval_s, self.busy_gap_s)):
+            return 0.0
+        return cfg.busy_interval_s
+
     def delay(self, now: float, *, busy: bool, waiting: bool, hot_in: float = 0.0) -> float:
         """`hot_in`: seconds until a transfer in flight may end or wants a post (<= 0: now)."""
         cfg = self._config

@@ -39,6 +39,20 @@ def test_in_flight_it_checks_every_busy_interval_until_a_transfer_may_end():
     assert spinning.delay(10.5, busy=True, waiting=False, hot_in=0.030) == 0.0
 
 
+def test_a_transfer_just_posted_is_first_checked_when_a_busy_check_would_look_again():
+    """A submit that posted a read in flight need not wake the poller at once: a check then finds it in flight."""
+    quiet = AdaptivePacer(PollConfig(busy_interval_s=0.001, spin=False))
+    assert quiet.after_post(hot_in=-1.0) == 0.001  # never spins, even on a read already due
+    assert quiet.after_post(hot_in=0.5) == 0.001
+    spinning = AdaptivePacer(PollConfig(busy_interval_s=0.001))
+    assert spinning.after_post(hot_in=0.0005) == 0.0  # due within the interval: checked hot, at once
+    assert spinning.after_post(hot_in=0.030) == 0.001
+    spinning.delay(1.0, busy=True, waiting=False, hot_in=0.030)
+    spinning.delay(1.004, busy=True, waiting=False, hot_in=0.030)  # its sleeps last longer than nominal
+    assert spinning.after_post(hot_in=0.0015) == 0.0
+    assert AdaptivePacer(PollConfig(busy_interval_s=0.0, spin=False)).after_post(hot_in=0.5) == 0.0
+
+
 def test_a_transfer_due_within_the_interval_its_sleeps_really_last_is_checked_hot():
     """A "1 ms" sleep between checks of a TCP read lasted 2-3 ms (the timer rounds up, the next check receives
     what came meanwhile): a read due in 1.5 ms was slept on and, ending during that sleep, seen late."""

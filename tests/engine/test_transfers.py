@@ -501,6 +501,34 @@ async def test_a_read_in_flight_over_tcp_is_checked_every_interval_not_spun_on(n
     assert early.count(True) >= 3 and early.count(False) <= 2 * result.slices + 2, (early, result)
 
 
+# (idle sleeps of 0.5 s: the poller's idle wake-ups never coincide with the submits)
+@pytest.mark.nixl_engine_config(poll=PollConfig(spin=False, linger_s=0.0, backoff_start_s=0.5, idle_interval_s=0.5))
+async def test_a_read_the_submit_posts_in_flight_is_first_checked_a_busy_interval_later(nixl_engine, nixl_peer_factory):
+    """As the vLLM adapter polls (no spin): the submit posts a small read, which is in flight over TCP; the poller
+    first checks it when a busy check would look again, not at once (that poll only found it in flight: a loop turn,
+    a notification drain and a state check per KV load on decode's core). A read still to post wakes it at once."""
+    _proc, peer = await _tcp_peer(nixl_engine, nixl_peer_factory, 16, 256 << 10)
+    await nixl_engine.read(peer, [0], [0])  # wire-up
+    counters = nixl_engine.stats.counters
+    for _ in range(3):
+        await asyncio.sleep(0.1)  # the poller sleeps idle
+        polls = counters["polls"]
+        transfer = await nixl_engine.start_read(peer, [1, 2, 3, 4], [1, 2, 3, 4])  # 1 MiB: one post (min_post_bytes)
+        assert transfer.state is TransferState.POSTING, "expected a read in flight over TCP"
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert counters["polls"] == polls, "the poller checked a read the submit had just posted"
+        result = await asyncio.wait_for(transfer, 10)  # the re-armed timer, not the idle one, wakes it
+        assert result.nbytes == 1 << 20 and result.slices == 1
+    await asyncio.sleep(0.1)
+    polls = counters["polls"]
+    big = await nixl_engine.start_read(peer, range(16), range(16))  # 4 MiB in slices: the poller posts the rest
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert counters["polls"] > polls, "a read with slices to post waits for the poller"
+    await asyncio.wait_for(big, 10)
+
+
 @pytest.mark.nixl_engine_config(slice_flight_s=0.2, post_target_s=0.0005)
 async def test_slices_to_a_peer_over_tcp_grow_to_the_wire_rate(nixl_engine, nixl_peer_factory):
     """Posts over TCP return before the data moves: slices are sized from the wire, not the loop's stall."""
