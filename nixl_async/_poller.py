@@ -16,6 +16,8 @@ Why this shape (measured on 2-core CPU machines, see docs in README "Design"):
   twice: a core's worth of CPU (and GIL) for every in-flight second, and, on 2 cores, half the
   throughput, since the spinning thread took the CPU the kernel and the peer needed to move
   the bytes (192 MiB read: 0.7 GB/s spinning, 1.2-1.5 GB/s checking every ms, 5x less CPU).
+- A submit that posts a transfer which is then in flight does not wake the poller at once (that
+  check only finds it in flight): its first check comes when a busy check would look again.
 - Right after activity we keep spinning for a short linger, because work comes in bursts
   (a vLLM step submits several requests; a finished read is often followed by another).
 - Then we back off, doubling from 1 ms to an idle interval (50 ms by default). An idle engine
