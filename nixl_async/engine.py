@@ -116,7 +116,8 @@ class TransferEngine:
         self._closed = False
         self._final_live: dict[str, int] = {}
         self._wake: asyncio.Future[None] | None = None  # resolved to end the poller's sleep
-        self._wake_timer: asyncio.TimerHandle | None = None  # ends it when due
+        self._wake_timer: asyncio.Handle | None = None  # ends it when due
+        self._wake_due = 0.0  # loop time it is due (uvloop hands back a bare Handle for sub-ms delays)
         self._memory = MemoryRegistry()
         self._admission = Admission(self.config.max_inflight_transfers, self.config.max_inflight_bytes)
         self._notifications = NotificationBox(self.config.max_unclaimed_notifications)
@@ -938,14 +939,15 @@ class TransferEngine:
         delay = self._pacer.after_post(hot_from - time.perf_counter())
         if delay == 0.0:
             self._wakeup()
-        elif loop.time() + delay < timer.when():  # an idle sleep: cut it short
+        elif (due := loop.time() + delay) < self._wake_due:  # an idle sleep: cut it short
             timer.cancel()
-            self._wake_timer = loop.call_later(delay, self._wakeup)
+            self._wake_timer, self._wake_due = loop.call_later(delay, self._wakeup), due
 
     async def _sleep(self, delay: float) -> None:
-        assert self._loop is not None
-        self._wake = self._loop.create_future()
-        self._wake_timer = self._loop.call_later(delay, self._wakeup)
+        loop = self._loop
+        assert loop is not None
+        self._wake = loop.create_future()
+        self._wake_timer, self._wake_due = loop.call_later(delay, self._wakeup), loop.time() + delay
         try:
             await self._wake
         finally:

@@ -501,8 +501,11 @@ async def test_a_read_in_flight_over_tcp_is_checked_every_interval_not_spun_on(n
     assert early.count(True) >= 3 and early.count(False) <= 2 * result.slices + 2, (early, result)
 
 
-# (idle sleeps of 0.5 s: the poller's idle wake-ups never coincide with the submits)
-@pytest.mark.nixl_engine_config(poll=PollConfig(spin=False, linger_s=0.0, backoff_start_s=0.5, idle_interval_s=0.5))
+# (idle sleeps of 0.5 s: the poller's idle wake-ups never coincide with the submits; busy checks every 20 ms: the
+# loop turns below fit in one on a loaded machine)
+@pytest.mark.nixl_engine_config(
+    poll=PollConfig(spin=False, linger_s=0.0, busy_interval_s=0.02, backoff_start_s=0.5, idle_interval_s=0.5)
+)
 async def test_a_read_the_submit_posts_in_flight_is_first_checked_a_busy_interval_later(nixl_engine, nixl_peer_factory):
     """As the vLLM adapter polls (no spin): the submit posts a small read, which is in flight over TCP; the poller
     first checks it when a busy check would look again, not at once (that poll only found it in flight: a loop turn,
@@ -518,8 +521,9 @@ async def test_a_read_the_submit_posts_in_flight_is_first_checked_a_busy_interva
         for _ in range(5):
             await asyncio.sleep(0)
         assert counters["polls"] == polls, "the poller checked a read the submit had just posted"
-        result = await asyncio.wait_for(transfer, 10)  # the re-armed timer, not the idle one, wakes it
+        result = await asyncio.wait_for(transfer, 10)
         assert result.nbytes == 1 << 20 and result.slices == 1
+        assert result.seconds < 0.25, "the poller's idle sleep (0.5 s), not a busy check's, ended the wait"
     await asyncio.sleep(0.1)
     polls = counters["polls"]
     big = await nixl_engine.start_read(peer, range(16), range(16))  # 4 MiB in slices: the poller posts the rest

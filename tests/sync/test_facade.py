@@ -15,6 +15,7 @@ from nixl_async import (
     HandshakeTimeout,
     LayoutError,
     NotificationFailed,
+    PollConfig,
     SyncEngine,
     TransferCancelled,
     WrongThreadError,
@@ -115,6 +116,23 @@ def test_duplicate_request_ids_are_refused(sync_engine, nixl_peer_factory):
     with pytest.raises(ValueError, match="already has work"):
         sync_engine.submit_read("r", *peer.address, [0], [0])
     _wait_finished(sync_engine, 1)
+
+
+def test_reads_in_flight_on_uvloop_with_sub_millisecond_sleeps(nixl_peer_factory):
+    """uvloop hands back a bare `Handle` (no `when()`) for a timer under 0.5 ms: a submit that re-arms the poller's
+    sleep must not rely on it (it raised AttributeError out of the submit, the read posted and lost)."""
+    fast = PollConfig(spin=False, linger_s=0.0, busy_interval_s=0.0002, backoff_start_s=0.0002, idle_interval_s=0.0002)
+    peer = nixl_peer_factory(num_regions=1, num_blocks=8, block_len=256 << 10, tcp=True)  # in flight after the post
+    engine = SyncEngine(EngineConfig(engine_id="sync-fast-poll", poll=fast), use_uvloop=True)
+    try:
+        engine.register("kv", [np.zeros(8 << 18, np.uint8)], block_len=256 << 10)
+        for i in range(20):
+            engine.submit_read(f"r{i}", *peer.address, [i % 8], [i % 8])
+            done, failed = _wait_finished(engine, 1)
+            assert done == {f"r{i}"}, failed
+    finally:
+        engine.close()
+    assert engine.engine.live_handles() == {}
 
 
 def test_cancel_from_a_thread(sync_engine, nixl_peer_factory):
