@@ -68,10 +68,13 @@ class AdaptivePacer:
         """Transfers were just posted and are in flight: 0.0 to check them at once, else seconds until
         their first check. Checking a read that just left finds it in flight (a loop turn, a
         notification drain and a state check wasted); this is the sleep a busy check would choose."""
+        return self._busy_delay(hot_in, self._config.busy_interval_s)
+
+    def _busy_delay(self, hot_in: float, last_gap: float) -> float:
+        """0.0 (check hot) if a transfer may end within the interval sleeps really last, else the busy interval."""
         cfg = self._config
-        if cfg.busy_interval_s <= 0 or (cfg.spin and hot_in < max(cfg.busy_interval_s, self.busy_gap_s)):
-            return 0.0
-        return cfg.busy_interval_s
+        hot = cfg.spin and hot_in < max(cfg.busy_interval_s, self.busy_gap_s, last_gap)
+        return 0.0 if hot or cfg.busy_interval_s <= 0 else cfg.busy_interval_s
 
     def delay(self, now: float, *, busy: bool, waiting: bool, hot_in: float = 0.0) -> float:
         """`hot_in`: seconds until a transfer in flight may end or wants a post (<= 0: now)."""
@@ -81,10 +84,9 @@ class AdaptivePacer:
             if self._slept_at is not None:
                 last = min(now - self._slept_at, 10 * cfg.busy_interval_s)
                 self.busy_gap_s += self.GAP_WEIGHT * (last - self.busy_gap_s)
-            hot = hot_in < max(cfg.busy_interval_s, self.busy_gap_s, last) and cfg.spin
-            sleep = cfg.busy_interval_s > 0 and not hot
-            self._slept_at = now if sleep else None
-            return cfg.busy_interval_s if sleep else 0.0
+            delay = self._busy_delay(hot_in, last)
+            self._slept_at = now if delay else None
+            return delay
         self._slept_at = None
         if now - self._last_activity < cfg.linger_s:
             return 0.0
