@@ -411,12 +411,15 @@ class TransferDriver:
         """End transfers past their deadline; remember the next deadline so sweeps skip this."""
         posting = [t for t in self.active.values() if t.state is TransferState.POSTING]
         for transfer in [t for t in posting if t.deadline is not None and now >= t.deadline]:
-            self.end(transfer, TransferTimeout(f"{transfer.op} with {transfer.peer} missed its deadline",
-                                               transfer_id=transfer.id, peer=transfer.peer))  # fmt: skip
+            self._timed_out(transfer)
         self._next_deadline = min(
             (t.deadline for t in self.active.values() if t.deadline is not None and t.state is TransferState.POSTING),
             default=_NEVER,
         )
+
+    def _timed_out(self, transfer: Transfer) -> None:
+        self.end(transfer, TransferTimeout(f"{transfer.op} with {transfer.peer} missed its deadline",
+                                           transfer_id=transfer.id, peer=transfer.peer))  # fmt: skip
 
     def pump(self, agent: OwnedAgent, transfer: Transfer, max_posts: int, swept: float = 0.0,
              until: float = _NEVER) -> bool:  # fmt: skip
@@ -460,6 +463,9 @@ class TransferDriver:
                 break
             if not (next_slice := core.to_post(1)):
                 break
+            if transfer.deadline is not None and self.loop is not None and self.loop.time() >= transfer.deadline:
+                self._timed_out(transfer)  # nothing is posted past it (a sweep checks deadlines after its posts)
+                return True
             index = next_slice[0]
             # A WRITE's notification rides on its last slice (NIXL orders it after the data at
             # the target). A READ's is sent once the data has landed here: chained to the READ it

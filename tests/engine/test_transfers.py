@@ -2,6 +2,7 @@
 
 import asyncio
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -438,6 +439,24 @@ async def test_deadline_expiry_and_asyncio_timeout(nixl_engine, nixl_peer_factor
     assert transfer.state is TransferState.CANCELLED
     counters = nixl_engine.snapshot().counters
     assert counters["transfers_timeouts"] == 2 and counters["transfers_cancelled"] == 2
+
+
+async def test_a_read_whose_deadline_passed_before_its_first_post_posts_nothing(nixl_engine, nixl_peer_factory):
+    """The deadline is checked before each post, the first one included. A slice posted past it is work the caller
+    no longer wants; over cuda_ipc (an H100, a 256 MiB read copied inside one post) the whole read landed and was
+    reported a success long past a 0.1 ms deadline."""
+    proc = nixl_peer_factory(num_regions=1, num_blocks=16, block_len=1 << 20, tcp=True)
+    local = _regions(1, 16, 1 << 20)
+    nixl_engine.register("kv", local, block_len=1 << 20)
+    peer = await nixl_engine.connect(*proc.address)
+    transfer = await nixl_engine.start_read(peer, range(16), range(16), timeout=0.05)  # 16 MiB: the poller posts it
+    time.sleep(0.1)  # the loop is busy elsewhere until the deadline has passed
+    with pytest.raises(TransferTimeout):
+        await asyncio.wait_for(transfer, 10)
+    assert await nixl_engine.settle([transfer], timeout=5)
+    assert not local[0].any(), "a slice was posted past the deadline"
+    await nixl_engine.read(peer, range(16), range(16))  # the engine and the peer are fine
+    assert local[0].any()
 
 
 @pytest.mark.nixl_engine_config(max_inflight_transfers=2)
