@@ -10,11 +10,20 @@ way, and the step times are compared with the thread's steps alone.
 The vLLM side is a *model* of its pattern (one post from the stepping thread when none is in flight,
 the state checked once per step, NIXL's public API over prepared lists), not vLLM's code: the
 device image has no vLLM.
+
+Two more set-ups tell where the cost comes from: READs by another process on the same GPU (its
+own GIL and CUDA context), and a thread that only hands the GIL back and forth. On a GPU each
+set-up also runs with the step captured once as a CUDA graph and replayed, as vLLM runs decode
+steps by default.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import select
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -23,10 +32,11 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-__all__ = ["Between", "ModelThread", "StepLoad", "step_times_beside_reads"]
+__all__ = ["Between", "ModelThread", "ReaderProcess", "StepLoad", "step_times_beside_reads"]
 
 LAUNCHES = 300  # small kernels per step: an eager-mode decode step launches hundreds
 PHASE_S = 1.0  # each set-up runs this long, per round
+HANDOFF_SLEEP_S = 0.0002  # the GIL-handoff thread's sleep: ~4,000 handoffs a second, 20x a READ loop's
 
 
 class Between(Protocol):
@@ -40,7 +50,7 @@ class Between(Protocol):
 class ModelThread:
     """Steps a stand-in decode step until stopped, with `between` run between steps, all in its own thread."""
 
-    def __init__(self, device: torch.device, between: Between | None = None) -> None:
+    def __init__(self, device: torch.device, between: Between | None = None, *, graph: bool = False) -> None:
         big = 8192 if device.type == "cuda" else 256
         self.a = torch.randn(big, big, device=device, dtype=torch.bfloat16)
         self.b = torch.randn(big, big, device=device, dtype=torch.bfloat16)
@@ -48,6 +58,8 @@ class ModelThread:
         self.x = torch.ones(4096, device=device)
         self.device = device
         self.between = between
+        self.graph = graph and device.type == "cuda"  # captured in the thread, before its first step
+        self._graph: torch.cuda.CUDAGraph | None = None
         self.steps: list[float] = []  # whole steps, `between` included
         self.launching: list[float] = []  # the part of each step spent issuing its kernels (CPU, GIL, driver)
         self.error: BaseException | None = None
@@ -55,11 +67,31 @@ class ModelThread:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="model-step", daemon=True)
 
-    def step(self) -> float:
-        """One step; returns when its launches were all issued (the rest is waiting for the GPU)."""
+    def _launch(self) -> None:
         for _ in range(LAUNCHES):
             self.x.mul_(1.0000001)
         torch.mm(self.a, self.b, out=self.c)
+
+    def _capture(self) -> None:
+        """The step as one CUDA graph (warmed up on a side stream first, as capture requires)."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._launch()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the engine's thread may call CUDA (UCX's copies) while this one captures
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            self._launch()
+        self._graph = graph
+
+    def step(self) -> float:
+        """One step; returns when its launches were all issued (the rest is waiting for the GPU)."""
+        if self._graph is not None:
+            self._graph.replay()
+        else:
+            self._launch()
         launched = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -72,6 +104,8 @@ class ModelThread:
             if self.between is not None:
                 self.between.start()
             try:
+                if self.graph:
+                    self._capture()
                 self.step()  # warm up (allocator, kernels)
                 self._ready.set()
                 while not self._stop.is_set():
@@ -149,6 +183,105 @@ class StepLoad:
         self._reader = None
 
 
+class ReaderProcess:
+    """Another process reading back to back while told to: the same READs with its own GIL and CUDA context.
+
+    `spec`: what `read_forever` needs (device, blocks, the peer's address and layout, UCX settings).
+    """
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        cmd = [sys.executable, "-m", "nixl_async_benchmarks.gpu_model_step", "--reader", json.dumps(spec)]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.verified: bool | None = None  # its destination held what it read (told on close)
+        self._expect("ready")
+
+    def _expect(self, key: str) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:  # (NIXL's and UCX's own lines go to stdout too)
+            if line.startswith("{"):
+                reply: dict[str, Any] = json.loads(line)
+                if key in reply:
+                    return reply
+        raise RuntimeError(f"the reader process ended (exit {self.proc.wait()}) before saying {key!r}")
+
+    def _say(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def go(self) -> None:
+        self._say("go")
+
+    def pause(self) -> tuple[int, float]:
+        """Stop reading; the bytes it read since `go` and the seconds it read for."""
+        self._say("pause")
+        reply = self._expect("moved")
+        return int(reply["moved"]), float(reply["seconds"])
+
+    def close(self) -> None:
+        self._say("close")
+        self.verified = bool(self._expect("verified")["verified"])
+        self.proc.wait(30)
+
+
+def read_forever(spec: dict[str, Any]) -> None:
+    """The reader process: READs back to back between "go" and "pause" on stdin; checks its bytes on "close"."""
+    from nixl_async import BlockLayout, MemType
+
+    from . import gpu_check as gc
+    from .common import RawReader
+
+    device = torch.device(spec["device"])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    n, block_len = spec["blocks"], spec["block_len"]
+    memory = gc.Memory(gc.LayoutSpec("reader", "vram", None, n, block_len=block_len), device)
+    layout = BlockLayout.from_regions(
+        "reader", [memory.regions[0].data_ptr()], num_blocks=n, block_len=block_len,
+        mem_type=MemType.VRAM if device.type == "cuda" else MemType.DRAM, device_id=device.index or 0,
+    )  # fmt: skip
+    raw = RawReader(spec["name"], layout, tuple(spec["address"]), progress_thread=False, ucx_params=spec["ucx"],
+                    remote_layout=spec["remote_layout"])  # fmt: skip
+    local, remote = np.arange(n), np.asarray(spec["order"])
+    raw.read(local, remote)  # wire-up
+    print(json.dumps({"ready": True}), flush=True)
+    for command in sys.stdin:
+        if command.strip() == "go":
+            reads, started = 0, time.perf_counter()
+            while not select.select([sys.stdin], [], [], 0)[0]:
+                raw.read(local, remote)
+                reads += 1
+            print(json.dumps({"moved": reads * n * block_len, "seconds": time.perf_counter() - started}), flush=True)
+        elif command.strip() == "close":
+            break
+    raw.close()
+    copy = gc.BlockCopy(spec["src_seed"], spec["src_region_len"], spec["src_block_len"], list(spec["order"]),
+                        block_len, list(range(n)))  # fmt: skip
+    print(json.dumps({"verified": gc.verify(memory, [copy], device)["ok"]}), flush=True)
+
+
+class GilHandoffs:
+    """A thread that only gives the GIL up and takes it back, thousands of times a second (no CUDA, no NIXL)."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gil-handoffs", daemon=True)
+        self.handoffs = 0
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            time.sleep(HANDOFF_SLEEP_S)
+            self.handoffs += 1
+
+    def __enter__(self) -> GilHandoffs:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def _summary(model: ModelThread, moved: int, seconds: float) -> dict[str, float]:
     ms = np.asarray(model.steps or [0.0]) * 1e3
     launch_ms = np.asarray(model.launching or [0.0]) * 1e3
@@ -157,24 +290,58 @@ def _summary(model: ModelThread, moved: int, seconds: float) -> dict[str, float]
             "GB/s": moved / seconds / 1e9}  # fmt: skip
 
 
+def setups(device: torch.device) -> list[str]:
+    """Every set-up, in the order of a round: on a GPU each READ set-up also with graph-replayed steps."""
+    eager = ["alone", "engine", "vllm_pattern", "other_process", "gil_handoffs"]
+    graphs = [f"graph_{s}" for s in eager if s != "gil_handoffs"] if device.type == "cuda" else []
+    return eager + graphs
+
+
 async def step_times_beside_reads(device: torch.device, engine_read: Callable[[], Awaitable[int]],
-                                  pattern: StepLoad, rounds: int = 2) -> dict[str, list[dict[str, float]]]:  # fmt: skip
+                                  pattern: StepLoad, other: ReaderProcess,
+                                  rounds: int = 2) -> dict[str, list[dict[str, float]]]:  # fmt: skip
     """Per set-up and round: model steps alone, beside `engine_read()` looped on this loop (it
-    returns the bytes it read), and with `pattern` run between the steps, in alternating order."""
-    out: dict[str, list[dict[str, float]]] = {"alone": [], "engine": [], "vllm_pattern": []}
+    returns the bytes it read), with `pattern` run between the steps, beside `other` reading, and
+    beside GIL handoffs, in alternating order."""
+    order = setups(device)
+    out: dict[str, list[dict[str, float]]] = {setup: [] for setup in order}
     for r in range(rounds):
-        order = ["alone", "engine", "vllm_pattern"]
         for setup in order if r % 2 == 0 else order[::-1]:
-            moved = 0
-            with ModelThread(device, pattern if setup == "vllm_pattern" else None) as model:
-                started = time.perf_counter()
-                while time.perf_counter() - started < PHASE_S:
-                    if setup == "engine":
-                        moved += await engine_read()
-                    else:
-                        await asyncio.sleep(0.01)
-                seconds = time.perf_counter() - started
-            if setup == "vllm_pattern":
+            what = setup.removeprefix("graph_")
+            moved, handoffs = 0, GilHandoffs() if what == "gil_handoffs" else None
+            if handoffs is not None:
+                handoffs.__enter__()
+            try:
+                with ModelThread(device, pattern if what == "vllm_pattern" else None,
+                                 graph=setup.startswith("graph_")) as model:  # fmt: skip
+                    if what == "other_process":
+                        other.go()
+                    started = time.perf_counter()
+                    while time.perf_counter() - started < PHASE_S:
+                        if what == "engine":
+                            moved += await engine_read()
+                        else:
+                            await asyncio.sleep(0.01)
+                    seconds = time.perf_counter() - started
+                    if what == "other_process":
+                        moved, seconds = other.pause()
+            finally:
+                if handoffs is not None:
+                    handoffs.__exit__()
+            if what == "vllm_pattern":
                 moved, pattern.moved = pattern.moved, 0
             out[setup].append(_summary(model, moved, seconds))
+            if handoffs is not None:
+                out[setup][-1]["GIL handoffs/s"] = handoffs.handoffs / seconds
     return out
+
+
+def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--reader":
+        read_forever(json.loads(sys.argv[2]))
+    else:
+        sys.exit("usage: python -m nixl_async_benchmarks.gpu_model_step --reader SPEC (started by the GPU check)")
+
+
+if __name__ == "__main__":
+    main()

@@ -79,15 +79,17 @@ def test_the_adapter_checks_pass_on_the_cpu_stand_in_without_vllm(tmp_path):
 
 
 def test_the_model_step_check_runs_on_the_cpu_stand_in(tmp_path):
-    """The model thread beside reads (docs/gpu.md): every set-up steps, the engine and vLLM's pattern both
-    move bytes, and both destinations hold exactly what was read."""
+    """The model thread beside reads (docs/gpu.md): every set-up steps, the engine, vLLM's pattern and the other
+    process all move bytes, and every destination holds exactly what was read (the other process checks its own)."""
     proc = _run("--device", "cpu", "--quick", "--tput-mib", "32", "--only", "model_steps_beside_reads",
                 "--out", str(tmp_path))  # fmt: skip
     summary = json.loads((tmp_path / "gpu-check.json").read_text())
     check = next(c for c in summary["checks"] if c["name"] == "model_steps_beside_reads")
     assert check["ok"], check
     rows = {row["set-up"]: row for row in check["details"]["rows"]}
-    assert set(rows) == {"alone", "engine", "vllm_pattern"}
+    assert set(rows) == {"alone", "engine", "vllm_pattern", "other_process", "gil_handoffs"}  # (graph_*: CUDA only)
     assert all(row["steps"] > 0 for row in rows.values()), rows
-    assert rows["engine"]["GB/s"] > 0 and rows["vllm_pattern"]["GB/s"] > 0 and rows["alone"]["GB/s"] == 0, rows
+    assert all(rows[s]["GB/s"] > 0 for s in ("engine", "vllm_pattern", "other_process")), rows
+    assert rows["alone"]["GB/s"] == rows["gil_handoffs"]["GB/s"] == 0 and rows["gil_handoffs"]["GIL handoffs/s"] > 500
+    assert check["details"]["other_process_verified"] is True
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
