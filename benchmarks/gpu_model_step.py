@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import queue
 import select
 import subprocess
 import sys
@@ -187,27 +189,58 @@ class ReaderProcess:
     """Another process reading back to back while told to: the same READs with its own GIL and CUDA context.
 
     `spec`: what `read_forever` needs (device, blocks, the peer's address and layout, UCX settings).
+    Each reply is awaited at most `REPLY_TIMEOUT_S`; a child that misses it, or dies, is killed and
+    the caller gets a `RuntimeError` saying so.
     """
+
+    REPLY_TIMEOUT_S = 60.0
 
     def __init__(self, spec: dict[str, Any]) -> None:
         cmd = [sys.executable, "-m", "nixl_async_benchmarks.gpu_model_step", "--reader", json.dumps(spec)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.verified: bool | None = None  # its destination held what it read (told on close)
-        self._expect("ready")
+        self.error: str | None = None  # why `close` could not hear that
+        self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        threading.Thread(target=self._read_replies, name="reader-process-replies", daemon=True).start()
+        try:
+            self._expect("ready")
+        except BaseException:
+            self._kill()
+            raise
 
-    def _expect(self, key: str) -> dict[str, Any]:
+    def _read_replies(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:  # (NIXL's and UCX's own lines go to stdout too)
             if line.startswith("{"):
-                reply: dict[str, Any] = json.loads(line)
-                if key in reply:
-                    return reply
-        raise RuntimeError(f"the reader process ended (exit {self.proc.wait()}) before saying {key!r}")
+                self._replies.put(json.loads(line))
+        self._replies.put(None)  # its stdout closed: it ended
+
+    def _expect(self, key: str) -> dict[str, Any]:
+        deadline = time.monotonic() + self.REPLY_TIMEOUT_S
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                reply = self._replies.get(timeout=left)
+            except queue.Empty:
+                break
+            if reply is None:
+                raise RuntimeError(f"the reader process ended (exit {self.proc.wait()}) before saying {key!r}")
+            if key in reply:
+                return reply
+        self._kill()
+        raise RuntimeError(f"the reader process did not say {key!r} within {self.REPLY_TIMEOUT_S:.0f} s: killed")
 
     def _say(self, line: str) -> None:
         assert self.proc.stdin is not None
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, ValueError):
+            raise RuntimeError(f"the reader process ended (exit {self.proc.wait()}) before {line!r}") from None
+
+    def _kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
     def go(self) -> None:
         self._say("go")
@@ -219,9 +252,34 @@ class ReaderProcess:
         return int(reply["moved"]), float(reply["seconds"])
 
     def close(self) -> None:
-        self._say("close")
-        self.verified = bool(self._expect("verified")["verified"])
-        self.proc.wait(30)
+        """End it; never raises (it runs in `finally` blocks): `verified` False and `error` say what failed."""
+        try:
+            self._say("close")
+            self.verified = bool(self._expect("verified")["verified"])
+            self.proc.wait(self.REPLY_TIMEOUT_S)
+        except Exception as exc:
+            self.verified, self.error = False, f"{type(exc).__name__}: {exc}"
+        finally:
+            self._kill()
+
+
+def _stdin_commands() -> Callable[[bool], str | None]:
+    """Lines from stdin, read from its file descriptor (a buffered reader would hide a line from select)."""
+    pending = b""
+
+    def next_command(wait: bool) -> str | None:
+        nonlocal pending
+        while b"\n" not in pending:
+            if not wait and not select.select([0], [], [], 0)[0]:
+                return None
+            chunk = os.read(0, 4096)
+            if not chunk:
+                return "close"  # the parent went away
+            pending += chunk
+        line, pending = pending.split(b"\n", 1)
+        return line.decode().strip()
+
+    return next_command
 
 
 def read_forever(spec: dict[str, Any]) -> None:
@@ -245,15 +303,18 @@ def read_forever(spec: dict[str, Any]) -> None:
     local, remote = np.arange(n), np.asarray(spec["order"])
     raw.read(local, remote)  # wire-up
     print(json.dumps({"ready": True}), flush=True)
-    for command in sys.stdin:
-        if command.strip() == "go":
+    next_command = _stdin_commands()
+    command = next_command(True)
+    while command != "close":
+        if command == "go":
             reads, started = 0, time.perf_counter()
-            while not select.select([sys.stdin], [], [], 0)[0]:
+            while (command := next_command(False)) is None:
                 raw.read(local, remote)
                 reads += 1
             print(json.dumps({"moved": reads * n * block_len, "seconds": time.perf_counter() - started}), flush=True)
-        elif command.strip() == "close":
-            break
+            if command == "close":
+                break
+        command = next_command(True)
     raw.close()
     copy = gc.BlockCopy(spec["src_seed"], spec["src_region_len"], spec["src_block_len"], list(spec["order"]),
                         block_len, list(range(n)))  # fmt: skip
@@ -286,7 +347,8 @@ def _summary(model: ModelThread, moved: int, seconds: float) -> dict[str, float]
     ms = np.asarray(model.steps or [0.0]) * 1e3
     launch_ms = np.asarray(model.launching or [0.0]) * 1e3
     return {"step_ms_p50": float(np.percentile(ms, 50)), "step_ms_p99": float(np.percentile(ms, 99)),
-            "launch_ms_p50": float(np.percentile(launch_ms, 50)), "steps": len(model.steps),
+            "step_ms_mean": float(ms.mean()), "launch_ms_p50": float(np.percentile(launch_ms, 50)),
+            "steps": len(model.steps),
             "GB/s": moved / seconds / 1e9}  # fmt: skip
 
 
@@ -316,13 +378,14 @@ async def step_times_beside_reads(device: torch.device, engine_read: Callable[[]
                                  graph=setup.startswith("graph_")) as model:  # fmt: skip
                     if what == "other_process":
                         other.go()
-                    started = time.perf_counter()
+                    started, handed = time.perf_counter(), handoffs.handoffs if handoffs else 0
                     while time.perf_counter() - started < PHASE_S:
                         if what == "engine":
                             moved += await engine_read()
                         else:
                             await asyncio.sleep(0.01)
                     seconds = time.perf_counter() - started
+                    handed = (handoffs.handoffs if handoffs else 0) - handed
                     if what == "other_process":
                         moved, seconds = other.pause()
             finally:
@@ -332,7 +395,7 @@ async def step_times_beside_reads(device: torch.device, engine_read: Callable[[]
                 moved, pattern.moved = pattern.moved, 0
             out[setup].append(_summary(model, moved, seconds))
             if handoffs is not None:
-                out[setup][-1]["GIL handoffs/s"] = handoffs.handoffs / seconds
+                out[setup][-1]["GIL handoffs/s"] = handed / seconds
     return out
 
 
