@@ -449,7 +449,8 @@ async def test_a_read_whose_deadline_passed_before_its_first_post_posts_nothing(
     local = _regions(1, 16, 1 << 20)
     nixl_engine.register("kv", local, block_len=1 << 20)
     peer = await nixl_engine.connect(*proc.address)
-    transfer = await nixl_engine.start_read(peer, range(16), range(16), timeout=0.05)  # 16 MiB: the poller posts it
+    transfer = await nixl_engine.start_read(peer, range(16), range(16), timeout=0.05)
+    assert not transfer.first_post_at, "the submit posted it: this test wants a read the poller posts (16 MiB)"
     time.sleep(0.1)  # the loop is busy elsewhere until the deadline has passed
     with pytest.raises(TransferTimeout):
         await asyncio.wait_for(transfer, 10)
