@@ -84,6 +84,9 @@ class TransferDriver:
         self._ids = itertools.count(1)
         self.copy_rates = CopyRates(config)  # size slices of inline copies, per route (each peer has its wire rate)
         self.hot_from = -_NEVER  # perf_counter time from which the poller should check hot
+        # ...of transfers submitted since the running sweep began: a submit while the sweep yields
+        # (its awaiters submit their next) cannot wake the poller, and the sweep's list left them out
+        self._submitted_hot_from = _NEVER
         self._hints_checked_at = -_NEVER  # loop time the sweep last looked for busy hints to renew
         self._next_deadline = _NEVER  # no transfer's deadline comes before this
         # One bound method each, shared by every transfer (a bound method per transfer is one
@@ -204,6 +207,7 @@ class TransferDriver:
             self._stats.counters["transfers_submitted"] += len(started) - notify_only
             if posting:
                 self._pacer.activity(loop.time())
+                self._submitted_hot_from = min(self._submitted_hot_from, hot_from)
                 if hot_from == -_NEVER:
                     self._wakeup()  # a slice still to post
                 else:
@@ -260,6 +264,7 @@ class TransferDriver:
         self._stats.counters["batch_rows_submitted"] += batch.rows
         self._pump_inline(agent, batch, batch.rows, time.perf_counter() + _SWEEP_BUDGET_S)
         self._pacer.activity(loop.time())
+        self._submitted_hot_from = -_NEVER  # (its rows left to post, or its first checks: the poller's)
         self._wakeup()
         return batch
 
@@ -356,7 +361,7 @@ class TransferDriver:
         if renew_hints:
             self._hints_checked_at = started
         finished = False
-        hot_from = _NEVER
+        hot_from = self._submitted_hot_from = _NEVER
         small_post = self._config.min_post_bytes
         live = self.live()
         last = len(live)
@@ -389,7 +394,7 @@ class TransferDriver:
             if (activity or not n % 256) and n < last and time.perf_counter() - swept > _SWEEP_BUDGET_S:
                 await asyncio.sleep(0)
                 swept = time.perf_counter()
-        self.hot_from = hot_from
+        self.hot_from = min(hot_from, self._submitted_hot_from)
         now = loop.time()
         if now >= self._next_deadline:
             self._expire(now)

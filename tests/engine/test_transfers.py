@@ -553,6 +553,49 @@ async def test_a_read_the_submit_posts_in_flight_is_first_checked_a_busy_interva
     await asyncio.wait_for(big, 10)
 
 
+@pytest.mark.nixl_engine_config(slice_flight_s=None, post_target_s=0.05)  # the large read is one slice
+async def test_a_read_submitted_while_a_sweep_yields_counts_in_that_sweeps_next_check(
+    nixl_engine, nixl_peer_factory, monkeypatch
+):
+    """A sweep yields once a read has finished, before a large post, so that read's awaiter can submit its next. That
+    submit cannot wake the running poller, and the sweep's list was taken before it: the sweep must still count the
+    new read when it decides how soon to look again (it left it out: a read that may end at once waited for the busy
+    interval, or for the large read's expected end)."""
+    _proc, peer = await _tcp_peer(nixl_engine, nixl_peer_factory, 128, 64 << 10)
+    await nixl_engine.read(peer, [0], [0])  # wire-up
+    driver = nixl_engine._driver
+    sweeps: list[float] = []  # each sweep's hot_from, as the poller reads it
+    in_sweep = False
+    real_sweep = driver.sweep
+
+    async def sweep(agent, loop):
+        nonlocal in_sweep
+        in_sweep = True
+        try:
+            return await real_sweep(agent, loop)
+        finally:
+            in_sweep = False
+            sweeps.append(driver.hot_from)
+
+    monkeypatch.setattr(driver, "sweep", sweep)
+    first = await nixl_engine.start_read(peer, [1], [1])  # 64 KiB: posted by the submit, in flight over TCP
+    large = await nixl_engine.start_read(peer, range(64, 128), range(64, 128))  # 4 MiB, one slice: the poller posts it
+
+    async def next_after_first():
+        await first
+        during = in_sweep, len(sweeps)  # (the running sweep's index)
+        nxt = await nixl_engine.start_read(peer, [2], [2])
+        return during, nxt, driver._hot_from(nxt)
+
+    follow = asyncio.ensure_future(next_after_first())
+    assert large.num_slices == 1, "the large read must be one slice (else its own slice to post keeps the poller hot)"
+    time.sleep(0.05)  # the first read's data waits in our socket: the next poll's drain receives it
+    (was_in_sweep, index), nxt, nxt_hot = await asyncio.wait_for(follow, 10)
+    await asyncio.wait_for(asyncio.gather(nxt, large), 10)
+    assert was_in_sweep, "the next read was not submitted while a sweep yielded (the set-up did not happen)"
+    assert sweeps[index] <= nxt_hot, "the sweep the next read was submitted in left it out of its next check"
+
+
 @pytest.mark.nixl_engine_config(slice_flight_s=0.2, post_target_s=0.0005)
 async def test_slices_to_a_peer_over_tcp_grow_to_the_wire_rate(nixl_engine, nixl_peer_factory):
     """Posts over TCP return before the data moves: slices are sized from the wire, not the loop's stall."""
