@@ -59,10 +59,13 @@ import traceback
 import types
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from nixl_async import BlockLayout
 
 CUDA_MISSING = "CUDA not available: stopping before the GPU checks"
 DRY_RUN = "--cpu-dry-run: stopping before the GPU checks"
@@ -204,6 +207,17 @@ class Memory:
             self.caches = [torch.zeros(spec.region_len, dtype=torch.uint8, device=where, pin_memory=pin)
                            for _ in range(spec.regions)]  # fmt: skip
             self.regions = list(self.caches)
+
+    def flat_layout(self, num_blocks: int | None = None) -> BlockLayout:
+        """Its first region as a NIXL layout of `num_blocks` (all) blocks, for a raw NIXL agent of its own."""
+        from nixl_async import BlockLayout, MemType
+
+        region = self.regions[0]
+        return BlockLayout.from_regions(
+            self.spec.name, [region.data_ptr()], num_blocks=num_blocks or self.spec.num_blocks,
+            block_len=self.spec.block_bytes, mem_type=MemType.VRAM if region.is_cuda else MemType.DRAM,
+            device_id=region.device.index or 0,
+        )  # fmt: skip
 
     def fill(self, seed: int | None, compute: torch.device) -> None:
         for r, region in enumerate(self.regions):
@@ -1024,7 +1038,7 @@ class Checks:
         Its state is checked without pause, or every `check_every_s` (a blocking sleep: nothing
         else runs in this process meanwhile).
         """
-        from nixl_async import BlockLayout, MemType
+        from nixl_async import MemType
         from nixl_async._agent import OwnedAgent
         from nixl_async.layout import pair_descriptor_ids
 
@@ -1038,9 +1052,7 @@ class Checks:
         mem_type = MemType.VRAM if self.device.type == "cuda" else MemType.DRAM
         dst = self.mem[name]
         raw_buf = Memory(dataclasses.replace(dst.spec, name="raw"), self.device)
-        raw_layout = BlockLayout.from_regions("raw", [raw_buf.regions[0].data_ptr()], num_blocks=n,
-                                              block_len=block_len, mem_type=mem_type,
-                                              device_id=self.device.index or 0)  # fmt: skip
+        raw_layout = raw_buf.flat_layout(n)
         self._raw_agents += 1
         agent = OwnedAgent(f"gpu-check-raw-{self._raw_agents}", ("UCX",), {"UCX": ucx_params})
         memory = agent.register(raw_layout.region_descriptors(), mem_type)
@@ -1078,7 +1090,6 @@ class Checks:
         """A model thread's step times beside 256 MiB READs (1 MiB blocks) posted by the engine's loop,
         from the model thread itself as vLLM's connector posts them, or by another process; eager and
         graph-replayed steps (`gpu_model_step`)."""
-        from nixl_async import BlockLayout, MemType
         from nixl_async.config import SendBufferLimits
 
         from .common import RawReader
@@ -1098,9 +1109,7 @@ class Checks:
             return n * block_len
 
         raw_buf = Memory(dataclasses.replace(self.mem[name].spec, name="raw", num_blocks=n), self.device)
-        mem_type = MemType.VRAM if self.device.type == "cuda" else MemType.DRAM
-        layout = BlockLayout.from_regions("raw", [raw_buf.regions[0].data_ptr()], num_blocks=n, block_len=block_len,
-                                          mem_type=mem_type, device_id=self.device.index or 0)  # fmt: skip
+        layout = raw_buf.flat_layout()
         engine_ucx = self.engine.config.backend_settings("UCX", os.environ, SendBufferLimits.of_host())
         address, lidx, ridx = self.proc.address, np.arange(n), np.asarray(order)
 

@@ -20,6 +20,7 @@ steps by default.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import queue
@@ -284,8 +285,6 @@ def _stdin_commands() -> Callable[[bool], str | None]:
 
 def read_forever(spec: dict[str, Any]) -> None:
     """The reader process: READs back to back between "go" and "pause" on stdin; checks its bytes on "close"."""
-    from nixl_async import BlockLayout, MemType
-
     from . import gpu_check as gc
     from .common import RawReader
 
@@ -294,12 +293,8 @@ def read_forever(spec: dict[str, Any]) -> None:
         torch.cuda.set_device(device)
     n, block_len = spec["blocks"], spec["block_len"]
     memory = gc.Memory(gc.LayoutSpec("reader", "vram", None, n, block_len=block_len), device)
-    layout = BlockLayout.from_regions(
-        "reader", [memory.regions[0].data_ptr()], num_blocks=n, block_len=block_len,
-        mem_type=MemType.VRAM if device.type == "cuda" else MemType.DRAM, device_id=device.index or 0,
-    )  # fmt: skip
-    raw = RawReader(spec["name"], layout, tuple(spec["address"]), progress_thread=False, ucx_params=spec["ucx"],
-                    remote_layout=spec["remote_layout"])  # fmt: skip
+    raw = RawReader(spec["name"], memory.flat_layout(), tuple(spec["address"]), progress_thread=False,
+                    ucx_params=spec["ucx"], remote_layout=spec["remote_layout"])  # fmt: skip
     local, remote = np.arange(n), np.asarray(spec["order"])
     raw.read(local, remote)  # wire-up
     print(json.dumps({"ready": True}), flush=True)
@@ -370,27 +365,26 @@ async def step_times_beside_reads(device: torch.device, engine_read: Callable[[]
     for r in range(rounds):
         for setup in order if r % 2 == 0 else order[::-1]:
             what = setup.removeprefix("graph_")
-            moved, handoffs = 0, GilHandoffs() if what == "gil_handoffs" else None
-            if handoffs is not None:
-                handoffs.__enter__()
-            try:
-                with ModelThread(device, pattern if what == "vllm_pattern" else None,
-                                 graph=setup.startswith("graph_")) as model:  # fmt: skip
-                    if what == "other_process":
-                        other.go()
-                    started, handed = time.perf_counter(), handoffs.handoffs if handoffs else 0
-                    while time.perf_counter() - started < PHASE_S:
-                        if what == "engine":
-                            moved += await engine_read()
-                        else:
-                            await asyncio.sleep(0.01)
-                    seconds = time.perf_counter() - started
-                    handed = (handoffs.handoffs if handoffs else 0) - handed
-                    if what == "other_process":
-                        moved, seconds = other.pause()
-            finally:
-                if handoffs is not None:
-                    handoffs.__exit__()
+            moved = 0
+            handoffs = GilHandoffs() if what == "gil_handoffs" else None
+            with (
+                handoffs or contextlib.nullcontext(),
+                ModelThread(
+                    device, pattern if what == "vllm_pattern" else None, graph=setup.startswith("graph_")
+                ) as model,
+            ):
+                if what == "other_process":
+                    other.go()
+                started, handed = time.perf_counter(), handoffs.handoffs if handoffs else 0
+                while time.perf_counter() - started < PHASE_S:
+                    if what == "engine":
+                        moved += await engine_read()
+                    else:
+                        await asyncio.sleep(0.01)
+                seconds = time.perf_counter() - started
+                handed = (handoffs.handoffs if handoffs else 0) - handed
+                if what == "other_process":
+                    moved, seconds = other.pause()
             if what == "vllm_pattern":
                 moved, pattern.moved = pattern.moved, 0
             out[setup].append(_summary(model, moved, seconds))
