@@ -26,6 +26,7 @@ SCENARIOS: dict[str, tuple[str, bool]] = {
     "busy": ("busy", True),
     "beside_python": ("beside_python", True),
     "small_reads": ("small_reads", True),
+    "block_order": ("block_order", True),
     "discovery": ("discovery", False),  # 16 peers through etcd vs the side channel (needs an etcd binary)
     "vllm": ("vllm", False),  # real vLLM servers: minutes; run it by name
     "vllm_hybrid": ("vllm_hybrid", False),  # the same on hybrid models

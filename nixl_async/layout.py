@@ -402,6 +402,7 @@ def pair_descriptor_ids(
 
     Both sides are cut into equal units: ``len(local_ids) * local.split`` must equal
     ``len(remote_ids) * remote.split``; unit *u* of one side pairs with unit *u* of the other.
+    Over whole blocks the pairs come back ordered by local id, so that NIXL can merge runs.
     Raises `LayoutError` when the views cannot be paired.
     """
     if local.piece_len != remote.piece_len:
@@ -418,6 +419,7 @@ def pair_descriptor_ids(
             f"!= {len(remote_ids)} remote blocks x {remote.split} pieces"
         )
     if local.split == 1 and remote.split == 1:
+        local_ids, remote_ids = _local_ascending(local_ids, remote_ids)
         return local.descriptor_ids(local_ids), remote.descriptor_ids(remote_ids)
     u = np.arange(units, dtype=np.int64)
     local_idx = local.descriptor_ids(local_ids[u // local.split], u % local.split)
@@ -447,7 +449,25 @@ def pair_short_ids(
     if not (_plain_ids_valid(local_blocks, local.layout.num_blocks, op == "READ")
             and _plain_ids_valid(remote_blocks, remote.layout.num_blocks, op == "WRITE")):  # fmt: skip
         return None  # the general path says what is wrong
+    if sorted(local_blocks) != local_blocks:  # (cheap when they already ascend)
+        order = sorted(range(n), key=local_blocks.__getitem__)
+        return tuple([local_blocks[i] + lo for i in order]), tuple([remote_blocks[i] + ro for i in order])
     return tuple([b + lo for b in local_blocks]), tuple([b + ro for b in remote_blocks])
+
+
+def _local_ascending(local_ids: IdArray, remote_ids: IdArray) -> tuple[IdArray, IdArray]:
+    """A transfer's (local, remote) block pairs reordered so that the local ids ascend (a stable sort).
+
+    NIXL merges neighbouring descriptors of a transfer into one where both sides' bytes run on,
+    but only in ascending order. vLLM hands a finished request's blocks back last first, so a
+    later request often gets a run of blocks in descending order, on each side: pairs that merge
+    once sorted (fewer, longer copies). The pairs themselves, and so the bytes moved, are unchanged.
+    Works on one transfer's ids (1-D) or on rows of transfers (2-D, each row sorted alone).
+    """
+    if local_ids.shape[-1] < 2 or not (local_ids[..., 1:] < local_ids[..., :-1]).any():
+        return local_ids, remote_ids
+    order = np.argsort(local_ids, axis=-1, kind="stable")
+    return np.take_along_axis(local_ids, order, -1), np.take_along_axis(remote_ids, order, -1)
 
 
 def pair_descriptor_id_rows(
@@ -465,6 +485,7 @@ def pair_descriptor_id_rows(
     whole = local.split == 1 and remote.split == 1
     if whole and isinstance(local_rows, np.ndarray) and isinstance(remote_rows, np.ndarray):
         pair_descriptor_ids(local, local_rows[0], remote, remote_rows[0])  # the checks see shapes only: one row
+        local_rows, remote_rows = _local_ascending(local_rows, remote_rows)
         return local.descriptor_id_rows(local_rows), remote.descriptor_id_rows(remote_rows)
     pairs = [pair_descriptor_ids(local, lr, remote, rr) for lr, rr in zip(local_rows, remote_rows, strict=True)]
     return [p[0] for p in pairs], [p[1] for p in pairs]
