@@ -16,8 +16,9 @@ go back to the front of the queue, last first), one per server, driven by one of
 Each request's blocks are read from a fresh peer (4 regions, as layers are) by three readers in turn:
 ``engine`` (`await engine.read`), ``raw_vllm_order`` (NIXL driven directly, one post in the
 scheduler's order, state checked without pause) and ``raw_sorted`` (the same with the engine's
-order). Reported: descriptors per read as NIXL posts them (runs counted from the ids), read time and
-the reading thread's CPU per read. Runs in a child process with ``UCX_TLS=tcp``.
+order). Reported: descriptors per read as NIXL posts them (runs counted from the ids; the engine may
+cut a read into slices, each merged alone, so its count is a floor), read time and the reading
+thread's CPU per read. Runs in a child process with ``UCX_TLS=tcp``.
 """
 
 from __future__ import annotations

@@ -464,7 +464,18 @@ def _local_ascending(local_ids: IdArray, remote_ids: IdArray) -> tuple[IdArray, 
     once sorted (fewer, longer copies). The pairs themselves, and so the bytes moved, are unchanged.
     Works on one transfer's ids (1-D) or on rows of transfers (2-D, each row sorted alone).
     """
-    if local_ids.shape[-1] < 2 or not (local_ids[..., 1:] < local_ids[..., :-1]).any():
+    if local_ids.shape[-1] < 2:
+        return local_ids, remote_ids
+    if local_ids.ndim == 1:
+        if len(local_ids) <= _SMALL:  # one request's ids: a list compare beats numpy's per-call cost
+            ids = local_ids.tolist()
+            if ids == sorted(ids):
+                return local_ids, remote_ids
+        elif not (local_ids[1:] < local_ids[:-1]).any():
+            return local_ids, remote_ids
+        order = local_ids.argsort(kind="stable")
+        return local_ids[order], remote_ids[order]
+    if not (local_ids[:, 1:] < local_ids[:, :-1]).any():
         return local_ids, remote_ids
     order = np.argsort(local_ids, axis=-1, kind="stable")
     return np.take_along_axis(local_ids, order, -1), np.take_along_axis(remote_ids, order, -1)
