@@ -40,7 +40,7 @@ class Connections:
         memory: MemoryRegistry,
         driver: TransferDriver,
         notify: NotificationTransport,
-        wakeup: Callable[[], None],
+        poke: Callable[[], None],
     ) -> None:
         self._config = config
         self._stats = stats
@@ -48,7 +48,7 @@ class Connections:
         self._memory = memory
         self._driver = driver
         self._notify = notify
-        self._wakeup = wakeup
+        self._poke = poke  # asks the poller for a sweep (not during its back-off from an error)
         self.agent: OwnedAgent | None = None  # set while the engine runs (and while it closes)
         self.retiring: dict[str, Peer] = {}  # forgotten; their remote agent goes once quiet
         self._orphan_dlists: list[Any] = []  # remote lists a peer's new layouts replaced, still in use
@@ -118,7 +118,7 @@ class Connections:
                     f"transfers with the previous connection to {peer.engine_id} are still fenced in NIXL",
                     address=f"{peer.address[0]}:{peer.address[1]}",
                 )
-            self._wakeup()
+            self._poke()
             await asyncio.sleep(0.005)
 
     def forget(self, peer: Peer) -> None:

@@ -118,6 +118,7 @@ class TransferEngine:
         self._wake: asyncio.Future[None] | None = None  # resolved to end the poller's sleep
         self._wake_timer: asyncio.Handle | None = None  # ends it when due
         self._wake_due = 0.0  # loop time it is due (uvloop hands back a bare Handle for sub-ms delays)
+        self._backing_off = False  # the poller waits after an error: only new work may cut that short
         self._memory = MemoryRegistry()
         self._admission = Admission(self.config.max_inflight_transfers, self.config.max_inflight_bytes)
         self._notifications = NotificationBox(self.config.max_unclaimed_notifications)
@@ -128,7 +129,7 @@ class TransferEngine:
             self.config, self.stats, self._admission, table, self._notify, self._pacer, self._wakeup, self._check_by
         )
         self._peers = Connections(
-            self.config, self.stats, table, self._memory, self._driver, self._notify, self._wakeup
+            self.config, self.stats, table, self._memory, self._driver, self._notify, self.poll_soon
         )
         self._dialer = Dialer(self.config, self.stats, self._peers, self._compat_hash)
 
@@ -221,7 +222,7 @@ class TransferEngine:
         deadline = time.monotonic() + self.config.release_grace_s + 0.5
         brisk_until = time.monotonic() + (_CLOSE_GRACE_S if recent else 0.0)
         while (driver.active or driver.fenced or time.monotonic() < brisk_until) and time.monotonic() < deadline:
-            self._wakeup()
+            self.poll_soon()  # (a poke: an error back-off keeps its pace)
             await asyncio.sleep(0.001)
         if self._poller is not None:
             self._poller.cancel()
@@ -918,9 +919,11 @@ class TransferEngine:
         For a producer whose peers are reading: UCX may hold a reader's next operation until
         our worker acknowledges its last notification, and an idle poller sleeps up to
         `PollConfig.idle_interval_s`. A host that knows when activity is due (a vLLM step)
-        calls this instead of making the poller spin.
+        calls this instead of making the poller spin. Pokes (this, and the engine's own periodic
+        ones) leave a back-off from an error alone; new work ends it.
         """
-        self._wakeup()
+        if not self._backing_off:
+            self._wakeup()
 
     def _wakeup(self) -> None:
         if self._wake is not None and not self._wake.done():
@@ -968,7 +971,13 @@ class TransferEngine:
                     self._fail_in_flight(f"engine poller error: {type(exc).__name__}")
                 except Exception as again:  # nor one that breaks failing them: the next sweep tries again
                     errors.record(again)
-                await asyncio.sleep(errors.backoff_s)
+                # Work submitted meanwhile is looked at when due, not after the back-off; pokes
+                # (`poll_soon`, each idle vLLM step) do not wake it, or errors would repeat at their pace.
+                self._backing_off = True
+                try:
+                    await self._sleep(errors.backoff_s)
+                finally:
+                    self._backing_off = False
 
     def _fail_in_flight(self, reason: str) -> None:
         self._driver.end_all(lambda t: TransferFailed(reason, transfer_id=t.id, peer=t.peer))

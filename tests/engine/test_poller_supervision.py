@@ -4,6 +4,7 @@ see completions, deadlines or releases again."""
 
 import asyncio
 import contextlib
+import time
 
 import numpy as np
 import pytest
@@ -144,3 +145,56 @@ async def test_what_nixl_will_not_unload_is_left_to_it_and_counted(nixl_peer_fac
         assert kept == {"remote_agents": 1}, kept
     else:  # every release refused, ours at close too: the memory stays registered (and alive), never freed
         assert kept["dlists"] >= len(gone) and kept["registrations"] == 1, kept
+
+
+async def test_a_read_submitted_while_the_poller_backs_off_from_errors_is_seen_done_at_once(
+    nixl_engine, nixl_peer_factory, monkeypatch
+):
+    """Errors that repeat make the poller wait up to 1 s between sweeps. A read submitted in such a
+    wait must not sit out the rest of it: its completion is looked for when it is due, as ever."""
+    proc = nixl_peer_factory(num_regions=1, num_blocks=4, block_len=4096, seed=4, tcp=True)
+    nixl_engine.register("kv", [np.zeros(4 * 4096, np.uint8)], block_len=4096)
+    peer = await nixl_engine.connect(*proc.address)
+    await nixl_engine.read(peer, [0], [0])  # wired up: the next read is a few ms on the wire
+    peers, broken, failures = nixl_engine._peers, 7, []  # 7 errors in a row: a wait of 1 s after the last
+    real = peers.evict_idle
+
+    def evict_idle(now):
+        if len(failures) < broken:
+            failures.append(time.perf_counter())
+            raise RuntimeError("a bug in the poller's housekeeping")
+        return real(now)
+
+    monkeypatch.setattr(peers, "evict_idle", evict_idle)
+    nixl_engine.poll_soon()
+    while len(failures) < broken:
+        await asyncio.sleep(0.005)
+    submitted = time.perf_counter()
+    assert submitted - failures[-1] < 0.2, "the test came late into the last wait"
+    result = await asyncio.wait_for(nixl_engine.read(peer, [1, 2], [1, 2]), 10)
+    took = time.perf_counter() - submitted
+    assert result.nbytes == 2 * 4096
+    assert took < 0.5, f"the read waited {took:.2f} s: the poller's back-off held it"
+
+
+async def test_pokes_do_not_cut_the_pollers_back_off_short(nixl_engine, monkeypatch):
+    """A vLLM worker pokes the loop every 0.25 ms in idle steps: were each poke to end the back-off,
+    an error that repeats would repeat at that pace, a core spent on failing sweeps."""
+    peers, failures, broken = nixl_engine._peers, [], [True]
+
+    def evict_idle(now):
+        if broken[0]:
+            failures.append(time.perf_counter())
+            raise RuntimeError("a bug in the poller's housekeeping")
+
+    monkeypatch.setattr(peers, "evict_idle", evict_idle)
+    nixl_engine.poll_soon()
+    while len(failures) < 7:  # the wait after the 7th is 1 s
+        await asyncio.sleep(0.005)
+    seen, last = len(failures), failures[-1]
+    assert time.perf_counter() - last < 0.3, "the test came late into the last wait"
+    while time.perf_counter() < last + 0.6:  # pokes every ms, well inside the 1 s wait
+        nixl_engine.poll_soon()
+        await asyncio.sleep(0.001)
+    assert len(failures) == seen, f"{len(failures) - seen} more failing sweeps while poked"
+    broken[0] = False
