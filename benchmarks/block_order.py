@@ -5,16 +5,19 @@ but only in ascending order. vLLM's pool hands a finished request's blocks back 
 later request often holds runs in descending order. The engine orders each transfer's block pairs
 by local block, so a run that descends on both servers is one copy; vLLM's connector posts the
 blocks in the order the scheduler gives them. How often both servers' runs line up is up to their
-traffic, so the ids come from two real vLLM `BlockPool`s (prefix caching off: each request's blocks
-go back to the front of the queue, last first), one per server, driven by one of two patterns:
+traffic, so the ids come from two real vLLM `BlockPool`s, one per server, driven by one of these
+patterns:
 
 - ``sequential``: one request at a time, nothing generated past the prompt's last block: both
-  pools see the same history (a benchmark at concurrency 1);
+  pools see the same history (a benchmark at concurrency 1); prefix caching off, so a freed
+  request's blocks go back to the front of the queue, last first;
+- ``sequential_cached``: the same with prefix caching on (vLLM's default): a freed request's full
+  blocks carry a hash (a stand-in) and queue at the back, last first, its last block at the front;
 - ``steady``: prefill holds 4 requests, decode runs 16, each of them taking a new block now and
-  then as it generates: the pools drift apart and few runs line up.
+  then as it generates: the pools drift apart and few runs line up (prefix caching off).
 
-Each request's blocks are read from a fresh peer (4 regions, as layers are) by three readers in turn:
-``engine`` (`await engine.read`), ``raw_vllm_order`` (NIXL driven directly, one post in the
+Each pattern reads from a fresh peer (4 regions, as layers are), each request's blocks by three
+readers in turn: ``engine`` (`await engine.read`), ``raw_vllm_order`` (NIXL driven directly, one post in the
 scheduler's order, state checked without pause) and ``raw_sorted`` (the same with the engine's
 order). Reported: descriptors per read as NIXL posts them (runs counted from the ids; the engine may
 cut a read into slices, each merged alone, so its count is a floor), read time and the reading
@@ -28,16 +31,18 @@ import json
 import random
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
 from .common import BRISK_PEER_POLL_S, TCP, RawReader, Result, run_tcp_child
 
 BLOCKS, BLOCK_LEN, REGIONS = 1024, 16 << 10, 4
-PATTERNS = ["sequential", "steady"]
+PATTERNS = ["sequential", "sequential_cached", "steady"]
 SETUPS = ["engine", "raw_vllm_order", "raw_sorted"]
 QUICK, FULL = 60, 240  # requests per pattern
 WARM_UP = 40  # requests before any is read: the pools leave their first, fresh order
+WARM_UP_CACHED = 120  # with prefix caching freed blocks queue behind the fresh ones: a whole round of the pool
 
 
 def vllm_block_ids(pattern: str, requests: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
@@ -45,23 +50,43 @@ def vllm_block_ids(pattern: str, requests: int, seed: int = 0) -> list[tuple[lis
     from vllm.v1.core.block_pool import BlockPool
 
     rng = random.Random(seed)
-    prefill, decode = (BlockPool(BLOCKS, enable_caching=False, hash_block_size=16) for _ in range(2))
+    cached = pattern.endswith("_cached")
+    prefill, decode = (BlockPool(BLOCKS, enable_caching=cached, hash_block_size=16) for _ in range(2))
     p_held: list[list] = []
     d_held: list[list] = []
     out = []
-    p_limit, d_limit, grows = (1, 1, 0.0) if pattern == "sequential" else (4, 16, 0.3)
-    for _ in range(WARM_UP + requests):
+    p_limit, d_limit, grows = (1, 1, 0.0) if pattern.startswith("sequential") else (4, 16, 0.3)
+    warm_up = WARM_UP_CACHED if cached else WARM_UP
+    for _ in range(warm_up + requests):
         n = rng.randint(4, 32)
-        p_blocks, d_blocks = prefill.get_new_blocks(n), decode.get_new_blocks(n)
+        p_blocks, d_blocks = _allocate(prefill, n), _allocate(decode, n)
         out.append(([b.block_id for b in d_blocks], [b.block_id for b in p_blocks]))
         for held, pool, limit, blocks in ((p_held, prefill, p_limit, p_blocks), (d_held, decode, d_limit, d_blocks)):
             for running in held:
                 if rng.random() < grows:
-                    running += pool.get_new_blocks(1)
+                    running += _allocate(pool, 1)
             held.append(blocks)
-            while len(held) > limit:  # the oldest finishes; freed as vLLM's manager frees: last block first
-                pool.free_blocks(reversed(held.pop(0 if pattern == "sequential" else rng.randrange(len(held) - 1))))
-    return out[WARM_UP:]
+            while len(held) > limit:  # one finishes (the oldest, or one at random)
+                _free(pool, held.pop(0 if pattern.startswith("sequential") else rng.randrange(len(held) - 1)))
+    return out[warm_up:]
+
+
+def _allocate(pool: Any, n: int) -> list:
+    """`n` blocks as vLLM's scheduler takes them (a cached block taken is evicted: its hash goes)."""
+    blocks = pool.get_new_blocks(n)
+    for block in blocks:
+        if block.block_hash is not None:  # (our stand-in hashes are in no cache map: drop them here)
+            block.reset_hash()
+    return blocks
+
+
+def _free(pool: Any, blocks: list) -> None:
+    """Free a finished request's blocks as vLLM's manager does: last block first. With prefix caching
+    every full block has a hash (a stand-in here), and the pool keeps those at the queue's tail."""
+    if pool.enable_caching:
+        for i, block in enumerate(blocks[:-1]):  # the last block may be partly filled: no hash
+            block.set_block_hash(b"stand-in-%d-%d" % (id(blocks), i))
+    pool.free_blocks(reversed(blocks))
 
 
 def posted_descriptors(local_addrs: np.ndarray, remote_addrs: np.ndarray, piece_len: int) -> int:
@@ -146,7 +171,7 @@ def run(quick: bool = False) -> Result:
         ratios=ratios,
         notes=[
             f"UCX over TCP between two processes; each request 4-32 blocks of {BLOCK_LEN >> 10} KiB in {REGIONS}"
-            " regions, its ids from two vLLM BlockPools (prefix caching off); the peer checks every 2 ms",
+            " regions, its ids from two vLLM BlockPools; the peer checks every 2 ms",
             "raw_vllm_order posts the blocks in the scheduler's order, as vLLM's connector does; raw_sorted and the"
             " engine in the order of the local blocks",
         ],
