@@ -1,12 +1,12 @@
 """Request-sized READs whose block ids come from vLLM's own block pools, over UCX/TCP between two processes.
 
-NIXL merges neighbouring descriptors of a transfer into one copy where both sides' bytes run on,
-but only in ascending order. vLLM's pool hands a finished request's blocks back last first, so a
-later request often holds runs in descending order. The engine orders each transfer's block pairs
-by local block, so a run that descends on both servers is one copy; vLLM's connector posts the
-blocks in the order the scheduler gives them. How often both servers' runs line up is up to their
-traffic, so the ids come from two real vLLM `BlockPool`s, one per server, driven by one of these
-patterns:
+NIXL merges neighbouring descriptors of a transfer into one copy where they are neighbours in its
+prepared lists too and both sides' bytes run on: only in ascending order. vLLM's pool hands a
+finished request's blocks back last first, so a later request often holds runs in descending order.
+The engine orders each transfer's block pairs by local block, so a run that descends on both servers
+is one copy; vLLM's connector posts the blocks in the order the scheduler gives them. How often both
+servers' runs line up is up to their traffic, so the ids come from two real vLLM `BlockPool`s, one
+per server, driven by one of these patterns:
 
 - ``sequential``: one request at a time, nothing generated past the prompt's last block: both
   pools see the same history (a benchmark at concurrency 1); prefix caching off, so a freed
@@ -89,12 +89,14 @@ def _free(pool: Any, blocks: list) -> None:
     pool.free_blocks(reversed(blocks))
 
 
-def posted_descriptors(local_addrs: np.ndarray, remote_addrs: np.ndarray, piece_len: int) -> int:
+def posted_descriptors(lidx: np.ndarray, ridx: np.ndarray, local_addrs: np.ndarray, remote_addrs: np.ndarray,
+                       piece_len: int) -> int:  # fmt: skip
     """How many copies NIXL makes of a transfer's descriptors: a descriptor merges into the one before it
-    where both sides' bytes follow on."""
-    steps = np.diff(local_addrs.astype(np.int64)), np.diff(remote_addrs.astype(np.int64))
-    follows = (steps[0] == piece_len) & (steps[1] == piece_len)
-    return int(len(local_addrs) - np.count_nonzero(follows))
+    where it is the next one in both prepared lists and both sides' bytes follow on."""
+    ids, addrs = (np.diff(a.astype(np.int64)) for a in (lidx, ridx)), (local_addrs, remote_addrs)
+    next_ids = np.logical_and(*(step == 1 for step in ids))
+    follows = np.logical_and(*(np.diff(a.astype(np.int64)) == piece_len for a in addrs))
+    return int(len(lidx) - np.count_nonzero(next_ids & follows))
 
 
 async def _one_pattern(address: tuple[str, int], region: np.ndarray, pairs: list[tuple[list[int], list[int]]],
@@ -127,7 +129,9 @@ async def _one_pattern(address: tuple[str, int], region: np.ndarray, pairs: list
                     cpu, wall = time.thread_time() - c0, time.perf_counter() - t0
                     out[setup]["ms"].append(wall * 1e3)
                     out[setup]["cpu_us"].append(cpu * 1e6)
-                    out[setup]["descriptors"].append(posted_descriptors(ldescs[lidx], rdescs[ridx], BLOCK_LEN))
+                    out[setup]["descriptors"].append(
+                        posted_descriptors(lidx, ridx, ldescs[lidx], rdescs[ridx], BLOCK_LEN)
+                    )
     finally:
         raw.close()
     return out

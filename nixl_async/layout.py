@@ -458,10 +458,11 @@ def pair_short_ids(
 def _local_ascending(local_ids: IdArray, remote_ids: IdArray) -> tuple[IdArray, IdArray]:
     """A transfer's (local, remote) block pairs reordered so that the local ids ascend (a stable sort).
 
-    NIXL merges neighbouring descriptors of a transfer into one where both sides' bytes run on,
-    but only in ascending order. vLLM hands a finished request's blocks back last first, so a
-    later request often gets a run of blocks in descending order, on each side: pairs that merge
-    once sorted (fewer, longer copies). The pairs themselves, and so the bytes moved, are unchanged.
+    NIXL merges neighbouring descriptors of a transfer into one where they are neighbours in the
+    prepared lists too and both sides' bytes run on: only in ascending order. vLLM hands a finished
+    request's blocks back last first, so a later request often gets a run of blocks in descending
+    order, on each side: pairs that merge once sorted (fewer, longer copies). The pairs themselves,
+    and so the bytes moved, are unchanged.
     Works on one transfer's ids (1-D) or on rows of transfers (2-D, each row sorted alone).
     """
     if local_ids.shape[-1] < 2:
