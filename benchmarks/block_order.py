@@ -55,7 +55,8 @@ def vllm_block_ids(pattern: str, requests: int, seed: int = 0) -> list[tuple[lis
     p_held: list[list] = []
     d_held: list[list] = []
     out = []
-    p_limit, d_limit, grows = (1, 1, 0.0) if pattern.startswith("sequential") else (4, 16, 0.3)
+    sequential = pattern.startswith("sequential")
+    p_limit, d_limit, grows = (1, 1, 0.0) if sequential else (4, 16, 0.3)
     warm_up = WARM_UP_CACHED if cached else WARM_UP
     for _ in range(warm_up + requests):
         n = rng.randint(4, 32)
@@ -67,7 +68,7 @@ def vllm_block_ids(pattern: str, requests: int, seed: int = 0) -> list[tuple[lis
                     running += _allocate(pool, 1)
             held.append(blocks)
             while len(held) > limit:  # one finishes (the oldest, or one at random)
-                _free(pool, held.pop(0 if pattern.startswith("sequential") else rng.randrange(len(held) - 1)))
+                _free(pool, held.pop(0 if sequential else rng.randrange(len(held) - 1)))
     return out[warm_up:]
 
 

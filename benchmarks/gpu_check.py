@@ -1038,7 +1038,6 @@ class Checks:
         Its state is checked without pause, or every `check_every_s` (a blocking sleep: nothing
         else runs in this process meanwhile).
         """
-        from nixl_async import MemType
         from nixl_async._agent import OwnedAgent
         from nixl_async.layout import pair_descriptor_ids
 
@@ -1049,13 +1048,12 @@ class Checks:
         remote_layout = {lay.name: lay for lay in reply.layouts}[name]
         repeats = 3 if self.args.quick else 5
         n = len(order)
-        mem_type = MemType.VRAM if self.device.type == "cuda" else MemType.DRAM
         dst = self.mem[name]
         raw_buf = Memory(dataclasses.replace(dst.spec, name="raw"), self.device)
         raw_layout = raw_buf.flat_layout(n)
         self._raw_agents += 1
         agent = OwnedAgent(f"gpu-check-raw-{self._raw_agents}", ("UCX",), {"UCX": ucx_params})
-        memory = agent.register(raw_layout.region_descriptors(), mem_type)
+        memory = agent.register(raw_layout.region_descriptors(), raw_layout.mem_type)
         remote_name = agent.add_remote(reply.agent_metadata)
         local_dl = agent.prep_view("", raw_layout.view())
         remote_dl = agent.prep_view(remote_name, remote_layout.view())
