@@ -48,7 +48,7 @@ from . import cpu_quirks
 from .block_pairs import GroupBlocks, in_kernel_pages, kernel_pages, pair_blocks, window_pages_of_prompt
 from .kv_layout import CacheLayout, describe_cache, packing_name
 from .leases import LEASE_TOPIC, LearnedLeases, answer_renewal, heartbeat
-from .push_book import PUSH_PREFIX
+from .push_book import PUSH_FAILED_PREFIX, PUSH_PREFIX
 from .send_book import SendBook
 from .settings import AdapterSettings, connect_rank, rank_engine_id
 from .tp_mapping import RankRead, expected_consumers, plan_reads, remote_ranks, split_for_block_ratio
@@ -498,8 +498,8 @@ class ConnectorWorker:
             # progress it once per step while anyone may read from us, as vLLM's own worker does.
             self.sync.poke()
         for note in _drain(self._notifications):
-            if note.message.startswith(PUSH_PREFIX):
-                continue  # a push's completion: its request's waiter took it
+            if note.message.startswith((PUSH_PREFIX, PUSH_FAILED_PREFIX)):
+                continue  # a push's completion or failure: its request's waiter took it
             if not self._sends.notified(note.message):
                 log.warning("ignoring notification %r from %s: no such request is held", note.message, note.sender)
                 self._record("num_notifications_after_expiry", 1)

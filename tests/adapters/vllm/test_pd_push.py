@@ -144,9 +144,12 @@ async def test_a_registration_for_a_request_prefill_freed_fails_before_the_watch
     then says so, and decode fails the request well before its watchdog."""
     root, servers = cluster
     prompt = make_prompt("registered too late", 90)
+    strays = counter(servers["decode"], "vllm:nixl_num_notifications_after_expiry_total")
     status, _ = await _push_after_lease(servers, prompt, _model(root))
     assert status == 500
     assert counter(servers["prefill"], "vllm:nixl_num_kv_expired_reqs_total") == 1
+    # (the notice is the waiter's: before, decode's drain also counted it as a notification for nothing held)
+    assert counter(servers["decode"], "vllm:nixl_num_notifications_after_expiry_total") == strays
     await complete(servers["decode"].url, make_prompt("after the refusal", 20), _model(root))
 
 
