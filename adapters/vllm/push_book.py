@@ -15,6 +15,12 @@ then its decode is told the push failed (`doubted`), well before decode's own de
 
 Decode plans the transfer from prefill's layout, as it does in pull mode (`tp_mapping`), and
 sends the plan's views; prefill only adds its own block ids, so one planner serves both modes.
+
+Decode may give up on a request first (its client went away while it waited for the push): it
+withdraws its registration (`withdraw`). One still waiting then writes nothing and only lets
+prefill free the request; a copy of it that arrives later (a call overtaken) writes nothing either.
+If it never arrived, a registration that writes nothing stands in for it (`stand_in`), so that
+prefill still counts that decode rank as served.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_req
 __all__ = [
     "PUSH_PREFIX",
     "PUSH_TOPIC",
+    "PUSH_WITHDRAW_TOPIC",
     "PushBook",
     "PushGroup",
     "PushRegistration",
@@ -42,6 +49,11 @@ __all__ = [
 ]
 
 PUSH_TOPIC = "kv_push"
+PUSH_WITHDRAW_TOPIC = "kv_push_withdraw"  # decode -> prefill: its registration (write=False), given up
+# Prefill's answers to a withdrawal:
+WITHDRAWN = b"withdrawn"  # it was waiting: nothing was written, nothing will be
+STOPPING = b"stopping"  # a push of it ran: stopped; decode hears of it (pushed or failed) once NIXL let go
+NOT_HELD = b"not-held"  # neither: nothing will be written now, a push that already ended may have been
 PUSH_PREFIX = b"push:"
 PUSH_FAILED_PREFIX = b"push-failed:"
 GONE_REMEMBERED = 4096  # freed requests remembered, so that late registrations for them are doubted
@@ -105,6 +117,29 @@ encode_registration = msgspec.msgpack.Encoder().encode
 decode_registration = msgspec.msgpack.Decoder(PushRegistration).decode
 
 
+def _decode_key(registration: PushRegistration) -> tuple[str, str]:
+    return registration.decode_engine_id, registration.decode_request_id
+
+
+class _Remembered:
+    """Registrations, by (decode rank, its request), each remembered until its ``write_by`` (a bounded number)."""
+
+    def __init__(self) -> None:
+        self._until: dict[tuple[str, str], float] = {}
+
+    def add(self, registration: PushRegistration) -> None:
+        self._until[_decode_key(registration)] = registration.write_by
+        if len(self._until) > GONE_REMEMBERED:
+            del self._until[next(iter(self._until))]
+
+    def __contains__(self, registration: PushRegistration) -> bool:
+        return _decode_key(registration) in self._until
+
+    def expire(self, wall_now: float) -> None:
+        for key in [k for k, write_by in self._until.items() if write_by <= wall_now]:
+            del self._until[key]
+
+
 @dataclass
 class _Entry:
     blocks: tuple[list[int], ...] | None  # None while prefill still computes the request (progressive push)
@@ -141,6 +176,11 @@ class PushBook:
     _gone: dict[str, None] = field(default_factory=dict)  # base ids of released requests, oldest first
     _doubted: dict[str, float] = field(default_factory=dict)  # gone base id -> when its registrations are told
     _superseded: list[PushRegistration] = field(default_factory=list)  # to tell at once (see `register`)
+    # By (decode rank, its request):
+    _handed_out: _Remembered = field(default_factory=_Remembered)  # matched (to push, or to count as served)
+    _replaced: _Remembered = field(default_factory=_Remembered)  # superseded: never written
+    _withdrawn: _Remembered = field(default_factory=_Remembered)  # decode gave up on it
+    _stood_in: _Remembered = field(default_factory=_Remembered)  # withdrawn unseen: a reader stands in for it
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def _take_waiting(self, request_id: str, blocks: tuple[list[int], ...] | None) -> list[PushRegistration]:
@@ -155,6 +195,8 @@ class PushBook:
         self._doubted.pop(base, None)
         matched = self._waiting.pop(base, [])
         entry.running += len(matched)
+        for registration in matched:
+            self._handed_out.add(registration)
         return matched
 
     def claim(self, request_id: str) -> list[PushRegistration]:
@@ -175,32 +217,85 @@ class PushBook:
                 self._gone.pop(base, None)
                 self._doubted.pop(base, None)
 
-    def register(self, registration: PushRegistration, now: float) -> tuple[str, tuple[list[int], ...]] | None:
-        """A decode rank registered: (prefill request, its blocks) to push now, or None if it waits.
+    def register(
+        self, registration: PushRegistration, now: float
+    ) -> tuple[str, tuple[list[int], ...], PushRegistration] | None:
+        """A decode rank registered: (prefill request, its blocks, the registration) to push now, or None
+        if it waits (or is dropped). It comes back with ``write=False`` if decode withdrew it already.
 
         A registration waiting from the same decode rank for another of its requests under this id
-        (an earlier attempt) is superseded: its decode is told, the newer one waits in its place.
+        (an earlier attempt) is superseded: its decode is told, the newer one waits in its place. One
+        overtaken by its withdrawal writes nothing, and is dropped if a reader already stands in for it.
         """
+        with self._lock:
+            if registration in self._stood_in:
+                return None
+            if registration.write and registration in self._withdrawn:
+                registration = msgspec.structs.replace(registration, write=False)
+            return self._register(registration, now)
+
+    def _register(
+        self, registration: PushRegistration, now: float
+    ) -> tuple[str, tuple[list[int], ...], PushRegistration] | None:
+        """`register` past the withdrawal checks (under the lock)."""
+        base = base_request_id(registration.request_id)
+        waiting = self._waiting.get(base, [])
+        older = [r for r in waiting if r.decode_engine_id == registration.decode_engine_id
+                 and r.decode_request_id != registration.decode_request_id]  # fmt: skip
+        if older:
+            self._superseded += older
+            for replaced in older:
+                self._replaced.add(replaced)
+            waiting[:] = [r for r in waiting if r not in older]
+        request_id = registration.request_id
+        if request_id not in self._entries:
+            request_id = self._by_base.get(base, "")
+        entry = self._entries.get(request_id)
+        if entry is not None and entry.blocks is not None and not entry.closing:
+            entry.running += 1
+            self._handed_out.add(registration)
+            return request_id, entry.blocks, registration
+        # Not computed yet (the next claim or `finished` takes it), or freed: then it waits for a retry.
+        self._waiting.setdefault(base, []).append(registration)
+        if (entry is not None and entry.closing) or (entry is None and base in self._gone):
+            self._doubt(base, now)
+        return None
+
+    def withdraw(self, registration: PushRegistration) -> bool:
+        """Decode gave up on `registration`'s request: True if it never wrote and never will (it was
+        waiting, and now writes nothing and only lets the request be freed when matched; or it was
+        superseded), False if not (a push of it may run: the caller stops it, or stands a reader in
+        for it). A copy of it registered later writes nothing either (`withdrawn`)."""
+        key = _decode_key(registration)
         base = base_request_id(registration.request_id)
         with self._lock:
+            self._withdrawn.add(registration)
             waiting = self._waiting.get(base, [])
-            older = [r for r in waiting if r.decode_engine_id == registration.decode_engine_id
-                     and r.decode_request_id != registration.decode_request_id]  # fmt: skip
-            if older:
-                self._superseded += older
-                waiting[:] = [r for r in waiting if r not in older]
-            request_id = registration.request_id
-            if request_id not in self._entries:
-                request_id = self._by_base.get(base, "")
-            entry = self._entries.get(request_id)
-            if entry is not None and entry.blocks is not None and not entry.closing:
-                entry.running += 1
-                return request_id, entry.blocks
-            # Not computed yet (the next claim or `finished` takes it), or freed: then it waits for a retry.
-            self._waiting.setdefault(base, []).append(registration)
-            if (entry is not None and entry.closing) or (entry is None and base in self._gone):
-                self._doubt(base, now)
-            return None
+            found = [i for i, waiting_one in enumerate(waiting) if _decode_key(waiting_one) == key]
+            for i in found:
+                waiting[i] = msgspec.structs.replace(waiting[i], write=False)
+            # Superseded (vLLM's decode registers a stub, "nothing to read", under the client's own id when
+            # the client goes away): it was never written; one not told yet needs no telling now.
+            untold = [r for r in self._superseded if _decode_key(r) == key]
+            self._superseded = [r for r in self._superseded if _decode_key(r) != key]
+            return bool(found or untold) or registration in self._replaced
+
+    def withdrawn(self, registration: PushRegistration) -> bool:
+        """Whether decode gave up on `registration` (a push of it not started yet must write nothing)."""
+        with self._lock:
+            return registration in self._withdrawn
+
+    def stand_in(
+        self, registration: PushRegistration, now: float
+    ) -> tuple[str, tuple[list[int], ...], PushRegistration] | None:
+        """After `withdraw` found nothing, and no push of it runs: unless it was handed out already,
+        register a copy that writes nothing in its place (matched at once, or waiting, as `register`),
+        so that its decode rank still counts as served; the registration itself, if it comes, is dropped."""
+        with self._lock:
+            if registration in self._handed_out or registration in self._stood_in:
+                return None
+            self._stood_in.add(registration)
+            return self._register(msgspec.structs.replace(registration, write=False), now)
 
     def _doubt(self, base: str, now: float) -> None:
         if base in self._waiting:
@@ -254,6 +349,8 @@ class PushBook:
         """Drop (and return) waiting registrations past their `write_by`, or doubted past their grace."""
         expired = Expired([], [])
         with self._lock:
+            for remembered in (self._handed_out, self._replaced, self._withdrawn, self._stood_in):
+                remembered.expire(wall_now)
             expired.doubted.extend(self._superseded)
             self._superseded.clear()
             for base in list(self._waiting):

@@ -3,15 +3,12 @@
 Everything that touches the network is a coroutine on the engine's loop; vLLM's worker thread
 only hands work over (`start_load_kv`) and collects what ended (`get_transfer_results`).
 
-Decode (`receive_pushed`): for each request vLLM allocated, connect to the prefill ranks it
-needs, plan from their layout as in pull mode, and register with each (an acknowledged call
-carrying the plan's views and decode's block ids). Then wait for each writing rank's WRITE
-notification, which NIXL delivers after the WRITE's data. Registrations carry ``write_by``
-(decode's wall clock): prefill starts no WRITE after it, and cancels one still running then.
-Decode gives up only at ``write_by`` plus a margin, so when vLLM hears a request failed and
-reuses its blocks, no WRITE can still land in them. A prefill rank whose push failed, once none
-of its WRITEs is left in NIXL, says so (`push_or_tell`): when every writing rank has answered,
-decode fails the request after a short margin instead of at ``write_by``.
+Decode (`push_receive.receive_pushed`): for each request vLLM allocated, register its blocks with
+the prefill ranks it needs and wait for their WRITEs; if vLLM finishes the request meanwhile (its
+client went away), withdraw the registrations and hand the blocks back once no WRITE can land.
+A prefill rank whose push failed, once none of its WRITEs is left in NIXL, says so
+(`push_or_tell`): when every writing rank has answered, decode fails the request after a short
+margin instead of at ``write_by``.
 
 Block sizes: as with vLLM's push connector, prefill's blocks may hold k times decode's tokens
 (never fewer). Each prefill block is then cut into k pieces, one per decode block: by token runs
@@ -22,7 +19,8 @@ rank once, after all of its WRITEs' data.
 Prefill: registrations (answered on the loop) and finished requests (from vLLM's metadata)
 meet in a `PushBook`; each match runs `push` as a request of the sync facade, so its result is
 reported only once NIXL holds none of its transfers. A request's blocks go back to vLLM when
-every decode rank's push ended, or its lease ran out and no push still reads them.
+every decode rank's push ended (or was withdrawn), or its lease ran out and no push still reads
+them.
 
 Progressive push (``push_progressive``): a registration that arrives while prefill still
 computes the request is claimed at the next step, and `push_progressively` WRITEs each layer's
@@ -56,31 +54,31 @@ from nixl_async import (
 
 from .progressive import LayerCoverage, LayerReady, PrefillStep, ProgressiveFeed, RequestDone
 from .push_book import (
+    NOT_HELD,
     PUSH_TOPIC,
+    PUSH_WITHDRAW_TOPIC,
+    STOPPING,
+    WITHDRAWN,
     PushBook,
     PushRegistration,
     base_request_id,
     decode_registration,
-    encode_registration,
     push_failure_notification,
     push_notification,
 )
-from .push_plan import WHOLE, WritePart, layer_parts, make_registration, registrations_for, write_parts
+from .push_plan import WHOLE, WritePart, layer_parts, write_parts
+from .push_receive import WRITE_MARGIN_S, PushFailed, PushWithdrawn, receive_pushed
 from .send_book import SendBook
-from .settings import UnsupportedSetting, connect_rank, rank_engine_id
-from .tp_mapping import expected_consumers, remote_ranks
-from .worker import LAYOUT, ConnectorWorker, KVGeometry, RecvJob, connect_job_rank
+from .settings import UnsupportedSetting, connect_rank
+from .tp_mapping import expected_consumers
+from .worker import LAYOUT, ConnectorWorker, KVGeometry, RecvJob
 
-__all__ = ["DecodeRestarted", "PushConnectorWorker", "PushFailed", "push", "push_or_tell", "push_progressively",
-           "receive_pushed"]  # fmt: skip
+__all__ = ["WRITE_MARGIN_S", "DecodeRestarted", "PushConnectorWorker", "PushFailed", "PushWithdrawn", "push",
+           "push_or_tell", "push_progressively", "receive_pushed"]  # fmt: skip
 
 log = logging.getLogger(f"vllm.{__name__}")
 
 PUSH_ID = "push>"  # facade request ids of prefill's pushes: "push>{request}>{decode engine}>{decode request}"
-
-
-class PushFailed(TransferFailed):
-    """A prefill rank said its push failed, with none of its WRITEs left in NIXL: nothing more comes from it."""
 
 
 class DecodeRestarted(TransferFailed):
@@ -120,13 +118,19 @@ class PushConnectorWorker(ConnectorWorker):
         # running push -> (its prefill request, decode ranks reading this rank); both threads, under the lock
         self._push_ids: dict[str, tuple[str, int]] = {}
         self._push_lock = threading.Lock()
-        self._cancelled: set[str] = set()  # pushes cancelled because their request's lease ran out
+        self._cancelled: set[str] = set()  # pushes cancelled (their lease ran out, or decode withdrew them)
         # progressive push (model thread): each request's pushes, this step's hand-over, layer -> region
         self._feeds: dict[str, list[ProgressiveFeed]] = {}
         self._layer_jobs: list[tuple[ProgressiveFeed, LayerReady]] = []
         self._jobs_metadata: Any = None  # the step `_layer_jobs` were set up for
         self._layer_regions: dict[str, int] = {}
+        self._pushing: set[str] = set()  # pushes whose coroutine began (under the lock)
+        self._withdrawn_pushes: set[str] = set()  # pushes decode withdrew: stopped, or never begun (under the lock)
+        # decode (worker thread): each receive job -> the event that withdraws its registrations
+        self._withdrawals: dict[str, asyncio.Event] = {}
+        self._withdrawn_requests: set[str] = set()  # ... withdrawn: vLLM finished them (not a failure)
         self.sync.handle_calls(PUSH_TOPIC, self._answer_registration)
+        self.sync.handle_calls(PUSH_WITHDRAW_TOPIC, self._answer_withdrawal)
 
     # -- decode ----------------------------------------------------------------------------
     def _start_receive(self, request_id: str, req: Any) -> None:
@@ -134,14 +138,30 @@ class PushConnectorWorker(ConnectorWorker):
             return
         job = self._recv_job(request_id, req, None)  # no lease: prefill writes when it is done
         deadline = time.time() + self.settings.push_registration_timeout_s
+        withdrawal = asyncio.Event()  # (bound to the loop when first awaited there)
         # vLLM waits only for a request with blocks (an empty one only lets prefill free the request)
-        self._hand_over(job, bool(job.local_blocks), self._receive_pushed, deadline)
+        if self._hand_over(job, bool(job.local_blocks), self._receive_pushed, deadline, withdrawal):
+            self._withdrawals[request_id] = withdrawal
 
-    async def _receive_pushed(self, engine: TransferEngine, job: RecvJob, deadline: float) -> None:
+    async def _receive_pushed(self, engine: TransferEngine, job: RecvJob, deadline: float,
+                              withdrawal: asyncio.Event) -> None:  # fmt: skip
         if self.geometry is None:
             raise LayoutError("register_kv_caches() has not run")
         await receive_pushed(engine, self.geometry, job, self.address, deadline=deadline,
-                             margin_s=engine.config.release_grace_s + WRITE_MARGIN_S)  # fmt: skip
+                             margin_s=engine.config.release_grace_s + WRITE_MARGIN_S,
+                             withdrawal=withdrawal)  # fmt: skip
+
+    def _withdraw(self, request_ids: list[str]) -> None:
+        """vLLM finished these requests while they waited for their push (aborted): withdraw their registrations.
+
+        vLLM holds their blocks until this worker reports them received, which it does once no
+        prefill rank can write into them any more.
+        """
+        for request_id in request_ids:
+            withdrawal = self._withdrawals.get(request_id)
+            if withdrawal is not None and request_id not in self._withdrawn_requests:
+                self._withdrawn_requests.add(request_id)
+                self.sync.call_soon(withdrawal.set)
 
     # -- prefill ---------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -166,6 +186,7 @@ class PushConnectorWorker(ConnectorWorker):
         super().start_load_kv(metadata)
         if metadata is None:
             return
+        self._withdraw(getattr(metadata, "push_withdrawn", None) or [])
         self._book.computing(metadata.reqs_in_batch)  # (a retry under a freed request's id is not doubted)
         for request_id in metadata.reqs_not_processed:  # prefill dropped it: stop pushing its layers
             self._abandon(request_id)
@@ -214,6 +235,9 @@ class PushConnectorWorker(ConnectorWorker):
     async def _push_progressively(self, engine: TransferEngine, reg: PushRegistration, feed: ProgressiveFeed) -> None:
         if self.geometry is None:
             raise LayoutError("register_kv_caches() has not run")
+        if not self._begin(feed.push_id):
+            feed.over = True
+            return
         for result in await push_progressively(engine, self.geometry, reg, feed, len(self._regions)):
             self._results.put(result)
 
@@ -230,10 +254,47 @@ class PushConnectorWorker(ConnectorWorker):
         registration = decode_registration(payload)  # a malformed one raises ValueError: refused
         match = self._book.register(registration, time.time())
         if match is not None:
-            self._start_push(match[0], match[1], registration)
+            self._start_push(*match)
         else:
             self._arm_doubt_check()
         return b"ok"
+
+    def _answer_withdrawal(self, _sender: str, payload: bytes) -> bytes:
+        """(Loop thread) A decode rank gave up on a request it registered (or was about to): write nothing
+        more for it, and say whether anything may have been written (`push_book`'s answers)."""
+        registration = decode_registration(payload)  # (write=False: what is left of it)
+        # The book remembers the withdrawal first: a push claimed after this looks (`_claim_push_id`) writes nothing.
+        if self._book.withdraw(registration):
+            return WITHDRAWN
+        base = base_request_id(registration.request_id)
+        suffix = f">{registration.decode_engine_id}>{registration.decode_request_id}"
+        with self._push_lock:
+            pushes = [push_id for push_id, (request_id, _) in self._push_ids.items()
+                      if push_id.endswith(suffix) and base_request_id(request_id) == base]  # fmt: skip
+            self._withdrawn_pushes.update(pushes)  # one not begun yet ends at once (`_begin`)
+            begun = [push_id for push_id in pushes if push_id in self._pushing]
+            self._cancelled.update(begun)
+        for push_id in begun:
+            log.info("decode withdrew %s: stopping push %s", registration.decode_request_id, push_id)
+            self.sync.cancel(push_id)  # once NIXL let go of it, `push_or_tell` tells decode
+        if begun:
+            return STOPPING
+        if pushes:
+            return WITHDRAWN
+        match = self._book.stand_in(registration, time.time())  # (its decode rank still counts as served)
+        if match is not None:
+            self._start_push(*match)
+        else:
+            self._arm_doubt_check()
+        return NOT_HELD
+
+    def _begin(self, push_id: str) -> bool:
+        """(Loop thread) A push's coroutine begins: False if decode withdrew it meanwhile (it writes nothing)."""
+        with self._push_lock:
+            if push_id in self._withdrawn_pushes:
+                return False
+            self._pushing.add(push_id)
+            return True
 
     def _arm_doubt_check(self) -> None:
         """(Loop thread) Tell decode about doubted registrations once their grace ends, even if vLLM idles."""
@@ -254,6 +315,8 @@ class PushConnectorWorker(ConnectorWorker):
         """Drop registrations past their write_by; tell the decode ranks of doubted ones their push failed."""
         expired = self._book.expire(time.time())
         for registration in expired.unclaimed:
+            if not registration.write:  # (withdrawn, or a rank that only lets us free the request)
+                continue
             log.warning("registration of %s by %s was never matched before its deadline", registration.request_id,
                         registration.decode_engine_id)  # fmt: skip
         for registration in expired.doubted:
@@ -269,27 +332,33 @@ class PushConnectorWorker(ConnectorWorker):
     def _start_push(self, request_id: str, blocks: tuple[list[int], ...], registration: PushRegistration) -> None:
         push_id = self._claim_push_id(request_id, registration)
         if push_id is not None:
-            self.sync.submit(push_id, self._push, blocks, registration)
+            self.sync.submit(push_id, self._push, push_id, blocks, registration)
 
     def _claim_push_id(self, request_id: str, registration: PushRegistration) -> str | None:
         """The facade id of the push `registration` asks for; None if there is nothing to push (book updated)."""
-        if not registration.write:  # decode reads nothing from this rank: it only lets it free
-            self._served(request_id, self._readers(registration))
-            return None
         # (per decode request: two attempts under one id from the same decode rank are two pushes)
         push_id = f"{PUSH_ID}{request_id}>{registration.decode_engine_id}>{registration.decode_request_id}"
+        readers = self._readers(registration)
         with self._push_lock:
-            repeat = push_id in self._push_ids
-            if not repeat:
-                self._push_ids[push_id] = (request_id, self._readers(registration))
+            # Withdrawn since the book handed it out, its withdrawal saw no push of it: none may start now.
+            write = registration.write and not self._book.withdrawn(registration)
+            repeat = write and push_id in self._push_ids
+            if write and not repeat:
+                self._push_ids[push_id] = (request_id, readers)
+        if not write:  # decode reads nothing from this rank: it only lets it free
+            self._served(request_id, readers)
+            return None
         if repeat:  # the same decode rank registered twice: the push under way serves it
             self._book.ended(request_id)
             return None
         return push_id
 
-    async def _push(self, engine: TransferEngine, blocks: tuple[list[int], ...], reg: PushRegistration) -> None:
+    async def _push(self, engine: TransferEngine, push_id: str, blocks: tuple[list[int], ...],
+                    reg: PushRegistration) -> None:  # fmt: skip
         if self.geometry is None:
             raise LayoutError("register_kv_caches() has not run")
+        if not self._begin(push_id):
+            return
         result = await push_or_tell(engine, self.geometry, blocks, reg)
         self._results.put(result)
 
@@ -302,7 +371,16 @@ class PushConnectorWorker(ConnectorWorker):
         self._book.ended(request_id)
 
     def _own_finished(self, finished: FinishedRequests) -> FinishedRequests:
-        """Take prefill's pushes out of what the facade reports: they count toward freeing blocks."""
+        """Take prefill's pushes out of what the facade reports: they count toward freeing blocks.
+
+        Decode's withdrawn requests ended as vLLM asked: reported received (their blocks go back), not failed.
+        """
+        for request_id in [r for r in (*finished.done, *finished.failed) if r in self._withdrawals]:
+            self._withdrawals.pop(request_id)
+            if request_id in self._withdrawn_requests:
+                self._withdrawn_requests.discard(request_id)
+                if finished.failed.pop(request_id, None) is not None:
+                    finished.done.add(request_id)
         for push_id in [r for r in (*finished.done, *finished.failed, *finished.fenced) if r.startswith(PUSH_ID)]:
             if push_id in finished.fenced:
                 log.warning("push %s ended but NIXL still holds its WRITE: its blocks stay held", push_id)
@@ -312,10 +390,16 @@ class PushConnectorWorker(ConnectorWorker):
             finished.done.discard(push_id)
             with self._push_lock:
                 entry = self._push_ids.pop(push_id, None)
+                withdrawn = push_id in self._withdrawn_pushes
+                self._withdrawn_pushes.discard(push_id)
+                self._pushing.discard(push_id)
             self._cancelled.discard(push_id)
             if entry is None:
                 continue
-            if error is not None:
+            if withdrawn:
+                log.info("push %s ended after decode withdrew it (%s)", push_id,
+                         "failed" if error is not None else "done")  # fmt: skip
+            elif error is not None:
                 log.warning("push %s failed: %s: %s", push_id, type(error).__name__, error)
                 self._record("num_failed_transfers", 1)
             self._served(*entry)
@@ -336,94 +420,6 @@ class PushConnectorWorker(ConnectorWorker):
                 self.sync.cancel(push_id)
         self._tell_expired()
         return super()._finished_sending()
-
-
-WRITE_MARGIN_S = 2.0  # decode waits this long past `write_by` (plus the engine's release grace)
-_GONE_BEFORE = b"gone"  # what a prefill of an earlier version answered for a request it had freed
-
-
-async def receive_pushed(
-    engine: TransferEngine,
-    geometry: KVGeometry,
-    job: RecvJob,
-    address: tuple[str, int],
-    *,
-    deadline: float,
-    margin_s: float,
-) -> None:
-    """Decode: register `job`'s blocks with every prefill rank it needs and wait for their WRITEs.
-
-    `deadline` is this host's wall clock. Raises `LayoutError` for what push cannot place
-    (before any registration is sent), `NotificationTimeout` at `deadline` (never earlier once a
-    registration was sent: a prefill rank may write until ``deadline - margin_s``), and
-    `PushFailed` once every writing rank answered and one said its push failed with none of its
-    WRITEs left, or that it no longer holds the request and no retry of it came (after
-    `WRITE_MARGIN_S` more: bytes a stopped WRITE had sent may still be landing).
-    """
-    write_by = deadline - margin_s
-    ranks = remote_ranks(local_tp=geometry.tp_size, local_rank=geometry.tp_rank, remote_tp=job.remote_tp)
-    if not job.local_blocks:  # nothing to receive: only let prefill free the request
-        peers = await asyncio.gather(*(connect_job_rank(engine, job, rank) for rank in ranks))
-        registration = make_registration(geometry, job, decode_engine_id=engine.engine_id, decode_address=address,
-                                     write_by=write_by, write=False, decode_agent=engine.agent_name)  # fmt: skip
-        payload = encode_registration(registration)
-        await asyncio.gather(*(engine.call(peer, PUSH_TOPIC, payload) for peer in peers))
-        return
-    first = await connect_job_rank(engine, job, ranks[0])
-    registrations = registrations_for(geometry, job, first, decode_engine_id=engine.engine_id, decode_address=address,
-                                      write_by=write_by, decode_agent=engine.agent_name)  # fmt: skip
-    peers = await asyncio.gather(*(connect_job_rank(engine, job, rank) for rank, _ in registrations))
-    # Waiting from now: a fast WRITE's notification may come before the registration's reply (one that
-    # comes before its waiter is kept for it).
-    waits = [asyncio.ensure_future(_pushed_from(engine, job, rank, write_by, deadline))
-             for rank, registration in registrations if registration.write]  # fmt: skip
-    maybe_writing = False  # some prefill rank may have taken a registration to write
-    try:
-        for i, ((_rank, registration), peer) in enumerate(zip(registrations, peers, strict=True)):
-            maybe_writing |= registration.write  # even if the reply is lost, the registration may have arrived
-            if await engine.call(peer, PUSH_TOPIC, encode_registration(registration)) == _GONE_BEFORE:
-                maybe_writing = any(r.write for _, r in registrations[:i])
-                raise PushFailed(f"prefill {peer.engine_id} no longer holds request {job.remote_request_id}",
-                                 peer=peer.engine_id)  # fmt: skip
-        outcomes = await asyncio.gather(*waits, return_exceptions=True)
-        errors = [o for o in outcomes if isinstance(o, BaseException)]
-        if errors and all(isinstance(e, PushFailed) for e in errors):
-            # Every writing rank answered, and those that failed hold no WRITE any more: no need to wait
-            # for the deadline, only for bytes a stopped WRITE had already sent (the notice may overtake them).
-            maybe_writing = False
-            await asyncio.sleep(max(0.0, min(WRITE_MARGIN_S, deadline - time.time())))
-        if errors:
-            raise errors[0]
-    except BaseException:
-        for wait in waits:
-            wait.cancel()
-        await asyncio.gather(*waits, return_exceptions=True)
-        if maybe_writing:  # a rank may write until write_by: vLLM must not get the blocks back before
-            await asyncio.sleep(max(0.0, deadline - time.time()))
-        raise
-
-
-async def _pushed_from(engine: TransferEngine, job: RecvJob, rank: int, write_by: float, deadline: float) -> None:
-    """Until prefill rank `rank`'s push arrived (its WRITE's notification), or it said the push failed
-    (`PushFailed`); `NotificationTimeout` at `deadline` (this host's wall clock)."""
-    timeout = max(0.0, deadline - time.time())
-    arrived = asyncio.ensure_future(engine.wait_notifications(push_notification(job.request_id, rank), 1,
-                                                              timeout=timeout))  # fmt: skip
-    failed = asyncio.ensure_future(engine.wait_notifications(push_failure_notification(job.request_id, rank, write_by),
-                                                             1, timeout=timeout))  # fmt: skip
-    try:
-        await asyncio.wait([arrived, failed], return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for wait in (arrived, failed):
-            wait.cancel()
-        await asyncio.gather(arrived, failed, return_exceptions=True)
-    if not arrived.cancelled() and arrived.exception() is None:
-        return
-    if not failed.cancelled() and failed.exception() is None:
-        prefill = rank_engine_id(job.remote_engine_id, rank)
-        raise PushFailed(f"prefill {prefill} could not push request {job.remote_request_id}", peer=prefill)
-    errors = [w.exception() for w in (arrived, failed) if not w.cancelled()]
-    raise next(e for e in errors if e is not None)
 
 
 async def push_or_tell(

@@ -21,7 +21,12 @@ leases on blocks held for a reader), so it is reused as is. What differs:
   (nor at all when the prompt's last chunk needed no new block): the reader got stale KV;
 - push mode with ``push_progressive``: prefill's scheduler also tells its workers, every step,
   which requests for decode it computes, in which blocks and up to which token
-  (``push_steps``), so they can push each layer as soon as it is computed.
+  (``push_steps``), so they can push each layer as soon as it is computed;
+- push mode, decode: a request vLLM finishes while it still waits for its push (its client went
+  away) is named to the workers (``push_withdrawn``), which withdraw its registrations from
+  prefill. vLLM's only word to prefill is a stub registration that reads nothing, under the
+  client's own id: the registration made first stays, and its push lands in blocks decode holds
+  for nobody until then (or until the watchdog).
 """
 
 from __future__ import annotations
@@ -180,6 +185,8 @@ class AdapterPushScheduler(_MarksIdleSteps, _WorkersServeHandshakes, NixlPushCon
         self.settings = _adapt(self, vllm_config)
         self._push_registration_timeout = self.settings.push_registration_timeout_s
         self._computing = PrefillFollower()  # prefill's requests for decode, with progressive push
+        self._awaiting_push: set[str] = set()  # decode: requests registered with prefill, not yet received
+        self._to_withdraw: list[str] = []  # decode: ... that vLLM finished meanwhile (for the next metadata)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = request.kv_transfer_params or {}
@@ -187,7 +194,10 @@ class AdapterPushScheduler(_MarksIdleSteps, _WorkersServeHandshakes, NixlPushCon
             self._computing.follow(request.request_id, request.num_prompt_tokens)
         super().update_state_after_alloc(request, blocks, num_external_tokens)
         staged = self._reqs_need_recv.get(request.request_id)
-        if staged is not None and staged[2] == () and num_external_tokens > 0:
+        if staged is None or num_external_tokens <= 0:
+            return
+        self._awaiting_push.add(request.request_id)
+        if staged[2] == ():
             # vLLM's push scheduler leaves decode's prefix hit out; say it, so prefill places decode's
             # blocks exactly (with a block-size ratio their start cannot be told from their count).
             hits = tuple(sum(b.block_hash is not None and not b.is_null for b in group) for group in blocks.blocks)
@@ -195,12 +205,21 @@ class AdapterPushScheduler(_MarksIdleSteps, _WorkersServeHandshakes, NixlPushCon
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         self._computing.forget(request.request_id)
+        if request.request_id in self._awaiting_push:  # finished (aborted) before its push arrived
+            self._awaiting_push.discard(request.request_id)
+            self._to_withdraw.append(request.request_id)
         return super().request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        super().update_connector_output(connector_output)
+        self._awaiting_push.difference_update(connector_output.finished_recving or ())
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         meta = super().build_connector_meta(scheduler_output)
         if self._computing:
             meta.push_steps = self._prefill_steps(scheduler_output)  # type: ignore[attr-defined]
+        if self._to_withdraw:
+            meta.push_withdrawn, self._to_withdraw = self._to_withdraw, []  # type: ignore[attr-defined]
         return meta
 
     def _prefill_steps(self, out: Any) -> dict[str, PrefillStep]:

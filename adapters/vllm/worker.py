@@ -391,15 +391,19 @@ class ConnectorWorker:
         self._hand_over(job, req.awaiting_kvs, self._receive)
 
     def _hand_over(self, job: RecvJob, awaited: bool, receive: Callable[..., Coroutine[Any, Any, None]],
-                   *args: Any) -> None:  # fmt: skip
-        """Run ``receive(engine, job, *args)`` on the loop; once the facade took it, note the blocks vLLM waits on."""
+                   *args: Any) -> bool:  # fmt: skip
+        """Run ``receive(engine, job, *args)`` on the loop; once the facade took it, note the blocks vLLM waits on.
+
+        False if it was not taken (the same request is still being received).
+        """
         try:
             self.sync.submit(job.request_id, receive, job, *args)
         except ValueError:  # the same request is still in flight (vLLM re-sent it): keep the first, and its blocks
             log.warning("request %s is already being received; ignoring the repeat", job.request_id)
-            return
+            return False
         if awaited:  # (read only by this thread's get_transfer_results: the outcome cannot come first)
             self._awaiting[job.request_id] = job.local_blocks
+        return True
 
     def _group_blocks(self, req: Any) -> tuple[GroupBlocks, ...]:
         """Each transfer group's blocks of `req` (empty lists for a full prefix hit)."""

@@ -27,12 +27,14 @@ def make_models(root: Path) -> None:
     (root / "model").symlink_to(root / "model-a")
 
 
-async def post(url: str, body: dict[str, Any], timeout: float = 120) -> tuple[int, dict[str, Any]]:
+async def post(
+    url: str, body: dict[str, Any], timeout: float = 120, headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, Any]]:
     """POST a completion; (status, decoded reply)."""
     timeout_cfg = aiohttp.ClientTimeout(total=timeout)
     async with (
         aiohttp.ClientSession(timeout=timeout_cfg) as session,
-        session.post(f"{url}/v1/completions", json=body) as reply,
+        session.post(f"{url}/v1/completions", json=body, headers=headers) as reply,
     ):
         return reply.status, await reply.json(content_type=None)
 

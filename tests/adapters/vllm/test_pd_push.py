@@ -5,10 +5,10 @@ One cluster for the module, with two prefill servers: one pushing each request w
 ``push_progressive`` and chunked prefill (chunks of 1.5 blocks, so a block is filled across two
 steps). Tests run in file order: outputs (legs sent together, decode's registration first,
 prefill finished first; through each prefill) -> progressive pushes go layer by layer -> prefix
-hit -> prefill frees its blocks ->
-registration for a request prefill already freed -> decode never registers (prefill frees within
-the lease) -> prefill gone after decode registered (decode fails within the watchdog, never
-hangs) -> prefill with other weights changes decode's output.
+hit -> prefill frees its blocks -> registration for a request prefill already freed -> a retry ->
+a request queued on decode -> decode gives up on a request (withdrawn) -> decode never registers
+(prefill frees within the lease) -> prefill gone after decode registered (decode fails within the
+watchdog, never hangs) -> prefill with other weights changes decode's output.
 """
 
 from __future__ import annotations
@@ -182,6 +182,51 @@ async def test_a_request_queued_on_decode_past_the_lease_keeps_prefill_s_blocks(
     assert status == 200, reply
     assert reply["choices"][0]["text"] == want
     assert counter(servers["prefill"], "vllm:nixl_num_kv_expired_reqs_total") == expired
+
+
+async def test_a_request_decode_gives_up_on_frees_its_blocks_at_once_and_prefill_writes_nothing(cluster):
+    """Decode's client left while decode waited for the push, before prefill had the request. Before,
+    prefill heard only of vLLM's stub registration (which reads nothing) and told decode the push had
+    failed: decode gave the blocks back after the 2 s margin, counting a failed transfer."""
+    root, servers = cluster
+    prefill, decode = servers["prefill"], servers["decode"]
+    request_id = "given-up"
+    prompt = make_prompt("given up on", 200)
+    params = {"do_remote_prefill": True, "remote_engine_id": "push-prefill", "remote_host": "127.0.0.1",
+              "remote_port": PREFILL_SIDE_PORT, "tp_size": 1, "remote_request_id": f"cmpl-{request_id}-0",
+              "remote_block_ids": []}  # fmt: skip
+    writes = counter(prefill, "vllm:nixl_xfer_time_seconds_count")
+    expired = counter(prefill, "vllm:nixl_num_kv_expired_reqs_total")
+    failed = counter(decode, "vllm:nixl_num_failed_transfers_total")
+    body = {"model": _model(root), "prompt": prompt, "max_tokens": 4, "kv_transfer_params": params}
+    held = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+        leaving = asyncio.create_task(session.post(f"{decode.url}/v1/completions", json=body))
+        while not leaving.done():
+            held.append(decode.metric("vllm:kv_cache_usage_perc"))
+            await asyncio.sleep(0.2)
+        with pytest.raises(asyncio.TimeoutError):
+            await leaving  # the client gives up: vLLM aborts the request
+    left = time.monotonic()
+    assert max(held), "decode held blocks for the push"
+    while decode.metric("vllm:kv_cache_usage_perc") and time.monotonic() - left < WATCHDOG_S:
+        await asyncio.sleep(0.1)
+    freed_after = time.monotonic() - left
+    # (vLLM's own stub registration, "nothing to read", made prefill tell decode the push failed: 2 s and a failure)
+    assert freed_after < 1, f"decode's blocks went back {freed_after:.1f}s after the client left"
+    assert counter(decode, "vllm:nixl_num_failed_transfers_total") == failed, "a withdrawal is no failed transfer"
+    # The prefill leg arrives after all: computed, freed at once, nothing written, no lease run out.
+    prefill_body = {"model": _model(root), "prompt": prompt, "max_tokens": 1,
+                    "kv_transfer_params": {"do_remote_decode": True}}  # fmt: skip
+    status, _ = await post(prefill.url, prefill_body, headers={"X-Request-Id": request_id})
+    assert status == 200
+    finished = time.monotonic()
+    while prefill.metric("vllm:kv_cache_usage_perc") and time.monotonic() - finished < 2 * LEASE_S:
+        await asyncio.sleep(0.1)
+    assert time.monotonic() - finished < LEASE_S, "prefill held the request for a reader that had withdrawn"
+    assert counter(prefill, "vllm:nixl_xfer_time_seconds_count") == writes, "prefill wrote into decode's blocks"
+    assert counter(prefill, "vllm:nixl_num_kv_expired_reqs_total") == expired
+    await complete(decode.url, make_prompt("decode serves on", 20), _model(root))
 
 
 async def _push_after_lease(servers: dict[str, VllmServer], prompt: str, model: str) -> tuple[int, Any]:

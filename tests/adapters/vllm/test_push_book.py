@@ -55,7 +55,7 @@ def test_a_registration_before_the_request_finishes_waits_for_it():
 def test_a_registration_after_the_request_finished_is_pushed_at_once():
     book = PushBook()
     assert book.finished("cmpl-a-0-0badf00d", BLOCKS) == []
-    assert book.register(_reg("cmpl-a-0"), NOW) == ("cmpl-a-0-0badf00d", BLOCKS)
+    assert book.register(_reg("cmpl-a-0"), NOW) == ("cmpl-a-0-0badf00d", BLOCKS, _reg("cmpl-a-0"))
     assert book.register(_reg("cmpl-b-0"), NOW) is None, "another request does not match"
 
 
@@ -93,7 +93,7 @@ def test_a_retry_under_a_freed_request_s_id_gets_its_registration():
     assert book.register(_reg("r"), NOW) is None  # decode's leg of the retry came first
     assert book.finished("r-0feedbee", BLOCKS) == [_reg("r")], "the retry, computed, takes it"
     assert book.next_doubt() is None and book.expire(NOW + 10.0) == ([], [])
-    assert book.register(_reg("r", "d/tp1"), NOW) == ("r-0feedbee", BLOCKS), "and the retry is not gone"
+    assert book.register(_reg("r", "d/tp1"), NOW) is not None, "and the retry is not gone"
 
 
 def test_registrations_for_a_request_aborted_before_it_finished_are_told():
@@ -124,7 +124,7 @@ def test_a_request_still_computing_is_claimed_by_registrations_already_there():
     assert book.claim("r-0badf00d") and book.claim("r-0badf00d") == []
     assert book.register(_reg("r", "d/tp2"), NOW) is None
     assert [x.decode_engine_id for x in book.finished("r-0badf00d", BLOCKS)] == ["d/tp2"]
-    assert book.register(_reg("r", "d/tp3"), NOW) == ("r-0badf00d", BLOCKS), "computed: pushed whole at once"
+    assert book.register(_reg("r", "d/tp3"), NOW) is not None, "computed: pushed whole at once"
     assert not book.release("r-0badf00d", NOW), "four pushes run"
     for _ in range(4):
         book.ended("r-0badf00d")
@@ -180,3 +180,57 @@ def test_a_registration_waiting_while_a_progressive_push_runs_is_told_when_prefi
     assert book.register(_reg("r", "d/tp1"), NOW) is None
     assert not book.release("r-0badf00d", NOW), "rank 0's push still runs"
     assert book.expire(NOW + 5.0).doubted == [_reg("r", "d/tp1")]
+
+
+def _withdrawal(registration: PushRegistration) -> PushRegistration:
+    return msgspec.structs.replace(registration, write=False)  # what decode sends to withdraw
+
+
+def test_a_withdrawn_registration_that_waited_writes_nothing_and_lets_prefill_free_the_request():
+    """Decode gave up on the request (its client went away) before prefill computed it. Before, prefill
+    knew nothing of it: it computed and wrote the request into blocks decode held for nobody."""
+    book = PushBook()
+    assert book.register(_reg("r", "d/tp0"), NOW) is None
+    assert book.register(_reg("r", "d/tp1"), NOW) is None
+    assert book.withdraw(_withdrawal(_reg("r", "d/tp0"))), "it was waiting"
+    taken = book.finished("r-0badf00d", BLOCKS)
+    assert [(r.decode_engine_id, r.write) for r in taken] == [("d/tp0", False), ("d/tp1", True)]
+
+
+def test_a_registration_overtaken_by_its_withdrawal_writes_nothing():
+    book = PushBook()
+    book.finished("r-0badf00d", BLOCKS)
+    assert not book.withdraw(_withdrawal(_reg("r"))), "not here: a push of it may run, or it never came"
+    # matched, to let the request be freed, but never to write (another rank's is untouched)
+    assert book.register(_reg("r"), NOW) == ("r-0badf00d", BLOCKS, _withdrawal(_reg("r")))
+    assert book.register(_reg("r", "d/tp1"), NOW) == ("r-0badf00d", BLOCKS, _reg("r", "d/tp1"))
+    book2 = PushBook()
+    book2.withdraw(_withdrawal(_reg("r")))
+    assert book2.register(_reg("r"), NOW) is None
+    assert [r.write for r in book2.finished("r-0badf00d", BLOCKS)] == [False], "waiting, too"
+
+
+def test_withdrawals_are_remembered_until_their_write_by():
+    book = PushBook()
+    book.withdraw(_withdrawal(_reg("r", write_by=10.0)))
+    book.expire(9.0)
+    book.register(_reg("r", write_by=10.0), 9.0)
+    assert [r.write for r in book.claim("r")] == [False]
+    book.expire(10.0)
+    book.register(_reg("s", write_by=30.0), 10.0)
+    book.withdraw(_withdrawal(_reg("s", write_by=30.0)))
+    assert book.expire(30.0).unclaimed == [_withdrawal(_reg("s", write_by=30.0))]
+    assert book.register(_reg("r", write_by=40.0), 30.0) is None
+    assert [r.write for r in book.claim("r")] == [True], "a later registration of the same ids writes again"
+
+
+def test_a_registration_superseded_by_vllm_s_stub_is_withdrawn_without_being_told():
+    """When its client goes away, vLLM's decode also registers a stub that reads nothing under the client's
+    own id: it supersedes the waiting registration, which, withdrawn next, was never written and needs no notice."""
+    book = PushBook()
+    assert book.register(_attempt("r", "cmpl-r-0-0badf00d"), NOW) is None
+    assert book.register(_withdrawal(_attempt("r", "r")), NOW) is None  # the stub
+    assert book.next_doubt() == -math.inf
+    assert book.withdraw(_withdrawal(_attempt("r", "cmpl-r-0-0badf00d")))
+    assert book.expire(NOW) == ([], []) and book.next_doubt() is None, "nobody to tell"
+    assert [r.decode_request_id for r in book.finished("r-0feedbee", BLOCKS)] == ["r"], "the stub lets it be freed"

@@ -1,7 +1,8 @@
 """`AdapterPushScheduler`'s own bookkeeping (pure logic; vLLM's push scheduler underneath is stubbed).
 
-What it adds to vLLM's: decode's registrations carry its prefix hit, and with progressive push
-prefill's metadata carries, per step, each request for decode it computes (`PrefillStep`).
+What it adds to vLLM's: decode's registrations carry its prefix hit, decode's metadata names the
+requests vLLM finished while they waited for their push (`push_withdrawn`), and with progressive
+push prefill's metadata carries, per step, each request for decode it computes (`PrefillStep`).
 """
 
 from __future__ import annotations
@@ -35,10 +36,13 @@ def scheduler(monkeypatch) -> AdapterPushScheduler:
     monkeypatch.setattr(NixlPushConnectorScheduler, "update_state_after_alloc", stage)
     monkeypatch.setattr(NixlPushConnectorScheduler, "build_connector_meta", lambda self, out: SimpleNamespace())
     monkeypatch.setattr(NixlPushConnectorScheduler, "request_finished", lambda self, request, blocks: (True, {}))
+    monkeypatch.setattr(NixlPushConnectorScheduler, "update_connector_output", lambda self, output: None)
     sched = object.__new__(AdapterPushScheduler)
     sched.settings = SimpleNamespace(push_progressive=True)
     sched._reqs_need_recv = {}
     sched._computing = PrefillFollower()
+    sched._awaiting_push = set()
+    sched._to_withdraw = []
     return sched
 
 
@@ -91,3 +95,14 @@ def test_requests_not_for_decode_are_not_followed(scheduler):
     scheduler.update_state_after_alloc(_request("x"), SimpleNamespace(blocks=([],)), 0)
     assert not hasattr(scheduler.build_connector_meta(_output(new=[("x", ([1],), 0)], scheduled={"x": 9})),
                        "push_steps")  # fmt: skip
+
+
+def test_a_request_finished_while_it_waits_for_its_push_is_withdrawn_once(scheduler):
+    blocks = SimpleNamespace(blocks=([_block(7)],))
+    for request_id in ("aborted", "received"):
+        scheduler.update_state_after_alloc(_request(request_id, do_remote_prefill=True), blocks, 100)
+    scheduler.update_connector_output(SimpleNamespace(finished_recving={"received"}))
+    for request_id in ("aborted", "received", "never-registered"):
+        scheduler.request_finished(_request(request_id), ([7],))
+    assert scheduler.build_connector_meta(_output()).push_withdrawn == ["aborted"]
+    assert not hasattr(scheduler.build_connector_meta(_output()), "push_withdrawn"), "named once"

@@ -28,6 +28,7 @@ def test_the_repeat_is_ignored_and_the_blocks_in_flight_stay_the_requests(worker
     worker = worker_class.__new__(worker_class)  # only the receive bookkeeping runs here: no vLLM config
     worker.sync = SyncEngine(EngineConfig(engine_id="repeat"))
     worker._awaiting = {}
+    worker._withdrawals = {}
     worker.settings = SimpleNamespace(push_registration_timeout_s=10.0)
     worker._recv_job = lambda request_id, req, expiry: SimpleNamespace(request_id=request_id, local_blocks=req.blocks)
     setattr(worker, receive_name, receive)

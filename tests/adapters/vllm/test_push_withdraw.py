@@ -1,0 +1,255 @@
+"""Decode gives up on a pushed request (vLLM finished it: its client went away).
+
+Over real NIXL, both sides in this process as in `test_push_layouts`: decode runs `receive_pushed`
+into zeroed caches and sets its withdrawal; prefill answers registrations and withdrawals as its
+push worker does (a `PushBook` for registrations that wait, cancelling a push under way). What
+must hold: decode's blocks go back (`PushWithdrawn`) as soon as no WRITE can land in them, and
+never before: at once if prefill had written nothing, after the margin if a WRITE was stopped in
+flight (UCX over TCP), at the deadline if prefill cannot say (an earlier version).
+
+Then prefill's worker's own answers (its bookkeeping only, no vLLM, no NIXL): a withdrawal racing
+the vLLM thread that just matched the registration, a push submitted but not begun, one under way,
+and one never registered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from types import SimpleNamespace
+from typing import Any
+
+import msgspec
+import pytest
+import torch
+
+from nixl_async import EngineConfig, TransferEngine
+from nixl_async_vllm.push_book import (
+    NOT_HELD,
+    PUSH_TOPIC,
+    PUSH_WITHDRAW_TOPIC,
+    STOPPING,
+    WITHDRAWN,
+    PushBook,
+    PushGroup,
+    PushRegistration,
+    base_request_id,
+    decode_registration,
+    encode_registration,
+)
+from nixl_async_vllm.push_receive import WRITE_MARGIN_S, PushWithdrawn, receive_pushed
+from nixl_async_vllm.push_worker import PushConnectorWorker, push_or_tell
+from nixl_async_vllm.send_book import SendBook
+
+from .test_push_layouts import LAYERS, Case, Prefill, _geometry, _job, _prefill
+
+SMALL = Case(1, 1, 1, blocks=2)
+# 62 MiB in 8 WRITEs (4 heads x 2 layers): over TCP, in flight for tens of ms
+LARGE = Case(1, 1, 4, blocks=62, head_dim=128, block_size=256, decode_cache_blocks=64)
+
+
+@contextlib.asynccontextmanager
+async def _decode(case: Case, name: str) -> AsyncIterator[tuple[TransferEngine, tuple[str, int], list[torch.Tensor]]]:
+    async with TransferEngine(EngineConfig(engine_id=name)) as decode:
+        caches = [torch.zeros(case.shape(1, case.decode_block_size, case.decode_cache_blocks), dtype=torch.bfloat16)
+                  for _ in range(LAYERS)]  # fmt: skip
+        decode.register("kv", caches, num_blocks=case.decode_cache_blocks)
+        yield decode, await decode.serve("127.0.0.1", 0), caches
+
+
+async def _receive(case: Case, prefill: Prefill, decode: TransferEngine, address: tuple[str, int],
+                   withdrawal: asyncio.Event, deadline_s: float) -> asyncio.Task[None]:  # fmt: skip
+    job = _job(case, prefill.name, prefill.port, "req-d")
+    return asyncio.create_task(receive_pushed(decode, _geometry(case, 1, 0, case.decode_block_size), job, address,
+                                              deadline=time.time() + deadline_s, margin_s=2.0,
+                                              withdrawal=withdrawal))  # fmt: skip
+
+
+async def _until(condition: Callable[[], Any], timeout: float = 10.0) -> None:
+    ends = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < ends, "timed out"
+        await asyncio.sleep(0.001)
+
+
+async def _given_up(receiving: asyncio.Task[None]) -> float:
+    """Seconds until `receiving` raised `PushWithdrawn`."""
+    began = time.monotonic()
+    with pytest.raises(PushWithdrawn):
+        await receiving
+    return time.monotonic() - began
+
+
+async def test_a_registration_prefill_holds_is_withdrawn_and_the_blocks_go_back_at_once():
+    """Before, decode had no way to give up: it held the blocks until the push came or the deadline."""
+    async with _prefill(SMALL) as prefill, _decode(SMALL, "push-withdraw-waiting") as (decode, address, _caches):
+        book = PushBook()
+        engine = prefill.engines[0]
+        engine.handle_calls(PUSH_TOPIC, lambda _s, payload: book.register(decode_registration(payload), 0.0) or b"ok")
+        engine.handle_calls(
+            PUSH_WITHDRAW_TOPIC, lambda _s, payload: WITHDRAWN if book.withdraw(decode_registration(payload)) else b"?"
+        )
+        withdrawal = asyncio.Event()
+        receiving = await _receive(SMALL, prefill, decode, address, withdrawal, deadline_s=60)
+        await _until(lambda: book.waiting() == 1)
+        withdrawal.set()
+        assert await _given_up(receiving) < 1.0
+        assert [r.write for r in book.finished("req-p-0badf00d", ([0, 1],))] == [False], "prefill writes nothing"
+
+
+async def test_a_push_in_flight_is_stopped_and_the_blocks_go_back_once_nothing_can_land(monkeypatch):
+    monkeypatch.setenv("UCX_TLS", "tcp")  # read when the agents' UCX workers are created
+    async with _prefill(LARGE) as prefill, _decode(LARGE, "push-withdraw-in-flight") as (decode, address, caches):
+        engine, geometry = prefill.engines[0], prefill.geometries[0]
+        pushes: list[asyncio.Task[Any]] = []
+        plain_start, never = engine.start_write, asyncio.Event()
+
+        async def start_write(*args: Any, notify: bytes | None = None, **kwargs: Any) -> Any:
+            if notify is not None:  # the part that would complete the push waits: it must be stopped
+                await never.wait()
+            return await plain_start(*args, notify=notify, **kwargs)
+
+        monkeypatch.setattr(engine, "start_write", start_write)
+
+        def register(_sender: str, payload: bytes) -> bytes:
+            pushes.append(asyncio.get_running_loop().create_task(
+                push_or_tell(engine, geometry, (LARGE.prefill_ids,), decode_registration(payload))))  # fmt: skip
+            return b"ok"
+
+        def withdraw(_sender: str, _payload: bytes) -> bytes:
+            pushes[0].cancel()  # the push tells decode once NIXL let go of its WRITEs
+            return STOPPING
+
+        engine.handle_calls(PUSH_TOPIC, register)
+        engine.handle_calls(PUSH_WITHDRAW_TOPIC, withdraw)
+        withdrawal = asyncio.Event()
+        receiving = await _receive(LARGE, prefill, decode, address, withdrawal, deadline_s=60)
+        await _until(lambda: engine.live_handles().get("xfers"))
+        withdrawal.set()
+        took = await _given_up(receiving)
+        with pytest.raises(asyncio.CancelledError):
+            await pushes[0]
+        assert WRITE_MARGIN_S <= took < WRITE_MARGIN_S + 5, f"gave the blocks back after {took:.1f}s"
+        assert engine.live_handles().get("xfers", 0) == 0
+        ended = [c.clone() for c in caches]
+        await asyncio.sleep(0.5)  # decode's poller keeps progressing UCX meanwhile
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(ended, caches, strict=True)), (
+            "bytes landed after decode gave up"
+        )  # (bytes: bf16 NaNs compare unequal)
+
+
+async def test_a_prefill_that_cannot_withdraw_keeps_the_blocks_held_until_the_deadline():
+    """A prefill of an earlier version answers no withdrawal: its registration may still be written."""
+    async with _prefill(SMALL) as prefill, _decode(SMALL, "push-withdraw-old") as (decode, address, _caches):
+        got: list[bytes] = []
+        prefill.engines[0].handle_calls(PUSH_TOPIC, lambda _s, payload: got.append(payload) or b"ok")
+        withdrawal = asyncio.Event()
+        receiving = await _receive(SMALL, prefill, decode, address, withdrawal, deadline_s=3)
+        await _until(lambda: got)
+        withdrawal.set()
+        assert await _given_up(receiving) > 2.5, "handed back while the registration could still be written"
+
+
+async def test_a_withdrawal_before_anything_was_registered_registers_nothing_and_tells_prefill():
+    """Prefill learns the request has no reader here (else it holds the request for a lease)."""
+    async with _prefill(SMALL) as prefill, _decode(SMALL, "push-withdraw-early") as (decode, address, _caches):
+        got: list[bytes] = []
+        withdrawn: list[PushRegistration] = []
+        prefill.engines[0].handle_calls(PUSH_TOPIC, lambda _s, payload: got.append(payload) or b"ok")
+        prefill.engines[0].handle_calls(
+            PUSH_WITHDRAW_TOPIC, lambda _s, payload: withdrawn.append(decode_registration(payload)) or NOT_HELD
+        )
+        withdrawal = asyncio.Event()
+        withdrawal.set()
+        receiving = await _receive(SMALL, prefill, decode, address, withdrawal, deadline_s=60)
+        assert await _given_up(receiving) < 1.0, "nothing was registered: nothing to wait for"
+        assert got == [] and [r.write for r in withdrawn] == [False]
+
+
+# -- prefill's worker: its answers, racing vLLM's thread -------------------------------------------
+REQUEST = "cmpl-r-0-0badf00d"  # prefill's id: the proxy's, with vLLM's suffix
+
+
+class _Prefill:
+    """A prefill `PushConnectorWorker` with only its push bookkeeping (a stand-in for the facade records calls)."""
+
+    def __init__(self) -> None:
+        self.submitted: list[tuple[str, Any]] = []
+        self.cancelled: list[str] = []
+        worker = object.__new__(PushConnectorWorker)
+        worker._book, worker._sends, worker._push_ids = PushBook(), SendBook(base_id=base_request_id), {}
+        worker._push_lock, worker._pushing, worker._withdrawn_pushes, worker._cancelled = (
+            threading.Lock(),
+            set(),
+            set(),
+            set(),
+        )
+        worker.tp_size = 1
+        worker.sync = SimpleNamespace(submit=lambda push_id, *args: self.submitted.append((push_id, args[-1])),
+                                      cancel=self.cancelled.append)  # fmt: skip
+        self.worker = worker
+        worker._sends.in_batch({REQUEST})
+        worker._sends.hold(REQUEST, time.perf_counter() + 60)
+
+    def withdraw(self, registration: PushRegistration) -> bytes:
+        payload = encode_registration(msgspec.structs.replace(registration, write=False))
+        return self.worker._answer_withdrawal("decode", payload)
+
+    def freed(self) -> bool:
+        read, _expired = self.worker._sends.collect(time.perf_counter())
+        return REQUEST in read
+
+
+def _registration(decode_request_id: str = "cmpl-d-0-12345678") -> PushRegistration:
+    return PushRegistration(
+        request_id="cmpl-r-0", decode_request_id=decode_request_id, decode_engine_id="d/tp0", decode_host="h",
+        decode_port=1, decode_tp=1, decode_pages=1, groups=[PushGroup("full", [7])], write=True,
+        write_by=time.time() + 300,
+    )  # fmt: skip
+
+
+def test_a_withdrawal_between_the_match_and_the_push_s_start_leaves_nothing_to_write():
+    """vLLM's thread took the registration from the book, then the loop answered the withdrawal, then the
+    thread went on to start the push. Before, the answer saw no push ("not held": decode freed its blocks
+    after the margin) and the push started after it, free to write until write_by."""
+    prefill, registration = _Prefill(), _registration()
+    assert prefill.worker._book.register(registration, time.time()) is None
+    taken = prefill.worker._book.finished(REQUEST, ([1],))  # vLLM's thread
+    assert prefill.withdraw(registration) == NOT_HELD  # the loop
+    for matched in taken:  # vLLM's thread again
+        prefill.worker._start_push(REQUEST, ([1],), matched)
+    assert prefill.submitted == [], "a push started after decode withdrew"
+    assert prefill.freed(), "the withdrawn reader counts as served"
+
+
+def test_a_push_withdrawn_before_it_began_writes_nothing_and_says_so():
+    """Before, it was cancelled before it ran: nothing told decode, which held its blocks to the deadline."""
+    prefill, registration = _Prefill(), _registration()
+    prefill.worker._book.finished(REQUEST, ([1],))
+    prefill.worker._start_push(*prefill.worker._book.register(registration, time.time()))
+    ((push_id, _),) = prefill.submitted
+    assert prefill.withdraw(registration) == WITHDRAWN and prefill.cancelled == []
+    assert not prefill.worker._begin(push_id), "the push's coroutine returns at once"
+
+
+def test_a_push_under_way_is_cancelled():
+    prefill, registration = _Prefill(), _registration()
+    prefill.worker._book.finished(REQUEST, ([1],))
+    prefill.worker._start_push(*prefill.worker._book.register(registration, time.time()))
+    ((push_id, _),) = prefill.submitted
+    assert prefill.worker._begin(push_id)
+    assert prefill.withdraw(registration) == STOPPING and prefill.cancelled == [push_id]
+
+
+def test_a_withdrawal_of_a_registration_never_seen_stands_a_reader_in_for_it():
+    """Decode gave up before its registration went out (or it is still on its way): prefill frees the request
+    once computed, and the registration, should it come, writes nothing and counts no second reader."""
+    prefill, registration = _Prefill(), _registration()
+    assert prefill.withdraw(registration) == NOT_HELD
+    assert prefill.worker._book.register(registration, time.time()) is None, "the late registration is dropped"
+    for matched in prefill.worker._book.finished(REQUEST, ([1],)):
+        prefill.worker._start_push(REQUEST, ([1],), matched)
+    assert prefill.submitted == [] and prefill.freed()
