@@ -51,7 +51,7 @@ __all__ = [
 PUSH_TOPIC = "kv_push"
 PUSH_WITHDRAW_TOPIC = "kv_push_withdraw"  # decode -> prefill: its registration (write=False), given up
 # Prefill's answers to a withdrawal:
-WITHDRAWN = b"withdrawn"  # it was waiting: nothing was written, nothing will be
+WITHDRAWN = b"withdrawn"  # it never wrote and never will (it waited, was superseded, or its push had not begun)
 STOPPING = b"stopping"  # a push of it ran: stopped; decode hears of it (pushed or failed) once NIXL let go
 NOT_HELD = b"not-held"  # neither: nothing will be written now, a push that already ended may have been
 PUSH_PREFIX = b"push:"
