@@ -124,7 +124,7 @@ async def receive_pushed(
     # comes before its waiter is kept for it).
     waits = {rank: asyncio.ensure_future(_pushed_from(engine, job, rank, write_by, deadline))
              for rank, registration in registrations if registration.write}  # fmt: skip
-    sent: list[tuple[int, PushRegistration, Peer]] = []  # registrations to write that may have reached prefill
+    sent: list[int] = []  # ranks whose registration to write may have reached prefill
     exposure = _Exposure(deadline)
     try:
         try:
@@ -147,12 +147,12 @@ async def _register_and_wait(
     registrations: list[tuple[int, PushRegistration]],
     peers: list[Peer],
     waits: Mapping[int, asyncio.Future[None]],
-    sent: list[tuple[int, PushRegistration, Peer]],
+    sent: list[int],
     exposure: _Exposure,
 ) -> None:
     for (rank, registration), peer in zip(registrations, peers, strict=True):
         if registration.write:  # even if the reply is lost, the registration may have arrived
-            sent.append((rank, registration, peer))
+            sent.append(rank)
             exposure.may_write()
         if await engine.call(peer, PUSH_TOPIC, encode_registration(registration)) == _GONE_BEFORE:
             if registration.write:  # this one will not write: only those registered before may
@@ -198,7 +198,7 @@ async def _withdraw_registrations(
     engine: TransferEngine,
     registrations: list[tuple[int, PushRegistration]],
     peers: list[Peer],
-    sent: list[tuple[int, PushRegistration, Peer]],
+    sent: list[int],
     waits: Mapping[int, asyncio.Future[None]],
     exposure: _Exposure,
 ) -> None:
@@ -216,7 +216,7 @@ async def _withdraw_registrations(
           for _, r, peer in asked),
         return_exceptions=True,
     )  # fmt: skip
-    may_have_written = {rank for rank, _, _ in sent}
+    may_have_written = set(sent)
     stopping = []
     for (rank, registration, peer), reply in zip(asked, replies, strict=True):
         if rank not in may_have_written:
