@@ -91,6 +91,7 @@ class BatchCore(SliceCore):
     def post_failed(self, index: int, reason: str) -> list[Action]:
         """Making or posting row `index` raised: it holds no handle and fails alone."""
         self._failed[index] = f"posting failed: {reason}"
+        self._errored += 1
         return self._complete_if_all_ended()
 
     def checked(self, index: int, state: str) -> list[Action]:
@@ -107,8 +108,10 @@ class BatchCore(SliceCore):
             return []
         del self._running[index]
         self._ended.add(index)
-        if state != "DONE" and self.state is TransferState.POSTING:
-            self._failed[index] = f"NIXL state {state}"
+        if state != "DONE":
+            self._errored += 1
+            if self.state is TransferState.POSTING:
+                self._failed[index] = f"NIXL state {state}"
         return [Release(index)]
 
     def released(self, index: int, ok: bool = True) -> list[Action]:

@@ -88,6 +88,7 @@ class SliceCore:
     __slots__ = (
         "_done",
         "_error",
+        "_errored",
         "_next",
         "_release_by",
         "grace_s",
@@ -105,6 +106,7 @@ class SliceCore:
         self.state = TransferState.POSTING
         self._next = 0  # the next slice to post
         self._done = 0  # slices that arrived and were released
+        self._errored = 0  # slices that ended in an error state, or whose post failed
         self._error: TransferError | None = None
         self._release_by: float | None = float("inf")  # None: the grace starts at the next tick
 
@@ -116,6 +118,15 @@ class SliceCore:
     @property
     def slices_done(self) -> int:
         return self._done
+
+    @property
+    def slices_errored(self) -> int:
+        """Slices NIXL ended in an error state (or whose post failed), whatever the transfer's state.
+
+        The others ended DONE, which for a WRITE means its bytes are in the target's memory: a
+        WRITE's bytes may still land there after its handle is gone only if this is non-zero.
+        """
+        return self._errored
 
     @property
     def error(self) -> TransferError | None:
@@ -291,6 +302,7 @@ class TransferCore(SliceCore):
         return self.checked(index, state)
 
     def post_failed(self, index: int, reason: str) -> list[Action]:
+        self._errored += 1  # (a post that failed part way may have sent some of its bytes)
         return self._fail(f"posting {self.op} to {self.peer} failed: {reason}")
 
     def checked(self, index: int, state: str) -> list[Action]:
@@ -298,8 +310,10 @@ class TransferCore(SliceCore):
         if not self._running & bit or state == "PROC":
             return []
         self._running &= ~bit
-        if state != "DONE" and self.state is TransferState.POSTING:
-            return self._fail(f"{self.op} with {self.peer} failed (NIXL state {state})")  # releases it too
+        if state != "DONE":
+            self._errored += 1
+            if self.state is TransferState.POSTING:
+                return self._fail(f"{self.op} with {self.peer} failed (NIXL state {state})")  # releases it too
         return [Release(index)]
 
     def released(self, index: int, ok: bool = True) -> list[Action]:

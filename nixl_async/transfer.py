@@ -226,6 +226,18 @@ class Transfer:
         """NIXL holds none of this transfer's handles: its memory is the caller's again."""
         return self._is_quiet
 
+    @property
+    def slices_errored(self) -> int:
+        """Slices (a batch: rows) NIXL ended in an error state, or whose post failed.
+
+        Once `quiet`, 0 says every slice posted ended DONE. For a WRITE that means its bytes are
+        in the peer's memory and none comes later (NIXL's UCX backend reports a WRITE done only
+        after flushing the endpoint: remote completion), even if the transfer was cancelled. A
+        slice that ended in error may have sent bytes that the peer's UCX worker still places
+        after NIXL let go of it: a peer lending those blocks to someone else should wait a margin.
+        """
+        return self.core.slices_errored
+
     def done(self) -> bool:
         return self._future.done()
 

@@ -40,6 +40,7 @@ def test_a_failed_row_fails_alone_and_the_batch_names_it():
     assert isinstance(finish, Finish) and isinstance(finish.error, BatchRowsFailed)
     assert finish.error.failed_rows == {1: "NIXL state ERR"} and "1 of 3 rows" in str(finish.error)
     assert c.state is TransferState.FAILED and list(c.arrived) == [1, 0, 1] and c.slices_done == 2
+    assert c.slices_errored == 1
 
 
 def test_a_row_whose_post_raised_holds_no_handle_and_fails_alone():
@@ -48,7 +49,7 @@ def test_a_row_whose_post_raised_holds_no_handle_and_fails_alone():
     assert c.post_failed(0, "bad descriptor") == []
     assert c.posted(1, "DONE") == [Release(1)]
     assert c.released(1) == [Complete()]
-    assert c.failed_rows == {0: "posting failed: bad descriptor"}
+    assert c.failed_rows == {0: "posting failed: bad descriptor"} and c.slices_errored == 1
     last = batch(2)  # the row whose post raises is the last to end: it completes the batch
     last.to_post(2), last.posted(0, "DONE"), last.released(0)
     assert last.post_failed(1, "gone") == [Complete()]

@@ -47,6 +47,7 @@ def test_running_slices_are_never_released_on_error_only_after_they_end():
     assert c.checked(1, "ERR") == [Release(1)]  # an error while releasing adds no second outcome
     assert c.released(1) == [Finish(error)]
     assert c.state is TransferState.TIMED_OUT and c.quiet
+    assert c.slices_errored == 1  # (an error while releasing still says bytes of slice 1 may land)
 
 
 def test_end_with_nothing_in_flight_finishes_at_once():
@@ -70,6 +71,7 @@ def test_grace_passes_then_fenced_then_quiet():
     assert c.checked(0, "DONE") == [Release(0)] and c.released(0) == []
     assert c.checked(1, "DONE") == [Release(1)] and c.released(1) == [Quiet()]
     assert c.state is TransferState.CANCELLED and c.quiet
+    assert c.slices_errored == 0  # cancelled, yet every slice posted ended DONE
 
 
 def test_refused_release_is_retried_and_keeps_the_transfer_unquiet():
@@ -93,7 +95,7 @@ def test_nixl_error_on_a_slice_fails_the_transfer_after_siblings_end():
     assert c.checked(0, "DONE") == [Release(0)]
     (finish,) = c.released(0)
     assert isinstance(finish.error, TransferFailed) and "ERR" in str(finish.error)
-    assert c.state is TransferState.FAILED
+    assert c.state is TransferState.FAILED and c.slices_errored == 1
 
 
 def test_grace_starts_at_first_tick_when_failure_had_no_clock():
@@ -110,6 +112,7 @@ def test_post_failure_without_a_handle():
     (i,) = c.to_post(5)
     (finish,) = c.post_failed(i, "boom")
     assert isinstance(finish, Finish) and isinstance(finish.error, TransferFailed)
+    assert c.slices_errored == 1  # (a post that failed part way may have sent some bytes)
 
 
 def test_chained_notification_goes_alone_last():
@@ -157,6 +160,7 @@ def test_any_event_order_keeps_the_contract(n, running, events):
     running_now: set[int] = set()
     pending_release: list[int] = []
     told: list[object] = []
+    errored = 0  # slices seen ending in ERR, whatever the transfer's state then
     now = 0.0
 
     def apply(actions):
@@ -190,6 +194,7 @@ def test_any_event_order_keeps_the_contract(n, running, events):
             state = {"check_done": "DONE", "check_err": "ERR", "check_proc": "PROC"}[kind]
             if state != "PROC":
                 running_now.discard(i)
+            errored += state == "ERR"
             apply(c.checked(i, state))
         elif kind.startswith("release") and pending_release:
             i = pending_release.pop(0)
@@ -208,6 +213,7 @@ def test_any_event_order_keeps_the_contract(n, running, events):
             apply(c.tick(now))
     outcomes = [t for t in told if isinstance(t, Finish | Fenced)]
     assert len(outcomes) <= 1
+    assert c.slices_errored == errored
     assert (c.state in (TransferState.RELEASING, TransferState.FENCED)) == (bool(holders) and c.error is not None)
 
 

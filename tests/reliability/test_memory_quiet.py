@@ -129,6 +129,7 @@ async def test_settle(tcp_engine, tcp_peer, as_batch):
     transfer = await _in_flight(tcp_engine, peer, as_batch)
     assert await tcp_engine.settle([transfer], timeout=10)
     assert transfer.quiet and isinstance(transfer.exception(), TransferCancelled)
+    assert transfer.slices_errored == 0  # cancelled, yet what was in flight ended DONE: no stray bytes
     await _assert_quiet_after(tcp_engine, regions, None)
 
 
@@ -142,6 +143,7 @@ async def test_peer_sigkill(tcp_engine, tcp_peer, as_batch):
         await transfer.wait(timeout=30)
     if not isinstance(info.value, TransferFenced):
         assert transfer.quiet and tcp_engine.live_handles().get("xfers", 0) == 0
+        assert transfer.slices_errored >= 1, "NIXL ended a slice in error: its bytes are not known to have landed"
 
 
 async def test_engine_close(tcp_engine, tcp_peer, as_batch):
