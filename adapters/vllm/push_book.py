@@ -56,6 +56,7 @@ STOPPING = b"stopping"  # a push of it ran: stopped; decode hears of it (pushed 
 NOT_HELD = b"not-held"  # neither: nothing will be written now, a push that already ended may have been
 PUSH_PREFIX = b"push:"
 PUSH_FAILED_PREFIX = b"push-failed:"
+_LANDED = b":landed"
 GONE_REMEMBERED = 4096  # freed requests remembered, so that late registrations for them are doubted
 
 
@@ -64,13 +65,17 @@ def push_notification(decode_request_id: str, prefill_rank: int) -> bytes:
     return PUSH_PREFIX + f"{decode_request_id}:{prefill_rank}".encode()
 
 
-def push_failure_notification(decode_request_id: str, prefill_rank: int, write_by: float) -> bytes:
+def push_failure_notification(decode_request_id: str, prefill_rank: int, write_by: float, *,
+                              landed: bool = False) -> bytes:  # fmt: skip
     """What prefill rank `prefill_rank` sends decode when its push failed with none of its WRITEs left in NIXL.
 
     It names the registration's `write_by` too: one left over from an earlier registration of the
-    same request id must not end a later one's wait.
+    same request id must not end a later one's wait. `landed`: every WRITE it posted ended DONE
+    (NIXL reports a WRITE done once its bytes are in decode's memory), so no byte of it can land
+    later and decode need not wait a margin; sent only to a decode that asked (`landed_notice`).
     """
-    return PUSH_FAILED_PREFIX + f"{decode_request_id}:{prefill_rank}:{write_by!r}".encode()
+    notice = PUSH_FAILED_PREFIX + f"{decode_request_id}:{prefill_rank}:{write_by!r}".encode()
+    return notice + _LANDED if landed else notice
 
 
 class PushGroup(msgspec.Struct, frozen=True, array_like=True):
@@ -111,6 +116,9 @@ class PushRegistration(msgspec.Struct, frozen=True, kw_only=True):
     # The NIXL agent of the decode rank that registered: a decode restarted under the same engine id
     # (and address) has other blocks behind the same ids; "": not checked (an older decode).
     decode_agent: str = ""
+    # Decode tells a failed push whose WRITEs all landed from one that may still land bytes
+    # (`push_failure_notification(landed=True)`); False: an older decode, which waits for the plain notice.
+    landed_notice: bool = False
 
 
 encode_registration = msgspec.msgpack.Encoder().encode

@@ -109,7 +109,7 @@ def make_registration(
         decode_host=decode_address[0], decode_port=decode_address[1], decode_tp=geometry.tp_size,
         decode_pages=geometry.pages_per_block, write=write, write_by=write_by, decode_view=decode_view,
         prefill_view=prefill_view, decode_block_size=geometry.block_size, decode_agent=decode_agent,
-        groups=[PushGroup(g.kind, list(g.local), g.local_hit) for g in job.groups],
+        landed_notice=True, groups=[PushGroup(g.kind, list(g.local), g.local_hit) for g in job.groups],
     )  # fmt: skip
 
 

@@ -6,8 +6,9 @@ notifies decode after its WRITEs' data (NIXL delivers the notification after the
 registration carries ``write_by`` (decode's wall clock): prefill starts no WRITE after it and
 cancels one still running then, so decode hands the blocks back to vLLM only once no WRITE can
 land in them any more: ``write_by`` plus a margin, unless every writing rank said sooner that
-it holds none of its WRITEs (a failed push, `PushFailed`), and then after `WRITE_MARGIN_S` for
-bytes a stopped WRITE had already sent.
+it holds none of its WRITEs (a failed push, `PushFailed`): then at once if each also said that
+every WRITE it posted ended DONE (NIXL reports a WRITE done once its bytes are in decode's
+memory), else after `WRITE_MARGIN_S` for bytes a WRITE stopped by an error had already sent.
 
 Decode may give up first: vLLM finished the request while it waited (its client went away). vLLM
 keeps its blocks until this worker reports it, so decode withdraws the request from every prefill
@@ -55,7 +56,15 @@ _GONE_BEFORE = b"gone"  # what a prefill of an earlier version answered for a re
 
 
 class PushFailed(TransferFailed):
-    """A prefill rank said its push failed, with none of its WRITEs left in NIXL: nothing more comes from it."""
+    """A prefill rank said its push failed, with none of its WRITEs left in NIXL: nothing more comes from it.
+
+    `landed`: it said too that every WRITE it posted ended DONE, so none of their bytes can land
+    later (else bytes a WRITE stopped by an error had sent may, for `WRITE_MARGIN_S`).
+    """
+
+    def __init__(self, message: str, *, peer: str | None = None, landed: bool = False) -> None:
+        super().__init__(message, peer=peer)
+        self.landed = landed
 
 
 class PushWithdrawn(TransferCancelled):
@@ -166,8 +175,8 @@ async def _register_and_wait(
     errors = [error for wait in waits.values() if (error := wait.exception()) is not None]
     if errors and all(isinstance(e, PushFailed) for e in errors):
         # Every writing rank answered, and those that failed hold no WRITE any more: no need to wait
-        # for the deadline, only for bytes a stopped WRITE had already sent (the notice may overtake them).
-        exposure.settled(bytes_may_land=True)
+        # for the deadline, only for bytes a WRITE stopped by an error had sent (the notice may overtake them).
+        exposure.settled(bytes_may_land=not all(isinstance(e, PushFailed) and e.landed for e in errors))
     if errors:
         raise errors[0]
 
@@ -236,13 +245,21 @@ async def _withdraw_registrations(
     for wait in stopping:
         if wait.cancelled() or not isinstance(wait.exception(), PushFailed | None):
             return  # (its deadline passed, or nobody knows: the exposure stays at the deadline)
-    arrived = {rank for rank, wait in waits.items() if _arrived(wait)}
-    exposure.settled(bytes_may_land=bool(may_have_written - arrived))
+    landed = {rank for rank, wait in waits.items() if _landed(wait)}
+    exposure.settled(bytes_may_land=bool(may_have_written - landed))
 
 
 def _arrived(wait: asyncio.Future[None]) -> bool:
     """Whether a rank's push arrived (its notification came after every byte of its WRITEs)."""
     return wait.done() and not wait.cancelled() and wait.exception() is None
+
+
+def _landed(wait: asyncio.Future[None]) -> bool:
+    """Whether every byte a rank wrote is in place: its push arrived, or failed with every WRITE ended DONE."""
+    if _arrived(wait):
+        return True
+    error = wait.exception() if wait.done() and not wait.cancelled() else None
+    return isinstance(error, PushFailed) and error.landed
 
 
 async def _pushed_from(engine: TransferEngine, job: RecvJob, rank: int, write_by: float, deadline: float) -> None:
@@ -251,18 +268,24 @@ async def _pushed_from(engine: TransferEngine, job: RecvJob, rank: int, write_by
     timeout = max(0.0, deadline - time.time())
     arrived = asyncio.ensure_future(engine.wait_notifications(push_notification(job.request_id, rank), 1,
                                                               timeout=timeout))  # fmt: skip
-    failed = asyncio.ensure_future(engine.wait_notifications(push_failure_notification(job.request_id, rank, write_by),
-                                                             1, timeout=timeout))  # fmt: skip
+    failed, landed = (
+        asyncio.ensure_future(engine.wait_notifications(
+            push_failure_notification(job.request_id, rank, write_by, landed=notice_landed), 1, timeout=timeout))
+        for notice_landed in (False, True)
+    )  # fmt: skip
+    waits = (arrived, failed, landed)
     try:
-        await asyncio.wait([arrived, failed], return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        for wait in (arrived, failed):
+        for wait in waits:
             wait.cancel()
-        await asyncio.gather(arrived, failed, return_exceptions=True)
+        await asyncio.gather(*waits, return_exceptions=True)
     if not arrived.cancelled() and arrived.exception() is None:
         return
-    if not failed.cancelled() and failed.exception() is None:
-        prefill = rank_engine_id(job.remote_engine_id, rank)
-        raise PushFailed(f"prefill {prefill} could not push request {job.remote_request_id}", peer=prefill)
-    errors = [w.exception() for w in (arrived, failed) if not w.cancelled()]
+    for wait in (landed, failed):
+        if not wait.cancelled() and wait.exception() is None:
+            prefill = rank_engine_id(job.remote_engine_id, rank)
+            raise PushFailed(f"prefill {prefill} could not push request {job.remote_request_id}", peer=prefill,
+                             landed=wait is landed)  # fmt: skip
+    errors = [w.exception() for w in waits if not w.cancelled()]
     raise next(e for e in errors if e is not None)

@@ -7,8 +7,9 @@ Decode (`push_receive.receive_pushed`): for each request vLLM allocated, registe
 the prefill ranks it needs and wait for their WRITEs; if vLLM finishes the request meanwhile (its
 client went away), withdraw the registrations and hand the blocks back once no WRITE can land.
 A prefill rank whose push failed, once none of its WRITEs is left in NIXL, says so
-(`push_or_tell`): when every writing rank has answered, decode fails the request after a short
-margin instead of at ``write_by``.
+(`push_or_tell`), and whether each of them ended DONE (NIXL reports a WRITE done once its bytes
+are in decode's memory): when every writing rank has answered, decode fails the request at once,
+or after a short margin where a WRITE ended in error, instead of at ``write_by``.
 
 Block sizes: as with vLLM's push connector, prefill's blocks may hold k times decode's tokens
 (never fewer). Each prefill block is then cut into k pieces, one per decode block: by token runs
@@ -431,26 +432,41 @@ async def push_or_tell(
     does the same), minutes by default: told, it fails the request (vLLM recomputes it) after
     only the margin that bytes a stopped WRITE had sent may take to land.
     """
+    started: list[Transfer] = []
     try:
-        return await push(engine, geometry, blocks, reg)
+        return await push(engine, geometry, blocks, reg, started=started)
     except BaseException as exc:
         if not isinstance(exc, TransferFenced | DecodeRestarted):  # (fenced: NIXL may still write into its blocks)
-            await tell_push_failed(engine, geometry.tp_rank, reg)
+            await tell_push_failed(engine, geometry.tp_rank, reg, landed=_landed(started))
         raise
 
 
-async def tell_push_failed(engine: TransferEngine, rank: int, reg: PushRegistration) -> None:
+def _landed(started: list[Transfer]) -> bool:
+    """Whether every byte the settled WRITEs in `started` posted is in decode's memory (each slice ended
+    DONE: for a WRITE, remote completion), so none can land later; False if one may still."""
+    return all(t.quiet and t.slices_errored == 0 for t in started)
+
+
+async def tell_push_failed(engine: TransferEngine, rank: int, reg: PushRegistration, *, landed: bool = False) -> None:
     """Tell the decode rank of `reg` that prefill rank `rank` writes nothing more for it (best effort:
-    failing that, decode waits until its deadline, as it would have)."""
+    failing that, decode waits until its deadline, as it would have). `landed`: nothing it wrote can
+    land later either (said only to a decode that understands it)."""
+    notice = push_failure_notification(reg.decode_request_id, rank, reg.write_by,
+                                       landed=landed and reg.landed_notice)  # fmt: skip
     try:
         peer = await connect_decode(engine, reg)
-        await engine.notify(peer, push_failure_notification(reg.decode_request_id, rank, reg.write_by))
+        await engine.notify(peer, notice)
     except Exception as exc:
         log.info("could not tell %s that no push of %s comes: %s", reg.decode_engine_id, reg.request_id, exc)
 
 
 async def push(
-    engine: TransferEngine, geometry: KVGeometry, blocks: tuple[list[int], ...], reg: PushRegistration
+    engine: TransferEngine,
+    geometry: KVGeometry,
+    blocks: tuple[list[int], ...],
+    reg: PushRegistration,
+    *,
+    started: list[Transfer] | None = None,
 ) -> TransferResult:
     """Prefill: WRITE one request's `blocks` into what decode rank `reg` registered, then notify it.
 
@@ -458,31 +474,36 @@ async def push(
     notification rides on the smallest part, started once all others completed, so decode
     hears it only after every byte. If a part fails, the others are cancelled and settled (NIXL
     holds none of their handles) before the error is raised, and decode is not notified. The
-    result sums the parts (bytes, descriptors, slices).
+    result sums the parts (bytes, descriptors, slices). When it ends, each WRITE it began is added
+    to `started` (the caller's list, to see how they ended).
     """
     parts = write_parts(geometry, blocks, reg)  # refused here, before anything is written
     peer = await connect_decode(engine, reg)
     notify = push_notification(reg.decode_request_id, geometry.tp_rank)
-    started: list[Transfer] = []
+    own: list[Transfer] = []
     try:
         if len(parts) <= 1:  # one WRITE (or only the notification: nothing to write)
             part = parts[0] if parts else WritePart([], [], WHOLE, WHOLE)
-            started.append(await engine.start_write(peer, part.prefill_blocks, part.decode_blocks,
-                                                    local=part.prefill_view, remote=part.decode_view, notify=notify,
-                                                    lease_expires_at=reg.write_by))  # fmt: skip
-            return await started[0]
-        return await _write_parts(engine, peer, parts, notify, reg, started)
+            write = await engine.start_write(peer, part.prefill_blocks, part.decode_blocks, local=part.prefill_view,
+                                             remote=part.decode_view, notify=notify,
+                                             lease_expires_at=reg.write_by)  # fmt: skip
+            own.append(write)
+            return await write
+        return await _write_parts(engine, peer, parts, notify, reg, own)
     except BaseException as exc:
         # Quiet, or TransferFenced: a cancelled task resumes with CancelledError even when its WRITE
         # was reported fenced, and `push_or_tell` must not tell decode the push is over then.
-        if not await _settled(engine, started):
+        if not await _settled(engine, own):
             log.error("push of %s to %s: NIXL still holds WRITEs after cancelling them", reg.request_id,
                       reg.decode_engine_id)  # fmt: skip
             reason = exc if isinstance(exc, TransferError) else TransferFailed(
                 f"push of {reg.request_id} to {reg.decode_engine_id} stopped: {type(exc).__name__}: {exc}",
                 peer=reg.decode_engine_id)  # fmt: skip
-            raise TransferFenced.of(reason, slices=sum(not t.quiet for t in started)) from exc
+            raise TransferFenced.of(reason, slices=sum(not t.quiet for t in own)) from exc
         raise
+    finally:
+        if started is not None:
+            started.extend(own)
 
 
 async def _write_parts(engine: TransferEngine, peer: Any, parts: list[WritePart], notify: bytes,
@@ -574,11 +595,11 @@ async def push_progressively(
             return results
         log.info("progressive push of %s to %s: not every layer of every block went as computed; writing the whole "
                  "request", reg.request_id, reg.decode_engine_id)  # fmt: skip
-        return [*results, await push(engine, geometry, item.blocks, reg)]
+        return [*results, await push(engine, geometry, item.blocks, reg, started=started)]
     except BaseException as exc:
         # (fenced, or another decode at that address: say nothing; decode waits for its deadline)
         if not isinstance(exc, TransferFenced | DecodeRestarted) and await _settled(engine, started):
-            await tell_push_failed(engine, geometry.tp_rank, reg)
+            await tell_push_failed(engine, geometry.tp_rank, reg, landed=_landed(started))
         raise
     finally:
         feed.over = True

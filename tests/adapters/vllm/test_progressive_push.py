@@ -57,12 +57,12 @@ def decode(nixl_peer_factory):
     return nixl_peer_factory(num_regions=REGIONS, num_blocks=BLOCKS, block_len=BLOCK, seed=None, tcp=True)
 
 
-def _start(prefill, decode, write_by: float) -> tuple[ProgressiveFeed, asyncio.Task]:
+def _start(prefill, decode, write_by: float, landed_notice: bool = False) -> tuple[ProgressiveFeed, asyncio.Task]:
     host, port = decode.address
     reg = PushRegistration(
         request_id="req", decode_request_id="req-d", decode_engine_id=decode.engine_id, decode_host=host,
         decode_port=port, decode_tp=1, decode_pages=1, groups=[PushGroup("full", DECODE_BLOCKS)], write=True,
-        write_by=write_by,
+        write_by=write_by, landed_notice=landed_notice,
     )  # fmt: skip
     feed = ProgressiveFeed("push>req>decode", BLOCKS)
     return feed, asyncio.create_task(push_progressively(prefill, GEOMETRY, reg, feed, REGIONS))
@@ -138,11 +138,14 @@ async def test_nothing_lands_and_nothing_commits_after_write_by(prefill, decode)
     assert await decode.request(Checksums(blocks=list(range(BLOCKS)))) == ended, "bytes landed after write_by"
 
 
-async def test_a_push_cancelled_midway_tells_decode_once_no_write_is_held(prefill, decode):
+@pytest.mark.parametrize("landed_notice", [False, True], ids=["older-decode", "decode-told-landed"])
+async def test_a_push_cancelled_midway_tells_decode_once_no_write_is_held(prefill, decode, landed_notice):
     """Prefill aborted the request while its layers were being written (vLLM: `reqs_not_processed`, the
-    facade cancels the push). Before, decode heard nothing and held its blocks until its watchdog."""
+    facade cancels the push). Before, decode heard nothing and held its blocks until its watchdog.
+    The WRITEs in flight end DONE (cancelled, not failed): a decode that asks hears that they all
+    landed (it need not wait a margin); an older decode hears the notice it waits for."""
     write_by = time.time() + 30
-    feed, push = _start(prefill, decode, write_by)
+    feed, push = _start(prefill, decode, write_by, landed_notice)
     for region in range(REGIONS):
         feed.give(_layer(region, 0, BLOCKS))  # 96 MiB over TCP: in flight when cancelled
     while not prefill.snapshot().counters.get("transfers_submitted"):
@@ -151,7 +154,7 @@ async def test_a_push_cancelled_midway_tells_decode_once_no_write_is_held(prefil
     with pytest.raises(asyncio.CancelledError):
         await push
     assert await transfers_settled(prefill) == 0, "told before NIXL let go of every WRITE"
-    told = push_failure_notification("req-d", 0, write_by)
+    told = push_failure_notification("req-d", 0, write_by, landed=landed_notice)
     assert await decode.request(WaitNotifications(message=told, count=1, timeout=5)) == [prefill.engine_id]
     assert await _not_committed(decode, 0.3)
 

@@ -427,6 +427,8 @@ async def test_a_failed_part_settles_the_others_and_decode_is_never_notified(mon
 
         async def start_write(*args, **kwargs):
             if next(calls) == 2:  # two parts are under way
+                while not engine.live_handles().get("xfers"):  # posted: their bytes are on the wire (before: not yet)
+                    await asyncio.sleep(0)
                 raise RuntimeError("injected: the third part cannot start")
             return await plain_start(*args, **kwargs)
 
@@ -440,10 +442,16 @@ async def test_a_failed_part_settles_the_others_and_decode_is_never_notified(mon
         assert await decode.request(Checksums(blocks=BIG.decode_ids)) == ended, "bytes landed after the push failed"
 
 
-async def test_decode_hears_a_failed_push_and_gives_up_without_waiting_for_write_by(monkeypatch):
+@pytest.mark.parametrize(("landed_notice", "a_write_errs"), [(True, False), (True, True), (False, False)],
+                         ids=["told-landed", "a-write-ended-in-error", "older-decode"])  # fmt: skip
+async def test_decode_hears_a_failed_push_and_gives_up_without_waiting_for_write_by(monkeypatch, landed_notice,
+                                                                                  a_write_errs):  # fmt: skip
     """Prefill's push fails partway (UCX over TCP, WRITEs in flight): it settles its WRITEs, then
-    tells decode, which fails the request after `WRITE_MARGIN_S`, not at ``write_by`` a minute
-    away; nothing lands in decode's blocks after that."""
+    tells decode, which fails the request, not at ``write_by`` a minute away; nothing lands in
+    decode's blocks after that. The WRITEs it cancelled ended DONE (their bytes are in place), so
+    decode gives up at once; where NIXL ended a WRITE in error (injected: its first DONE is reported
+    ERR), or the registration did not ask to hear that (an older decode), decode waits
+    `WRITE_MARGIN_S` for bytes such a WRITE may have sent."""
     monkeypatch.setenv("UCX_TLS", "tcp")  # read when the agents' UCX workers are created
     async with _prefill(BIG) as prefill, contextlib.AsyncExitStack() as stack:
         engine, geometry = prefill.engines[0], prefill.geometries[0]
@@ -451,13 +459,24 @@ async def test_decode_hears_a_failed_push_and_gives_up_without_waiting_for_write
 
         async def start_write(*args, **kwargs):
             if next(calls) == 2:  # two parts are under way
+                while not engine.live_handles().get("xfers"):  # posted: their bytes are on the wire (before: not yet)
+                    await asyncio.sleep(0)
                 raise RuntimeError("injected: the third part cannot start")
             return await plain_start(*args, **kwargs)
 
         monkeypatch.setattr(engine, "start_write", start_write)
+        if a_write_errs:
+            agent, errs = engine._agent, [True]
+            plain_state = agent.state
+
+            def state(handle):
+                answer = plain_state(handle)
+                return "ERR" if answer == "DONE" and errs and errs.pop() else answer
+
+            monkeypatch.setattr(agent, "state", state)
 
         def answer(_sender: str, payload: bytes) -> bytes:
-            registration = decode_registration(payload)
+            registration = msgspec.structs.replace(decode_registration(payload), landed_notice=landed_notice)
             pushes.append(asyncio.get_running_loop().create_task(
                 push_or_tell(engine, geometry, (BIG.prefill_ids,), registration)))  # fmt: skip
             return b"ok"
@@ -474,9 +493,13 @@ async def test_decode_hears_a_failed_push_and_gives_up_without_waiting_for_write
             await receive_pushed(decode, _geometry(BIG, 1, 0, BIG.decode_block_size), job, address,
                                  deadline=time.time() + 60, margin_s=2.0)  # fmt: skip
         took = time.monotonic() - began
-        assert WRITE_MARGIN_S <= took < WRITE_MARGIN_S + 10, f"decode gave up after {took:.1f}s"
+        if landed_notice and not a_write_errs:
+            assert took < 1.0, f"decode gave up after {took:.1f}s"
+        else:
+            assert WRITE_MARGIN_S <= took < WRITE_MARGIN_S + 10, f"decode gave up after {took:.1f}s"
         with pytest.raises(RuntimeError, match="injected"):
             await pushes[0]
+        assert not a_write_errs or not errs, "no WRITE was seen ending, so none ended in error"
         ended = [c.clone() for c in mine]
         await asyncio.sleep(0.5)  # decode's poller keeps progressing UCX meanwhile
         assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(ended, mine, strict=True)), (
@@ -515,7 +538,8 @@ async def test_a_cancelled_push_tells_decode_only_once_nixl_let_go_of_its_write(
             assert writes_held_when_told == []
             return
         assert writes_held_when_told == [0], "decode was told while NIXL still held the WRITE"
-        told = push_failure_notification("req-cancelled", rank, registration.write_by)
+        # (cancelled, not failed: the WRITE ended DONE, its bytes in place; decode's plan asked to hear that)
+        told = push_failure_notification("req-cancelled", rank, registration.write_by, landed=True)
         assert await decode.request(WaitNotifications(message=told, count=1, timeout=10)) == [engine.engine_id]
 
 
