@@ -230,9 +230,9 @@ class Transfer:
     def slices_errored(self) -> int:
         """Slices (a batch: rows) NIXL ended in an error state, or whose post failed.
 
-        Once `quiet`, 0 says every slice posted ended DONE. For a WRITE that means its bytes are
-        in the peer's memory and none comes later (NIXL's UCX backend reports a WRITE done only
-        after flushing the endpoint: remote completion), even if the transfer was cancelled. A
+        Once `quiet`, 0 says every slice posted ended DONE. For a WRITE with NIXL's UCX backend
+        that means the peer acknowledged its bytes and none comes later (the backend reports a
+        WRITE done only after flushing the endpoint), even if the transfer was cancelled. A
         slice that ended in error may have sent bytes that the peer's UCX worker still places
         after NIXL let go of it: a peer lending those blocks to someone else should wait a margin.
         """

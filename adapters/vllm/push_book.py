@@ -71,8 +71,9 @@ def push_failure_notification(decode_request_id: str, prefill_rank: int, write_b
 
     It names the registration's `write_by` too: one left over from an earlier registration of the
     same request id must not end a later one's wait. `landed`: every WRITE it posted ended DONE
-    (NIXL reports a WRITE done once its bytes are in decode's memory), so no byte of it can land
-    later and decode need not wait a margin; sent only to a decode that asked (`landed_notice`).
+    (NIXL's UCX backend reports a WRITE done once decode's side acknowledged its bytes), so no
+    byte of it can land later and decode need not wait a margin; sent only to a decode that
+    asked (`landed_notice`).
     """
     notice = PUSH_FAILED_PREFIX + f"{decode_request_id}:{prefill_rank}:{write_by!r}".encode()
     return notice + _LANDED if landed else notice

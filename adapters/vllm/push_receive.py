@@ -111,8 +111,9 @@ async def receive_pushed(
     (before any registration is sent), `NotificationTimeout` at `deadline` (never earlier once a
     registration was sent: a prefill rank may write until ``deadline - margin_s``), and
     `PushFailed` once every writing rank answered and one said its push failed with none of its
-    WRITEs left, or that it no longer holds the request and no retry of it came (after
-    `WRITE_MARGIN_S` more: bytes a stopped WRITE had sent may still be landing). Once
+    WRITEs left, or that it no longer holds the request and no retry of it came (at once if every
+    failed rank said its WRITEs all ended DONE, else after `WRITE_MARGIN_S` more: bytes a WRITE
+    that ended in error had sent may still be landing). Once
     `withdrawal` is set, the registrations are withdrawn and `PushWithdrawn` is raised as soon as
     no prefill rank can write into the blocks (see the module's docstring).
     """

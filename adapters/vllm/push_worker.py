@@ -7,9 +7,10 @@ Decode (`push_receive.receive_pushed`): for each request vLLM allocated, registe
 the prefill ranks it needs and wait for their WRITEs; if vLLM finishes the request meanwhile (its
 client went away), withdraw the registrations and hand the blocks back once no WRITE can land.
 A prefill rank whose push failed, once none of its WRITEs is left in NIXL, says so
-(`push_or_tell`), and whether each of them ended DONE (NIXL reports a WRITE done once its bytes
-are in decode's memory): when every writing rank has answered, decode fails the request at once,
-or after a short margin where a WRITE ended in error, instead of at ``write_by``.
+(`push_or_tell`), and whether each of them ended DONE (NIXL's UCX backend reports a WRITE done
+once decode's side acknowledged its bytes): when every writing rank has answered, decode fails
+the request at once, or after a short margin where a WRITE ended in error, instead of at
+``write_by``.
 
 Block sizes: as with vLLM's push connector, prefill's blocks may hold k times decode's tokens
 (never fewer). Each prefill block is then cut into k pieces, one per decode block: by token runs
@@ -327,8 +328,8 @@ class PushConnectorWorker(ConnectorWorker):
                 self.sync.spawn(self._tell_failed, registration)
 
     async def _tell_failed(self, engine: TransferEngine, registration: PushRegistration) -> None:
-        if self.geometry is not None:
-            await tell_push_failed(engine, self.geometry.tp_rank, registration)
+        if self.geometry is not None:  # (no push ran for it: nothing was written under it)
+            await tell_push_failed(engine, self.geometry.tp_rank, registration, landed=True)
 
     def _start_push(self, request_id: str, blocks: tuple[list[int], ...], registration: PushRegistration) -> None:
         push_id = self._claim_push_id(request_id, registration)
@@ -429,21 +430,25 @@ async def push_or_tell(
     """`push`; if it fails and none of its WRITEs is left in NIXL, tell decode at once.
 
     Decode would otherwise hold the request's blocks until ``write_by`` (vLLM's push connector
-    does the same), minutes by default: told, it fails the request (vLLM recomputes it) after
-    only the margin that bytes a stopped WRITE had sent may take to land.
+    does the same), minutes by default: told, it fails the request (vLLM recomputes it) at once
+    if every WRITE it posted ended DONE, else after the margin that bytes a WRITE which ended in
+    error had sent may take to land.
     """
     started: list[Transfer] = []
     try:
         return await push(engine, geometry, blocks, reg, started=started)
     except BaseException as exc:
         if not isinstance(exc, TransferFenced | DecodeRestarted):  # (fenced: NIXL may still write into its blocks)
-            await tell_push_failed(engine, geometry.tp_rank, reg, landed=_landed(started))
+            await tell_push_failed(engine, geometry.tp_rank, reg, landed=_landed(engine, started))
         raise
 
 
-def _landed(started: list[Transfer]) -> bool:
-    """Whether every byte the settled WRITEs in `started` posted is in decode's memory (each slice ended
-    DONE: for a WRITE, remote completion), so none can land later; False if one may still."""
+def _landed(engine: TransferEngine, started: list[Transfer]) -> bool:
+    """Whether every byte the settled WRITEs in `started` posted has been placed in decode's memory, so
+    none can land later: each slice ended DONE, which NIXL's UCX backend reports only after flushing
+    the endpoint (remote completion). Other backends promise no such thing: False, as when one may still."""
+    if engine.config.backends != ("UCX",):
+        return False
     return all(t.quiet and t.slices_errored == 0 for t in started)
 
 
@@ -599,7 +604,7 @@ async def push_progressively(
     except BaseException as exc:
         # (fenced, or another decode at that address: say nothing; decode waits for its deadline)
         if not isinstance(exc, TransferFenced | DecodeRestarted) and await _settled(engine, started):
-            await tell_push_failed(engine, geometry.tp_rank, reg, landed=_landed(started))
+            await tell_push_failed(engine, geometry.tp_rank, reg, landed=_landed(engine, started))
         raise
     finally:
         feed.over = True

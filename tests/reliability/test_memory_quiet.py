@@ -8,6 +8,7 @@ polling (progressing UCX) for a second, and compare.
 """
 
 import asyncio
+import zlib
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from nixl_async import (
     TransferFenced,
     TransferTimeout,
 )
+from nixl_async.testing import Checksums
 
 BLOCK = 1 << 20
 BLOCKS = 96
@@ -177,6 +179,27 @@ async def test_a_close_cancelled_midway_still_finishes(tcp_engine, tcp_peer):
     if not isinstance(error, TransferFenced):
         assert tcp_engine.live_handles() == {}
     await _assert_quiet_after(tcp_engine, regions, error)
+
+
+async def test_a_write_is_done_only_once_the_target_placed_its_bytes(tcp_engine, tcp_peer):
+    """What `slices_errored == 0` promises of a WRITE, which the push adapter relies on to hand decode's
+    blocks back without a margin: NIXL reports it DONE only once the target's UCX worker has placed every
+    byte (its UCX backend flushes the endpoint; over TCP the target acknowledges each PUT once placed).
+    The target pauses (SIGSTOP) after wire-up: a WRITE posted then stays in flight until it resumes."""
+    regions, peer = await _setup(tcp_engine, tcp_peer)
+    await tcp_engine.write(peer, [0], [BLOCKS - 1])  # wire-up while the target runs
+    ids = [0, 1]  # 2 MiB per region: socket buffers hold it, so a WRITE done when sent would be done at once
+    tcp_peer.pause()
+    try:
+        transfer = await tcp_engine.start_write(peer, ids, ids)
+        await asyncio.sleep(1.0)  # our poller keeps checking meanwhile
+        assert not transfer.done() and transfer.core.has_running, "DONE while the target could place nothing"
+    finally:
+        tcp_peer.resume()
+    await transfer.wait(timeout=30)
+    assert transfer.slices_errored == 0
+    ours = [[zlib.crc32(r[b * BLOCK : (b + 1) * BLOCK].data) for b in ids] for r in regions]
+    assert await tcp_peer.request(Checksums(blocks=ids)) == ours
 
 
 async def test_fenced_when_nixl_holds_past_the_grace(monkeypatch, tcp_peer, as_batch):

@@ -23,6 +23,7 @@ import time
 import zlib
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, replace
+from types import SimpleNamespace
 from typing import Any
 
 import msgspec
@@ -53,7 +54,7 @@ from nixl_async_vllm.push_book import (
     push_notification,
 )
 from nixl_async_vllm.push_plan import WritePart, registrations_for, write_parts
-from nixl_async_vllm.push_worker import WRITE_MARGIN_S, PushFailed, push, push_or_tell, receive_pushed
+from nixl_async_vllm.push_worker import WRITE_MARGIN_S, PushFailed, _landed, push, push_or_tell, receive_pushed
 from nixl_async_vllm.settings import rank_engine_id
 from nixl_async_vllm.tp_mapping import remote_ranks
 from nixl_async_vllm.worker import KVGeometry, RecvJob, connect_job_rank
@@ -427,8 +428,9 @@ async def test_a_failed_part_settles_the_others_and_decode_is_never_notified(mon
 
         async def start_write(*args, **kwargs):
             if next(calls) == 2:  # two parts are under way
-                while not engine.live_handles().get("xfers"):  # posted: their bytes are on the wire (before: not yet)
-                    await asyncio.sleep(0)
+                async with asyncio.timeout(10):
+                    while not engine.live_handles().get("xfers"):  # posted: bytes on the wire (before: not yet)
+                        await asyncio.sleep(0)
                 raise RuntimeError("injected: the third part cannot start")
             return await plain_start(*args, **kwargs)
 
@@ -459,8 +461,9 @@ async def test_decode_hears_a_failed_push_and_gives_up_without_waiting_for_write
 
         async def start_write(*args, **kwargs):
             if next(calls) == 2:  # two parts are under way
-                while not engine.live_handles().get("xfers"):  # posted: their bytes are on the wire (before: not yet)
-                    await asyncio.sleep(0)
+                async with asyncio.timeout(10):
+                    while not engine.live_handles().get("xfers"):  # posted: bytes on the wire (before: not yet)
+                        await asyncio.sleep(0)
                 raise RuntimeError("injected: the third part cannot start")
             return await plain_start(*args, **kwargs)
 
@@ -505,6 +508,17 @@ async def test_decode_hears_a_failed_push_and_gives_up_without_waiting_for_write
         assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(ended, mine, strict=True)), (
             "bytes landed after decode gave up"
         )  # (bytes: bf16 NaNs compare unequal)
+
+
+def test_only_the_ucx_backend_s_done_says_a_write_landed():
+    """The landed notice rests on NIXL's UCX backend flushing the endpoint before a WRITE is DONE; another
+    backend's DONE may be local completion, so its pushes keep decode's margin."""
+    ended, errored = SimpleNamespace(quiet=True, slices_errored=0), SimpleNamespace(quiet=True, slices_errored=1)
+    ucx = SimpleNamespace(config=EngineConfig(engine_id="ucx"))
+    mixed = SimpleNamespace(config=EngineConfig(engine_id="mixed", backends=("UCX", "LIBFABRIC")))
+    assert _landed(ucx, [ended, ended]) and _landed(ucx, [])  # (nothing posted: nothing can land)
+    assert not _landed(ucx, [ended, errored])
+    assert not _landed(mixed, [ended]) and not _landed(mixed, [])
 
 
 ONE = Case(1, 1, 1, blocks=24, head_dim=128, block_size=256, decode_cache_blocks=24)  # 24 MiB in one WRITE
