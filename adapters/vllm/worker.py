@@ -666,8 +666,11 @@ async def receive(
     notifies) hears ``"{remote_request_id}:{readers}"`` once this rank is done with it. If any
     part fails, every other part is cancelled and settled (NIXL holds none of their handles)
     before the error is raised: vLLM may reuse the request's blocks as soon as it hears of it.
-    A notice that cannot be sent fails nothing (the data is here; that rank frees its blocks
-    when its lease ends, as with vLLM's connector): it is logged and given to `notice_failed`.
+    Each producer rank reached and not told yet is then told all the same (nothing reads its
+    blocks any more, and vLLM reads no request twice), so it frees them at once instead of at its
+    lease's end; unless that lease has ended (it freed them). A notice that cannot be sent fails
+    nothing (the data is here; that rank frees its blocks when its lease ends, as with vLLM's
+    connector): it is logged and given to `notice_failed`.
     """
     notify = f"{job.remote_request_id}:{expected_consumers(remote_tp=job.remote_tp, local_tp=geometry.tp_size)}"
     message = notify.encode()
@@ -678,7 +681,11 @@ async def receive(
         if notice_failed is not None:
             notice_failed(error)
 
+    told: set[str] = set()  # producer ranks told (or tried): each hears from this rank once
+    reached: list[Peer] = []  # producer ranks of the request's plan, connected
+
     async def tell(peer: Peer) -> None:
+        told.add(peer.engine_id)
         try:
             await engine.notify(peer, message)
         except NotificationFailed as error:
@@ -701,6 +708,7 @@ async def receive(
     lease = None if job.expires_at is None else job.expires_at - lease_margin_s
     results: list[TransferResult] = []
     started: list[Transfer] = []
+    carries_notice: dict[str, Transfer] = {}  # producer rank -> its one READ, which notifies it once landed
 
     async def one_rank(step: RankRead, peer: Peer) -> None:
         if not step.read:  # an MLA sibling: its copy is not read, only freed
@@ -715,6 +723,8 @@ async def receive(
                                                notify=piggyback, lease_expires_at=lease)  # fmt: skip
             started.append(transfer)
             mine.append(transfer)
+        if piggyback is not None:
+            carries_notice[peer.engine_id] = mine[0]
         if piggyback is None:
             results.extend(await asyncio.gather(*mine))
             await tell(peer)
@@ -727,10 +737,28 @@ async def receive(
             results.append(error.result)  # the data arrived
             untold(error)
 
-    async def settle() -> None:
+    async def give_up(error: BaseException) -> None:
+        """Settle every read, then tell the producer ranks not told yet that their blocks are free."""
         if not await engine.settle(started, timeout=engine.config.release_grace_s + 0.5):
             # The facade reports the request only once these are quiet (fenced meanwhile).
             log.error("request %s: NIXL still holds reads into its blocks after cancelling them", job.request_id)
+            return
+        if isinstance(error, LeaseExpired) or (job.expires_at is not None and time.time() >= job.expires_at):
+            return  # (the producer freed them when the lease ended: a notice now would count as a stray one)
+        for engine_id, transfer in carries_notice.items():
+            failed = transfer.exception() if transfer.done() else None
+            if transfer.done() and (failed is None or isinstance(failed, NotificationFailed)):
+                told.add(engine_id)  # it landed, so its notice went (or was tried)
+        for peer in reached:
+            if peer.engine_id in told:
+                continue
+            told.add(peer.engine_id)
+            try:  # best effort, and no failed notification of its own: the failure is the read's
+                await engine.notify(peer, message)
+            except Exception as exc:
+                log.info("request %s: could not tell producer %s its blocks are free after the failure (%s: %s); "
+                         "it frees them when its lease ends", job.request_id, peer.engine_id, type(exc).__name__,
+                         exc)  # fmt: skip
 
     # One rank is connected (a held peer answers at once) and read without a gather or task of its
     # own: each is one more turn of the loop before the post, and at each turn the loop thread may
@@ -739,17 +767,20 @@ async def receive(
     try:
         if len(plan.steps) == 1:
             step = plan.steps[0]
-            await one_rank(step, await connect_job_rank(engine, job, step.remote_rank))
+            peer = await connect_job_rank(engine, job, step.remote_rank)
+            reached.append(peer)
+            await one_rank(step, peer)
         else:
             peers = await asyncio.gather(*(connect_job_rank(engine, job, step.remote_rank) for step in plan.steps))
+            reached.extend(peers)
             async with asyncio.TaskGroup() as group:
                 for step, peer in zip(plan.steps, peers, strict=True):
                     group.create_task(one_rank(step, peer))
     except BaseExceptionGroup as group_error:  # callers want the typed error, not a group
-        await settle()
+        await give_up(group_error.exceptions[0])
         raise group_error.exceptions[0] from None
-    except Exception:
-        await settle()
+    except Exception as error:
+        await give_up(error)
         raise
     return results
 

@@ -13,6 +13,7 @@ prefill ranks' fill pattern, independently of the planner; the geometry comes fr
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 
 import numpy as np
@@ -22,7 +23,7 @@ import torch
 from nixl_async import EngineConfig, LayoutError, LeaseExpired, NotificationFailed, TransferEngine, TransferFailed
 from nixl_async._agent import NIXL_ERRORS
 from nixl_async._notify_transport import NotificationTransport
-from nixl_async.testing import WaitNotifications, free_port_base, pattern_block
+from nixl_async.testing import PeerCommandError, WaitNotifications, free_port_base, pattern_block
 from nixl_async_vllm.block_pairs import GroupBlocks
 from nixl_async_vllm.kv_layout import describe_cache
 from nixl_async_vllm.settings import rank_engine_id
@@ -238,6 +239,33 @@ async def test_when_a_part_of_a_one_rank_read_cannot_start_the_parts_in_flight_a
     with pytest.raises(TransferFailed, match="second part"):
         await _decode_rank(0, tp_p, tp_d, mla, ratio, port, local_blocks, backend=backend, kv_heads=kv_heads)
     assert quiet_when_raised == [True]
+
+
+@pytest.mark.parametrize("case", [7, 2], ids=["one-rank-in-two-parts", "two-ranks"])
+async def test_after_a_failed_read_each_producer_rank_hears_once_that_its_blocks_are_free(
+    nixl_peer_factory, monkeypatch, case
+):
+    """The second read cannot start (UCX over TCP: the first is in flight, or landed and told its rank).
+    Once nothing reads them, every producer rank of the request hears the usual notice exactly once, so
+    it frees the blocks at once; before, those not told held them until their lease ended."""
+    tp_p, tp_d, mla, ratio, backend, kv_heads = CASES[case]
+    port, prefill = _spawn_prefill(nixl_peer_factory, tp_p, mla, ratio, kv_heads, tcp=True)
+    calls, real_start_read = itertools.count(), TransferEngine.start_read
+
+    async def start_read(self, *args, **kwargs):
+        if next(calls) == 1:
+            raise TransferFailed("the second read could not start")
+        return await real_start_read(self, *args, **kwargs)
+
+    monkeypatch.setattr(TransferEngine, "start_read", start_read)
+    local_blocks = LOCAL_CANDIDATES[: -(-(len(REMOTE_BLOCKS) - LOCAL_HIT * ratio) // ratio)]
+    with pytest.raises(TransferFailed, match="second read"):
+        await _decode_rank(0, tp_p, tp_d, mla, ratio, port, local_blocks, backend=backend, kv_heads=kv_heads)
+    notice = f"req-p:{expected_consumers(remote_tp=tp_p, local_tp=tp_d)}".encode()
+    for proc in prefill:
+        assert await proc.request(WaitNotifications(message=notice, count=1, timeout=10)) == ["decode/tp0"]
+        with pytest.raises(PeerCommandError, match="NotificationTimeout"):  # told once: a second would free
+            await proc.request(WaitNotifications(message=notice, count=2, timeout=0.5))  # another reader's share
 
 
 async def test_a_block_size_ratio_into_the_cpu_backend_is_refused_before_reading(nixl_peer_factory):
