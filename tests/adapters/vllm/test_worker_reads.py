@@ -241,31 +241,48 @@ async def test_when_a_part_of_a_one_rank_read_cannot_start_the_parts_in_flight_a
     assert quiet_when_raised == [True]
 
 
-@pytest.mark.parametrize("case", [7, 2], ids=["one-rank-in-two-parts", "two-ranks"])
+FAILED_READS = [
+    # CASES index, which start_read fails, whether the read before it lands first (and tells its rank)
+    (7, 1, False),  # one rank read in two parts: the second cannot start, the first is in flight
+    (2, 1, False),  # two ranks: the second rank's read cannot start, the first's is in flight
+    (2, 1, True),  # ... the first's landed and carried its notice: that rank must not hear it again
+    (1, 0, False),  # TP 1 -> 2: this rank is one of the producer's 2 readers; a second notice frees its share
+    (4, 0, False),  # MLA 2 -> 1: the read fails, the sibling rank (notified only) hears once
+]
+
+
+@pytest.mark.parametrize(("case", "failing", "first_lands"), FAILED_READS,
+                         ids=["one-rank-in-two-parts", "two-ranks", "two-ranks-first-landed", "one-of-two-readers",
+                              "mla-sibling"])  # fmt: skip
 async def test_after_a_failed_read_each_producer_rank_hears_once_that_its_blocks_are_free(
-    nixl_peer_factory, monkeypatch, case
+    nixl_peer_factory, monkeypatch, case, failing, first_lands
 ):
-    """The second read cannot start (UCX over TCP: the first is in flight, or landed and told its rank).
-    Once nothing reads them, every producer rank of the request hears the usual notice exactly once, so
-    it frees the blocks at once; before, those not told held them until their lease ended."""
+    """A read cannot start (UCX over TCP). Once nothing reads them, every producer rank of the request
+    hears the usual notice from this rank exactly once, so it frees the blocks at once; before, those not
+    told held them until their lease ended. Twice would be worse: a producer read by two decode ranks
+    counts notices, and one rank's second would free blocks the other still reads."""
     tp_p, tp_d, mla, ratio, backend, kv_heads = CASES[case]
     port, prefill = _spawn_prefill(nixl_peer_factory, tp_p, mla, ratio, kv_heads, tcp=True)
-    calls, real_start_read = itertools.count(), TransferEngine.start_read
+    calls, real_start_read, started = itertools.count(), TransferEngine.start_read, []
 
     async def start_read(self, *args, **kwargs):
-        if next(calls) == 1:
-            raise TransferFailed("the second read could not start")
-        return await real_start_read(self, *args, **kwargs)
+        if next(calls) == failing:
+            if first_lands:
+                await asyncio.wait_for(started[0].wait_quiet(), 10)
+                assert started[0].exception() is None
+            raise TransferFailed("a read could not start")
+        started.append(transfer := await real_start_read(self, *args, **kwargs))
+        return transfer
 
     monkeypatch.setattr(TransferEngine, "start_read", start_read)
     local_blocks = LOCAL_CANDIDATES[: -(-(len(REMOTE_BLOCKS) - LOCAL_HIT * ratio) // ratio)]
-    with pytest.raises(TransferFailed, match="second read"):
+    with pytest.raises(TransferFailed, match="could not start"):
         await _decode_rank(0, tp_p, tp_d, mla, ratio, port, local_blocks, backend=backend, kv_heads=kv_heads)
     notice = f"req-p:{expected_consumers(remote_tp=tp_p, local_tp=tp_d)}".encode()
-    for proc in prefill:
-        assert await proc.request(WaitNotifications(message=notice, count=1, timeout=10)) == ["decode/tp0"]
-        with pytest.raises(PeerCommandError, match="NotificationTimeout"):  # told once: a second would free
-            await proc.request(WaitNotifications(message=notice, count=2, timeout=0.5))  # another reader's share
+    for proc in remote_ranks(local_tp=tp_d, local_rank=0, remote_tp=tp_p):
+        assert await prefill[proc].request(WaitNotifications(message=notice, count=1, timeout=10)) == ["decode/tp0"]
+        with pytest.raises(PeerCommandError, match="NotificationTimeout"):  # (the wait above took the first)
+            await prefill[proc].request(WaitNotifications(message=notice, count=1, timeout=0.5))
 
 
 async def test_a_block_size_ratio_into_the_cpu_backend_is_refused_before_reading(nixl_peer_factory):
