@@ -7,8 +7,9 @@ registration carries ``write_by`` (decode's wall clock): prefill starts no WRITE
 cancels one still running then, so decode hands the blocks back to vLLM only once no WRITE can
 land in them any more: ``write_by`` plus a margin, unless every writing rank said sooner that
 it holds none of its WRITEs (a failed push, `PushFailed`): then at once if each also said that
-every WRITE it posted ended DONE (NIXL reports a WRITE done once its bytes are in decode's
-memory), else after `WRITE_MARGIN_S` for bytes a WRITE stopped by an error had already sent.
+every WRITE it posted ended DONE (NIXL's UCX backend reports a WRITE done once decode's side
+acknowledged its bytes), else after `WRITE_MARGIN_S` for bytes a WRITE stopped by an error had
+already sent.
 
 Decode may give up first: vLLM finished the request while it waited (its client went away). vLLM
 keeps its blocks until this worker reports it, so decode withdraws the request from every prefill

@@ -444,9 +444,9 @@ async def push_or_tell(
 
 
 def _landed(engine: TransferEngine, started: list[Transfer]) -> bool:
-    """Whether every byte the settled WRITEs in `started` posted has been placed in decode's memory, so
-    none can land later: each slice ended DONE, which NIXL's UCX backend reports only after flushing
-    the endpoint (remote completion). Other backends promise no such thing: False, as when one may still."""
+    """Whether decode's side acknowledged every byte the settled WRITEs in `started` posted, so none can
+    land later: each slice ended DONE, which NIXL's UCX backend reports only after flushing the
+    endpoint (remote completion). Other backends promise no such thing: False, as when one may still."""
     if engine.config.backends != ("UCX",):
         return False
     return all(t.quiet and t.slices_errored == 0 for t in started)

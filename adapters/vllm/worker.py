@@ -666,11 +666,11 @@ async def receive(
     notifies) hears ``"{remote_request_id}:{readers}"`` once this rank is done with it. If any
     part fails, every other part is cancelled and settled (NIXL holds none of their handles)
     before the error is raised: vLLM may reuse the request's blocks as soon as it hears of it.
-    Each producer rank reached and not told yet is then told all the same (nothing reads its
-    blocks any more, and vLLM reads no request twice), so it frees them at once instead of at its
-    lease's end; unless that lease has ended (it freed them). A notice that cannot be sent fails
-    nothing (the data is here; that rank frees its blocks when its lease ends, as with vLLM's
-    connector): it is logged and given to `notice_failed`.
+    Each producer rank connected for the reads and not told yet is then told all the same
+    (nothing reads its blocks any more, and vLLM reads no request twice), so it frees them at
+    once instead of at its lease's end; unless that lease has ended (it freed them). A notice
+    that cannot be sent fails nothing (the data is here; that rank frees its blocks when its
+    lease ends, as with vLLM's connector): it is logged and given to `notice_failed`.
     """
     notify = f"{job.remote_request_id}:{expected_consumers(remote_tp=job.remote_tp, local_tp=geometry.tp_size)}"
     message = notify.encode()
@@ -723,12 +723,11 @@ async def receive(
                                                notify=piggyback, lease_expires_at=lease)  # fmt: skip
             started.append(transfer)
             mine.append(transfer)
-        if piggyback is not None:
-            carries_notice[peer.engine_id] = mine[0]
         if piggyback is None:
             results.extend(await asyncio.gather(*mine))
             await tell(peer)
             return
+        carries_notice[peer.engine_id] = mine[0]
         try:
             results.append(await mine[0])
         except NotificationFailed as error:
