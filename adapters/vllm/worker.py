@@ -745,8 +745,7 @@ async def receive(
         if isinstance(error, LeaseExpired) or (job.expires_at is not None and time.time() >= job.expires_at):
             return  # (the producer freed them when the lease ended: a notice now would count as a stray one)
         for engine_id, transfer in carries_notice.items():
-            failed = transfer.exception() if transfer.done() else None
-            if transfer.done() and (failed is None or isinstance(failed, NotificationFailed)):
+            if transfer.done() and isinstance(transfer.exception(), NotificationFailed | None):
                 told.add(engine_id)  # it landed, so its notice went (or was tried)
         for peer in reached:
             if peer.engine_id in told:
