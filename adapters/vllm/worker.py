@@ -21,9 +21,9 @@ import dataclasses
 import logging
 import queue
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -666,11 +666,12 @@ async def receive(
     notifies) hears ``"{remote_request_id}:{readers}"`` once this rank is done with it. If any
     part fails, every other part is cancelled and settled (NIXL holds none of their handles)
     before the error is raised: vLLM may reuse the request's blocks as soon as it hears of it.
-    Each producer rank connected for the reads and not told yet is then told all the same
-    (nothing reads its blocks any more, and vLLM reads no request twice), so it frees them at
-    once instead of at its lease's end; unless that lease has ended (it freed them). A notice
-    that cannot be sent fails nothing (the data is here; that rank frees its blocks when its
-    lease ends, as with vLLM's connector): it is logged and given to `notice_failed`.
+    Each producer rank connected and not told yet is then told all the same, also when the
+    failure came before any read (nothing reads its blocks any more, and vLLM reads no request
+    twice), so it frees them at once instead of at its lease's end; unless that lease has ended
+    (it freed them). A notice that cannot be sent fails nothing (the data is here; that rank
+    frees its blocks when its lease ends, as with vLLM's connector): it is logged and given to
+    `notice_failed`.
     """
     notify = f"{job.remote_request_id}:{expected_consumers(remote_tp=job.remote_tp, local_tp=geometry.tp_size)}"
     message = notify.encode()
@@ -691,21 +692,16 @@ async def receive(
         except NotificationFailed as error:
             untold(error)
 
+    async def connect_all(ranks: Sequence[int]) -> list[Peer]:
+        """Connect to every rank at once; those that answer are `reached` even when another fails."""
+        outcomes = await asyncio.gather(*(connect_job_rank(engine, job, r) for r in ranks), return_exceptions=True)
+        reached.extend(o for o in outcomes if isinstance(o, Peer))
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return cast(list[Peer], outcomes)
+
     ranks = remote_ranks(local_tp=geometry.tp_size, local_rank=geometry.tp_rank, remote_tp=job.remote_tp)
-    if not job.local_blocks:  # nothing to read (a full prefix hit, an aborted request): only let them free
-        peers = await asyncio.gather(*(connect_job_rank(engine, job, rank) for rank in ranks))
-        for peer in peers:
-            await tell(peer)
-        return []
-    first = await connect_job_rank(engine, job, ranks[0])  # every producer rank has the same geometry
-    plan = plan_request(geometry, job, first)
-    ratio, paged, groups = plan.ratio, plan.paged, plan.groups
-    local_blocks, remote_blocks = [], []  # every group's pairs; one read per rank carries them all
-    for blocks in groups:
-        local, remote = pair_blocks(blocks, ratio, paged=paged)
-        local_blocks += local
-        remote_blocks += remote
-    lease = None if job.expires_at is None else job.expires_at - lease_margin_s
     results: list[TransferResult] = []
     started: list[Transfer] = []
     carries_notice: dict[str, Transfer] = {}  # producer rank -> its one READ, which notifies it once landed
@@ -762,15 +758,29 @@ async def receive(
     # own: each is one more turn of the loop before the post, and at each turn the loop thread may
     # lose the GIL to the model thread (vLLM decode, tiny model over TCP, c=4, two alternating runs
     # each: from the facade running the request to the post 0.37 -> 0.26 ms p50, 0.7-1.1 -> 0.4 p90).
+    # A failure before any read (a rank unreachable, a layout refused) still tells the ranks reached.
     try:
+        if not job.local_blocks:  # nothing to read (a full prefix hit, an aborted request): only let them free
+            for peer in await connect_all(ranks):
+                await tell(peer)
+            return []
+        first = await connect_job_rank(engine, job, ranks[0])  # every producer rank has the same geometry
+        reached.append(first)
+        plan = plan_request(geometry, job, first)
+        ratio, paged = plan.ratio, plan.paged
+        local_blocks, remote_blocks = [], []  # every group's pairs; one read per rank carries them all
+        for blocks in plan.groups:
+            local, remote = pair_blocks(blocks, ratio, paged=paged)
+            local_blocks += local
+            remote_blocks += remote
+        lease = None if job.expires_at is None else job.expires_at - lease_margin_s
         if len(plan.steps) == 1:
             step = plan.steps[0]
             peer = await connect_job_rank(engine, job, step.remote_rank)
             reached.append(peer)
             await one_rank(step, peer)
         else:
-            peers = await asyncio.gather(*(connect_job_rank(engine, job, step.remote_rank) for step in plan.steps))
-            reached.extend(peers)
+            peers = await connect_all([step.remote_rank for step in plan.steps])
             async with asyncio.TaskGroup() as group:
                 for step, peer in zip(plan.steps, peers, strict=True):
                     group.create_task(one_rank(step, peer))

@@ -20,7 +20,15 @@ import numpy as np
 import pytest
 import torch
 
-from nixl_async import EngineConfig, LayoutError, LeaseExpired, NotificationFailed, TransferEngine, TransferFailed
+from nixl_async import (
+    EngineConfig,
+    HandshakeError,
+    LayoutError,
+    LeaseExpired,
+    NotificationFailed,
+    TransferEngine,
+    TransferFailed,
+)
 from nixl_async._agent import NIXL_ERRORS
 from nixl_async._notify_transport import NotificationTransport
 from nixl_async.testing import PeerCommandError, WaitNotifications, free_port_base, pattern_block
@@ -278,20 +286,40 @@ async def test_after_a_failed_read_each_producer_rank_hears_once_that_its_blocks
     local_blocks = LOCAL_CANDIDATES[: -(-(len(REMOTE_BLOCKS) - LOCAL_HIT * ratio) // ratio)]
     with pytest.raises(TransferFailed, match="could not start"):
         await _decode_rank(0, tp_p, tp_d, mla, ratio, port, local_blocks, backend=backend, kv_heads=kv_heads)
-    notice = f"req-p:{expected_consumers(remote_tp=tp_p, local_tp=tp_d)}".encode()
-    for proc in remote_ranks(local_tp=tp_d, local_rank=0, remote_tp=tp_p):
-        assert await prefill[proc].request(WaitNotifications(message=notice, count=1, timeout=10)) == ["decode/tp0"]
+    ranks = remote_ranks(local_tp=tp_d, local_rank=0, remote_tp=tp_p)
+    await _assert_told_once([prefill[r] for r in ranks], expected_consumers(remote_tp=tp_p, local_tp=tp_d))
+
+
+async def _assert_told_once(prefill, readers: int) -> None:
+    """Each prefill rank heard "req-p:<readers>" from decode's rank 0 exactly once."""
+    notice = f"req-p:{readers}".encode()
+    for proc in prefill:
+        assert await proc.request(WaitNotifications(message=notice, count=1, timeout=10)) == ["decode/tp0"]
         with pytest.raises(PeerCommandError, match="NotificationTimeout"):  # (the wait above took the first)
-            await prefill[proc].request(WaitNotifications(message=notice, count=1, timeout=0.5))
+            await proc.request(WaitNotifications(message=notice, count=1, timeout=0.5))
+
+
+@pytest.mark.parametrize("blocks", ["to-read", "none"])
+async def test_a_producer_rank_unreachable_before_the_reads_leaves_the_others_told(nixl_peer_factory, blocks):
+    """TP 2 -> 1 with prefill's rank 1 gone: the request fails before any read, and rank 0, which
+    answered, hears the notice once, so it frees the blocks at once; before, nobody was told and it
+    held them until its lease ended. With no blocks to read (a full prefix hit), the same."""
+    port, prefill = _spawn_prefill(nixl_peer_factory, 2, False, 1)
+    prefill[1].kill()
+    local = LOCAL_CANDIDATES[: len(REMOTE_BLOCKS) - LOCAL_HIT] if blocks == "to-read" else []
+    with pytest.raises(HandshakeError):
+        await _decode_rank(0, 2, 1, False, 1, port, local)
+    await _assert_told_once(prefill[:1], expected_consumers(remote_tp=2, local_tp=1))
 
 
 async def test_a_block_size_ratio_into_the_cpu_backend_is_refused_before_reading(nixl_peer_factory):
     # The CPU backend stores each head's K per ISA (transposed on "vec", tiled on AMX): smaller remote
     # blocks cannot be placed by token runs, so the read is refused rather than scrambled.
-    port, _prefill = _spawn_prefill(nixl_peer_factory, 1, False, 2)
+    port, prefill = _spawn_prefill(nixl_peer_factory, 1, False, 2)
     local = LOCAL_CANDIDATES[:4]
     with pytest.raises(LayoutError, match="CPU backend"):
         await _decode_rank(0, 1, 1, False, 2, port, local)
+    await _assert_told_once(prefill, 1)  # connected before the refusal: it frees the blocks at once
 
 
 async def test_full_prefix_hit_only_notifies(nixl_peer_factory):
