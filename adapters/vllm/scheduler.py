@@ -74,6 +74,11 @@ class _MarksIdleSteps:
         return meta
 
 
+def _no_blocks(block_ids: Any) -> bool:
+    """No block to read: none named, or (vLLM's per-group form) only empty groups."""
+    return not block_ids or all(isinstance(group, list | tuple) and not group for group in block_ids)
+
+
 class AdapterScheduler(_MarksIdleSteps, _WorkersServeHandshakes, NixlPullConnectorScheduler):
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, engine_id, kv_cache_config)
@@ -87,6 +92,13 @@ class AdapterScheduler(_MarksIdleSteps, _WorkersServeHandshakes, NixlPullConnect
             # assert, for empty block lists): compute it here instead.
             log.warning("request %s: its kv_transfer_params lack %s: prefilling it here", request.request_id, lacking)
             params["do_remote_prefill"] = False
+        if params.get("do_remote_decode") and params.get("remote_block_ids"):
+            # A turn-2 readback (a NixlConnector decode with bidirectional_kv_xfer names the blocks it
+            # kept): vLLM 0.32 would promise the load and never start it, so the request would wait
+            # forever. Reading KV back from decode is not implemented: compute the prompt here.
+            log.warning("request %s: its kv_transfer_params ask to read KV back from decode (bidirectional_kv_xfer, "
+                        "not implemented): prefilling it here", request.request_id)  # fmt: skip
+            del params["remote_block_ids"]
         super().on_new_request(request)
         if (self.settings.etcd is None or not params.get("do_remote_prefill")
                 or request.request_id in self._heartbeat_req_engine):  # fmt: skip
@@ -108,7 +120,7 @@ class AdapterScheduler(_MarksIdleSteps, _WorkersServeHandshakes, NixlPullConnect
         """What a request to pull lacks to be read ("" if nothing)."""
         lacking = [key for key in ("remote_engine_id", "remote_request_id", "tp_size") if params.get(key) is None]
         lacking += [key for key in ("remote_host", "remote_port") if key not in params]  # null: found through etcd
-        if not params.get("remote_block_ids"):
+        if _no_blocks(params.get("remote_block_ids")):
             lacking.append("remote_block_ids")
         if not lacking and self.settings.etcd is None and None in (params["remote_host"], params["remote_port"]):
             lacking.append("remote_host/remote_port (or an etcd_endpoint to find the producer by id)")

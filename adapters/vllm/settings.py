@@ -23,8 +23,9 @@ NixlConnector; our own knobs live in ``kv_connector_extra_config``:
 - ``etcd_endpoint`` (``host:port``; default none), ``etcd_namespace`` (default ``nixl_async``) and
   ``etcd_lease_ttl`` (s, default 10): publish each rank's engine in etcd and find producers by engine
   id there, so ``kv_transfer_params`` need no ``remote_host``/``remote_port`` (`EngineConfig.etcd`).
-- ``push_registration_timeout`` (s, default 480, as vLLM; push mode only): how long decode waits
-  for prefill's WRITE of a registered request before failing it (prefill writes nothing after it).
+- ``push_registration_timeout`` (s, default ``decoder_kv_blocks_ttl`` or 480, as vLLM; push mode
+  only): how long decode waits for prefill's WRITE of a registered request before failing it
+  (prefill writes nothing after it).
 - ``push_progressive`` (default false; push mode only): prefill WRITEs each layer's KV of a request
   decode already registered as soon as the layer is computed, and commits the request at its end
   (decode never sees a partial one). DRAM caches of attention-only models (one KV cache group).
@@ -43,8 +44,9 @@ NixlConnector; our own knobs live in ``kv_connector_extra_config``:
   So the process keeps Python's interval unless a deployment asks for the trade.
 
 NixlConnector's own keys are honoured (``backends``, ``num_threads``, ``engine_ttl``,
-``enforce_handshake_compat``, ``kv_lease_duration``, and ``kv_recompute_threshold``, which
-vLLM's scheduler we reuse applies) or refused at startup with an error naming the key
+``enforce_handshake_compat``, ``kv_lease_duration``; ``kv_recompute_threshold`` is accepted as
+NixlConnector accepts it without ``bidirectional_kv_xfer``, where it changes nothing: it only
+bounds reading KV back from decode) or refused at startup with an error naming the key
 (`REFUSED`), as are unknown keys and the parallel layouts the adapter does not implement
 (pipeline parallel, decode/prefill context parallel, ``enable_permute_local_kv``).
 """
@@ -86,10 +88,16 @@ _KNOWN = {
 }  # fmt: skip
 PUSH_ONLY = ("push_registration_timeout", "push_progressive")
 PUSH_CONNECTOR = "NixlAsyncPushConnector"
+# vLLM's push scheduler times registrations out after `decoder_kv_blocks_ttl` when
+# `push_registration_timeout` is not set: honoured so in push mode.
+PUSH_FALLBACKS = ("decoder_kv_blocks_ttl",)
 # NixlConnector keys the adapter does not implement: refused when set (to anything but the default).
 REFUSED: dict[str, tuple[object, str]] = {
     "bidirectional_kv_xfer": (False, "KV transfer from decode back to prefill is not implemented"),
-    "decoder_kv_blocks_ttl": (None, "it is used only with bidirectional_kv_xfer, which is not implemented"),
+    "decoder_kv_blocks_ttl": (
+        None,
+        "in pull mode it only keeps decode's blocks for bidirectional_kv_xfer, which is not implemented",
+    ),
 }
 
 
@@ -98,12 +106,15 @@ class UnsupportedSetting(ValueError):
 
 
 def _refuse_unsupported(vllm_config: Any, extra: dict[str, Any]) -> None:
+    push = vllm_config.kv_transfer_config.kv_connector == PUSH_CONNECTOR
     for key, value in extra.items():
+        if key in PUSH_FALLBACKS and push:
+            continue
         if key in REFUSED:
             default, why = REFUSED[key]
             if value != default:
                 raise UnsupportedSetting(f"kv_connector_extra_config[{key!r}] = {value!r} is not supported: {why}")
-        elif key in PUSH_ONLY and vllm_config.kv_transfer_config.kv_connector != PUSH_CONNECTOR:
+        elif key in PUSH_ONLY and not push:
             raise UnsupportedSetting(f"kv_connector_extra_config[{key!r}] applies to push mode ({PUSH_CONNECTOR}) only")
         elif key not in _KNOWN:
             raise UnsupportedSetting(
@@ -306,7 +317,9 @@ class AdapterSettings:
                 extra, "tcp_send_buffer_bytes", TCP_SEND_BUFFER_BYTES, TCP_SEND_BUFFER_RANGE
             ),
             etcd=_etcd(extra),
-            push_registration_timeout_s=_number(extra, "push_registration_timeout", 480),
+            push_registration_timeout_s=_number(
+                extra, "push_registration_timeout", _number(extra, "decoder_kv_blocks_ttl", 480)
+            ),
             push_progressive=_flag(extra, "push_progressive", False),
             idle_step_wait_s=_idle_wait(extra),
         )

@@ -187,6 +187,11 @@ def test_push_mode_takes_the_registration_timeout():
     push = {"connector": "NixlAsyncPushConnector"}
     assert AdapterSettings.from_vllm(_config({}, **push)).push_registration_timeout_s == 480  # vLLM's default
     assert AdapterSettings.from_vllm(_config({"push_registration_timeout": 9}, **push)).push_registration_timeout_s == 9
+    # vLLM's fallback when push_registration_timeout is unset (refused in pull mode: see above)
+    fallback = AdapterSettings.from_vllm(_config({"decoder_kv_blocks_ttl": 60}, **push))
+    assert fallback.push_registration_timeout_s == 60
+    both = {"decoder_kv_blocks_ttl": 60, "push_registration_timeout": 9}
+    assert AdapterSettings.from_vllm(_config(both, **push)).push_registration_timeout_s == 9
     with pytest.raises(ValueError, match="push_registration_timeout"):
         AdapterSettings.from_vllm(_config({"push_registration_timeout": 0}, **push))
 
