@@ -858,16 +858,24 @@ class TransferEngine:
             await self._admission.acquire(sum(sizes), deadline, count=len(sizes))
         except TimeoutError:
             raise TransferTimeout("deadline passed while waiting for room to submit") from None
-        return self._admitted(peer, sizes, local_view, remote_view)
+        return self._admitted(peer, sizes, local_view, remote_view, waited=True)
 
-    def _admitted(self, peer: Peer, sizes: Sequence[int], local_view: BlockView, remote_view: BlockView
-                  ) -> tuple[Any, Any]:  # fmt: skip
-        """Room for `sizes` was taken: the descriptor lists, or the room back if the engine or peer went meanwhile."""
+    def _admitted(self, peer: Peer, sizes: Sequence[int], local_view: BlockView, remote_view: BlockView, *,
+                  waited: bool = False) -> tuple[Any, Any]:  # fmt: skip
+        """Room for `sizes` was taken: the descriptor lists, or the room back if the engine or peer went meanwhile.
+
+        After a wait, both views must still describe registered memory: a layout deregistered (or
+        registered again, or refreshed by the peer) meanwhile would have its stale addresses
+        prepared, and cached for later submits too.
+        """
         try:
             assert self._loop is not None
             agent = self._require_agent()  # the engine may have closed while we waited
             if not peer.connected or peer not in self._peers.table:
                 raise PeerUnknownError(f"peer {peer.engine_id!r} was disconnected while waiting for room")
+            if waited:
+                _still_registered(local_view, self._memory.layouts, "deregistered here")
+                _still_registered(remote_view, peer.layouts, f"changed by peer {peer.engine_id!r}")
             self._peers.table.touch(peer, self._loop.time())
             return self._memory.local_dlist(agent, local_view), self._memory.remote_dlist(agent, peer.agent_name,
                                                                                          remote_view)  # fmt: skip
@@ -1008,6 +1016,13 @@ class TransferEngine:
         else:
             counters["poller_sleeps"] += 1
             await self._sleep(delay)
+
+
+def _still_registered(view: BlockView, layouts: dict[str, BlockLayout], how: str) -> None:
+    """`LayoutError` unless `view`'s layout is still the one registered under its name."""
+    current = layouts.get(view.layout.name)
+    if current is not view.layout and current != view.layout:
+        raise LayoutError(f"layout {view.layout.name!r} was {how} while the transfer waited for room: nothing posted")
 
 
 def _route(local: BlockView, remote: BlockView) -> tuple[str, str]:

@@ -297,6 +297,40 @@ async def test_a_batch_waits_for_room_for_all_of_it_or_posts_nothing(nixl_engine
     assert counters["inflight_transfers"] == 0 and counters["inflight_bytes"] == 0, "admitted room not given back"
 
 
+@pytest.mark.nixl_engine_config(max_inflight_transfers=1)
+@pytest.mark.parametrize("then", ["deregistered", "registered-again"])
+async def test_a_layout_deregistered_while_a_submit_waits_for_room_is_refused(nixl_engine, nixl_peer_factory, then):
+    """A submit waiting for room holds a view of its layout. Deregistered meanwhile (or registered again
+    under the name), the submit gets `LayoutError` and posts nothing: before, its stale view was prepared
+    (NIXL's own error, or a READ into whatever memory now sits at the old addresses) and cached."""
+    block_len, blocks = 1 << 20, 8
+    peer_proc, peer = await _tcp_peer(nixl_engine, nixl_peer_factory, blocks, block_len)
+    other = _regions(1, blocks, block_len)
+    nixl_engine.register("kv2", other, block_len=block_len)
+    await nixl_engine.read(peer, [0], [0], local="kv2")  # "kv2"'s descriptor list is prepared (and cached)
+    peer_proc.pause()  # the read below stays in flight while the peer is stopped
+    try:
+        held = await nixl_engine.start_read(peer, [0], [1], local="kv")
+        waiting = asyncio.ensure_future(nixl_engine.start_read(peer, [1, 2], [2, 3], local="kv2"))
+        await asyncio.sleep(0.05)
+        assert not waiting.done(), "the submit must wait while the held read fills the room"
+        nixl_engine.deregister("kv2")
+        fresh = _regions(1, blocks, block_len)
+        if then == "registered-again":
+            nixl_engine.register("kv2", fresh, block_len=block_len)
+    finally:
+        peer_proc.resume()
+    await held
+    with pytest.raises(LayoutError, match="'kv2' was deregistered here while the transfer waited"):
+        await asyncio.wait_for(waiting, 30)
+    assert not any(r.any() for r in fresh), "nothing may be read into the new registration"
+    counters = nixl_engine.snapshot().counters
+    assert counters["transfers_submitted"] == 2 and counters["inflight_transfers"] == 0
+    if then == "registered-again":  # the new registration gets a list of its own
+        await nixl_engine.read(peer, [1], [2], local="kv2")
+        assert verify_blocks(fresh, block_len, [1], [2], seed=1) == []
+
+
 async def test_a_large_batch_does_not_stall_the_loop_and_every_row_lands(nixl_engine, nixl_peer_factory):
     """Small rows are posted inside `start_reads` only for about one sweep's budget; the poller posts the rest
     while earlier rows are in flight (UCX/TCP) and completing."""
