@@ -11,6 +11,7 @@ from .config import EngineConfig, EtcdConfig, PollConfig
 from .engine import TransferEngine
 from .exceptions import (
     BatchRowsFailed,
+    CollectionClosedError,
     DiscoveryUnavailable,
     EngineClosedError,
     EngineIdMismatch,
@@ -45,6 +46,7 @@ __all__ = [
     "BatchRowsFailed",
     "BlockLayout",
     "BlockView",
+    "CollectionClosedError",
     "DiscoveryUnavailable",
     "EngineClosedError",
     "EngineConfig",

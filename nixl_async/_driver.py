@@ -37,7 +37,7 @@ from .layout import DescIds, IdArray
 from .stats import EngineStats
 from .transfer import Transfer, TransferBatch, TransferFuture, TransferResult, descriptors_per_slice
 
-__all__ = ["COLLECTOR", "TransferDriver"]
+__all__ = ["COLLECTOR", "TransferCollection", "TransferDriver"]
 
 log = logging.getLogger("nixl_async.engine")
 
@@ -50,8 +50,22 @@ _HINT_CHECK_S = 0.1  # how often the sweep looks for busy hints to renew (each h
 # Handles are keyed by transfer id * _SLICE_KEY + slice index.
 _SLICE_KEY = 1 << 32
 _EMPTY_IDS: IdArray = np.empty(0, dtype=np.int64)
+
+
+class TransferCollection(list[Transfer]):
+    """The transfers submitted inside one `collect_transfers()` block; `closed` once it ended."""
+
+    __slots__ = ("closed",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.closed = False
+
+
 # Where `TransferEngine.collect_transfers()` gathers the transfers submitted in its context.
-COLLECTOR: contextvars.ContextVar[list[Transfer] | None] = contextvars.ContextVar("nixl_async_collector", default=None)
+COLLECTOR: contextvars.ContextVar[TransferCollection | None] = contextvars.ContextVar(
+    "nixl_async_collector", default=None
+)
 
 
 class TransferDriver:

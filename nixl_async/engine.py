@@ -45,7 +45,7 @@ from ._admission import Admission
 from ._agent import NIXL_ERRORS, OwnedAgent
 from ._connections import Connections
 from ._dialer import Dialer, handshake_limit, segment_mismatch
-from ._driver import COLLECTOR, TransferDriver
+from ._driver import COLLECTOR, TransferCollection, TransferDriver
 from ._memory import MemoryRegistry, ViewLike, layout_of_memory
 from ._notify_guard import REFUSAL_REASONS
 from ._notify_transport import WIREUP_BRISK_S, NotificationTransport
@@ -54,6 +54,7 @@ from ._poller import AdaptivePacer, ErrorThrottle
 from ._state import TransferState
 from .config import UCX_TCP_DEFAULT_SEGMENT, EngineConfig, SendBufferLimits, tcp_segment_in_use
 from .exceptions import (
+    CollectionClosedError,
     EngineClosedError,
     EngineIdMismatch,
     HandshakeRejected,
@@ -242,6 +243,8 @@ class TransferEngine:
                       len(fenced), ", ".join(f"#{t.id}" for t in fenced))  # fmt: skip
             _KEPT_ALIVE.append((agent, self._memory.keepalives(), fenced))
             self._memory.forget()
+            for transfer in fenced:  # nothing checks them any more: their quiet-waiters hear so
+                transfer.abandon()
         else:
             self._peers.release_all()  # (logs what NIXL refuses to unload)
             try:
@@ -602,7 +605,8 @@ class TransferEngine:
         After a request fails, its memory may be handed to someone else only once no sibling
         transfer can still write into it; cancelling is not enough while a READ is in flight
         (NIXL accepts the release and the bytes keep landing). True once every one of them is
-        quiet; False if some handle is still alive after `timeout` (that memory stays fenced).
+        quiet; False if some handle is still alive after `timeout`, or when the engine closed with
+        NIXL holding one (that memory stays fenced).
         """
         for transfer in transfers:
             transfer.cancel("settling a failed request")
@@ -610,7 +614,8 @@ class TransferEngine:
         try:
             async with asyncio.timeout(timeout):
                 for transfer in transfers:
-                    await transfer.wait_quiet()
+                    if not await transfer.wait_quiet():
+                        return False
         except TimeoutError:
             return False
         return True
@@ -620,13 +625,16 @@ class TransferEngine:
         """Collect every transfer submitted inside this block, by this task or tasks it starts.
 
         For a request made of several transfers: whatever way it ends, `settle()` the list
-        before handing the request's memory to anyone (a sibling may still be in flight).
+        before handing the request's memory to anyone (a sibling may still be in flight). A task
+        started inside that submits after the block ended gets `CollectionClosedError` (nothing
+        posted): the list's owner may have settled it and handed the memory on.
         """
-        collected: list[Transfer] = []
+        collected = TransferCollection()
         token = COLLECTOR.set(collected)
         try:
             yield collected
         finally:
+            collected.closed = True
             COLLECTOR.reset(token)
 
     async def read(self, peer: Peer, local_blocks: BlockIds, remote_blocks: BlockIds, **kwargs: Any) -> TransferResult:
@@ -873,6 +881,8 @@ class TransferEngine:
             agent = self._require_agent()  # the engine may have closed while we waited
             if not peer.connected or peer not in self._peers.table:
                 raise PeerUnknownError(f"peer {peer.engine_id!r} was disconnected while waiting for room")
+            if (collected := COLLECTOR.get()) is not None and collected.closed:
+                raise CollectionClosedError("submitted by a task outliving its collect_transfers() block: not posted")
             if waited:
                 _still_registered(local_view, self._memory.layouts, "deregistered here")
                 _still_registered(remote_view, peer.layouts, f"changed by peer {peer.engine_id!r}")

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BatchRowsFailed",
+    "CollectionClosedError",
     "DiscoveryUnavailable",
     "EngineClosedError",
     "EngineIdMismatch",
@@ -63,6 +64,14 @@ class NixlAsyncError(Exception):
 
 class EngineClosedError(NixlAsyncError):
     """The engine was used before `start()` or after `close()`."""
+
+
+class CollectionClosedError(NixlAsyncError, RuntimeError):
+    """A task started inside `TransferEngine.collect_transfers()` submitted after the block ended.
+
+    Whoever settled that collection (the sync facade, before reporting the request) would never
+    see the transfer, so it is refused and nothing is posted.
+    """
 
 
 class WrongThreadError(NixlAsyncError, RuntimeError):

@@ -234,35 +234,42 @@ class SyncEngine:
             finally:
                 coro.close()
         try:
-            await self._quiesce(request_id, started, error)
+            quiet = await self._quiesce(request_id, started, error)
         finally:
             self._running.pop(request_id, None)
             self._cancel_asked.discard(request_id)
             with self._lock:
                 self._inflight.pop(request_id, None)
+        if not quiet:  # the engine closed with NIXL holding some: reported fenced, and so it stays
+            return
         if error is None:  # a transfer it started but never awaited may have failed, or been settled (cancelled)
             error = next((e for t in started if t.done() and _lost_data(e := t.exception())), None)
         self._report(request_id, "done" if error is None else "failed", error)
 
-    async def _quiesce(self, request_id: str, started: list[Any], error: BaseException | None) -> None:
-        """Settle the request's transfers; if NIXL holds one past the grace, say fenced and keep waiting."""
+    async def _quiesce(self, request_id: str, started: list[Any], error: BaseException | None) -> bool:
+        """Settle the request's transfers; if NIXL holds one past the grace, say fenced and keep waiting.
+
+        False if the engine closed before NIXL let go (the memory stays fenced for good).
+        """
         pending = [t for t in started if not t.quiet]
         if not pending:
-            return
+            return True
         engine = self.engine
         settled: bool | None = None
         while settled is None:
             with contextlib.suppress(asyncio.CancelledError):  # cancelled again meanwhile: changes nothing here
                 settled = await engine.settle(pending, timeout=engine.config.release_grace_s + 0.5)
         if settled:
-            return
+            return True
         # (a transfer not told yet, the poller late past the grace, has no exception to look at)
         fenced = next((t.exception() for t in pending if t.done() and isinstance(t.exception(), TransferFenced)),
                       None)  # fmt: skip
         self._report(request_id, "fenced", fenced or error)
         while not all(t.quiet for t in pending):
             with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.gather(*(t.wait_quiet() for t in pending))
+                if not all(await asyncio.gather(*(t.wait_quiet() for t in pending))):
+                    return False
+        return True
 
     def _report(self, request_id: str, outcome: str, error: BaseException | None) -> None:
         self._finished.put((request_id, outcome, error))

@@ -98,6 +98,7 @@ class Transfer:
     """
 
     __slots__ = (
+        "_abandoned",
         "_cancel_cb",
         "_future",
         "_is_quiet",
@@ -190,6 +191,7 @@ class Transfer:
         self.done_seen_at = 0.0
         self._future = future
         self._is_quiet = False
+        self._abandoned = False  # the engine closed with NIXL still holding it: never quiet
         self._quiet: asyncio.Future[None] | None = None  # made only when someone waits for it
         self._cancel_cb = cancel_cb
 
@@ -265,9 +267,15 @@ class Transfer:
         return True
 
     async def wait_quiet(self, timeout: float | None = None) -> bool:
-        """Wait until NIXL holds none of this transfer's handles; False if `timeout` passed first."""
+        """Wait until NIXL holds none of this transfer's handles; False if `timeout` passed first.
+
+        Also False (at once) once the engine has closed with NIXL still holding one: nothing
+        checks it any more, so its memory stays fenced (the engine keeps it alive) for good.
+        """
         if self._is_quiet:
             return True
+        if self._abandoned:
+            return False
         if self._quiet is None:
             self._quiet = self._future.get_loop().create_future()
         try:
@@ -275,7 +283,7 @@ class Transfer:
                 await asyncio.shield(self._quiet)
         except TimeoutError:
             return False
-        return True
+        return self._is_quiet
 
     async def wait(self, timeout: float | None = None) -> TransferResult:
         """Wait for completion; on `timeout` the transfer is ended and `TransferTimeout` raised.
@@ -327,6 +335,14 @@ class Transfer:
 
     def mark_quiet(self) -> None:
         self._is_quiet = True
+        self._wake_quiet_waiters()
+
+    def abandon(self) -> None:
+        """The engine closed with NIXL still holding this transfer: it will never be seen quiet."""
+        self._abandoned = True
+        self._wake_quiet_waiters()
+
+    def _wake_quiet_waiters(self) -> None:
         if self._quiet is not None and not self._quiet.done():
             self._quiet.set_result(None)
 

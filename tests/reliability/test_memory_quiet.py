@@ -267,3 +267,27 @@ def test_a_close_cancelled_by_the_loops_shutdown_still_ends(monkeypatch, tcp_pee
     else:
         assert engine.live_handles() == {}
     asyncio.run(engine.close())  # closed: returns
+
+
+async def test_a_transfer_the_close_leaves_fenced_tells_its_waiters_so_at_once(monkeypatch, tcp_peer):
+    """The peer is stopped (SIGSTOP), so NIXL holds the read past the close: the engine keeps agent and
+    memory alive, and nothing checks the read any more. Whoever waits for it to go quiet hears False
+    (fenced for good) at once; before, `wait_quiet`, `settle` and `TransferFenced.quiet` waited forever."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    engine = TransferEngine(EngineConfig(engine_id="close-fenced-reader", release_grace_s=0.1))
+    await engine.start()
+    _regions, peer = await _setup(engine, tcp_peer)
+    transfer = await _in_flight(engine, peer)
+    tcp_peer.pause()
+    try:
+        waiter = asyncio.ensure_future(transfer.wait_quiet())  # waiting before the close, too
+        await engine.close()
+        error = transfer.exception()
+        assert isinstance(error, TransferFenced) and not transfer.quiet
+        assert any(kept[2] and kept[2][0] is transfer for kept in engine_module._KEPT_ALIVE), "fenced memory freed"
+        assert await asyncio.wait_for(waiter, 2) is False
+        assert await asyncio.wait_for(transfer.wait_quiet(), 2) is False
+        assert await asyncio.wait_for(engine.settle([transfer]), 2) is False
+        assert await asyncio.wait_for(error.quiet(None), 2) is False
+    finally:
+        tcp_peer.resume()

@@ -4,12 +4,14 @@ vLLM frees or reuses a request's blocks as soon as `get_finished` names it; so a
 failed request must be named only when NIXL writes nothing more into them.
 """
 
+import asyncio
+import threading
 import time
 
 import numpy as np
 import pytest
 
-from nixl_async import EngineConfig, SyncEngine
+from nixl_async import CollectionClosedError, EngineConfig, SyncEngine
 
 BLOCK, BLOCKS = 1 << 20, 96
 
@@ -84,3 +86,67 @@ def test_a_request_that_leaves_its_read_unawaited_is_reported_failed_not_done(tc
     got = _collect(tcp_sync_engine, "req")
     assert "req" in got.failed and "req" not in got.done, got
     _assert_quiet(regions, got.failed["req"])
+
+
+def test_a_close_with_a_request_still_fenced_returns(monkeypatch, nixl_peer_factory):
+    """The peer is stopped (SIGSTOP) with a read in flight: the cancelled request is reported fenced,
+    and `close()` keeps its memory alive and returns; before, it waited forever for a quiet that
+    nothing would check any more (and so did the interpreter's exit)."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    proc = nixl_peer_factory(num_regions=2, num_blocks=BLOCKS, block_len=BLOCK, seed=3, tcp=True)
+    engine = SyncEngine(EngineConfig(engine_id="sync-close-fenced", release_grace_s=0.1))
+    regions = [np.full(BLOCKS * BLOCK, 0xAA, np.uint8) for _ in range(2)]
+    engine.register("kv", regions, block_len=BLOCK)
+    engine.connect(*proc.address)
+    ids = list(range(BLOCKS))
+    engine.submit_read("req", *proc.address, ids, ids)
+    _wait_in_flight(engine, "req")
+    proc.pause()
+    try:
+        assert engine.cancel("req")
+        deadline = time.monotonic() + 10
+        while "req" not in engine.get_finished().fenced:
+            assert time.monotonic() < deadline, "the cancelled request was never reported fenced"
+            time.sleep(0.005)
+        closing = threading.Thread(target=engine.close, daemon=True)
+        closing.start()
+        closing.join(15)
+        assert not closing.is_alive(), "close() hangs on a request NIXL still holds"
+        got = engine.get_finished()
+        assert "req" not in got.done and "req" not in got.failed, "memory NIXL still holds was reported free"
+    finally:
+        proc.resume()
+
+
+def test_a_task_that_outlives_its_request_cannot_submit_into_it(tcp_sync_engine, nixl_peer_factory):
+    """A request's coroutine starts a task and returns: the request is reported at once. When that task
+    reads later, the read is refused (`CollectionClosedError`, nothing posted); before, it was posted
+    into blocks already reported free, and landed there."""
+    proc = nixl_peer_factory(num_regions=2, num_blocks=BLOCKS, block_len=BLOCK, seed=3, tcp=True)
+    regions = [np.full(BLOCKS * BLOCK, 0xAA, np.uint8) for _ in range(2)]
+    tcp_sync_engine.register("kv", regions, block_len=BLOCK)
+    info = tcp_sync_engine.connect(*proc.address)
+    outcome: list[BaseException | None] = []
+
+    async def late_read(engine):
+        await asyncio.sleep(0.3)  # after the request was reported
+        try:
+            await engine.read(engine.peer(info.engine_id), [0, 1], [0, 1])
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    async def start_and_return(engine):
+        engine._late = asyncio.ensure_future(late_read(engine))  # (referenced: not collected midway)
+
+    tcp_sync_engine.submit("req", start_and_return)
+    got = _collect(tcp_sync_engine, "req")
+    assert "req" in got.done, got
+    deadline = time.monotonic() + 10
+    while not outcome:
+        assert time.monotonic() < deadline, "the late read never ended"
+        time.sleep(0.01)
+    assert isinstance(outcome[0], CollectionClosedError), outcome
+    _assert_quiet(regions, "done")
+    assert all((r == 0xAA).all() for r in regions), "the late read landed in blocks reported free"
+    assert tcp_sync_engine.call(lambda: tcp_sync_engine.engine.stats.counters["transfers_submitted"]) == 0
