@@ -132,6 +132,15 @@ def _kv_regions(
     num_pages = sizes[0]
     if state_layers and num_pages != num_blocks:
         raise LayoutError("kernel pages smaller than the block beside state (Mamba) layers are not supported")
+    # Heads, head windows and token runs are planned from one layer: every attention layer must
+    # pack its blocks alike (vLLM 0.32 lets layers differ in KV heads or head size, evening out
+    # their page bytes with other block sizes, e.g. Gemma 4's per-layer configs).
+    first_name, first = next(iter(attention.items()))
+    for name, tensor in attention.items():
+        if tuple(tensor.shape[1:]) != tuple(first.shape[1:]) or tensor.dtype != first.dtype:
+            raise LayoutError(f"layer {name}'s KV blocks are {tuple(tensor.shape[1:])} of {tensor.dtype}, layer "
+                              f"{first_name}'s {tuple(first.shape[1:])} of {first.dtype}: layers with other KV "
+                              "heads or head sizes are not supported by the nixl_async adapter")  # fmt: skip
     regions: list[Any] = []
     seen: set[int] = set()
     page_len = 0

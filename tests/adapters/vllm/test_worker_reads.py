@@ -350,6 +350,10 @@ def test_kv_regions_register_each_layer_once():
     odd = buffer[: 3 * HEADS * LOCAL_BLOCK_SIZE * 2 * HEAD_DIM].view(3, HEADS, LOCAL_BLOCK_SIZE, 2 * HEAD_DIM)
     with pytest.raises(LayoutError, match=r"of \[3\] blocks: expected 40"):
         _kv_regions({"l0": odd}, NUM_BLOCKS)
+    # a layer with half the KV heads and twice the tokens per block: pages of equal bytes, other packing
+    other = buffer.view(2, NUM_BLOCKS, HEADS // 2, 2 * LOCAL_BLOCK_SIZE, 2 * HEAD_DIM)
+    with pytest.raises(LayoutError, match="other KV heads or head sizes"):
+        _kv_regions({"l0": packed[0], "l1": other[1]}, NUM_BLOCKS)
 
 
 KERNEL_BLOCK = LOCAL_BLOCK_SIZE // 2  # vLLM split each logical block into 2 kernel pages
