@@ -148,8 +148,10 @@ class Dialer:
             raise late(f"{name}: no answer within {timeout}s (a lookup started earlier goes on)",
                        address=name.partition(":")[2]) from None  # fmt: skip
 
-    def _connect_done(self, key: tuple[str, str | None], _task: asyncio.Task[Peer]) -> None:
+    def _connect_done(self, key: tuple[str, str | None], task: asyncio.Task[Peer]) -> None:
         self._connecting.pop(key, None)
+        if not task.cancelled():
+            task.exception()  # retrieved: callers that gave up waiting (their own timeout) never will
 
     async def _handshake(self, host: str, port: int, timeout: float, expected_engine_id: str | None = None) -> Peer:
         assert self._zmq is not None and self._loop is not None
@@ -251,7 +253,7 @@ class Dialer:
             if record is None:
                 raise PeerNotPublished(f"no engine {engine_id!r} is published in etcd at {directory.endpoint}",
                                        address=directory.endpoint)  # fmt: skip
-            if record.engine_id != engine_id or (record.metadata and record.metadata.engine_id != engine_id):
+            if not _claims(record, engine_id):
                 raise EngineIdMismatch(f"etcd's record for {engine_id!r} is another engine's", address=where)
             self.check_compat(engine_id, record.compat_hash, where)
             direct = record.metadata is not None and self._adopts_records(self._peers.table.get(engine_id))
@@ -315,11 +317,16 @@ class Dialer:
                         peer.address = (record.host, record.port)  # it serves elsewhere now (calls go there)
                     continue
                 self.stats.counters["published_peers_refreshed"] += 1
-                if record.metadata is None or not self._adopts_records(peer) or record.engine_id != engine_id:
-                    peer.stale = True  # the next connect handshakes again
+                if record.metadata is None or not self._adopts_records(peer) or not _claims(record, engine_id):
+                    peer.stale = True  # the next connect handshakes again (and checks whom it reaches)
                     continue
                 try:
                     await self._adopt_published(record)
                 except Exception as exc:  # incompatible now, or fenced: the next connect says why
                     log.warning("refreshing peer %s from etcd failed: %s", engine_id, exc)
                     peer.stale = True
+
+
+def _claims(record: messages.PublishedEngine, engine_id: str) -> bool:
+    """Whether an etcd record under `engine_id`'s key is that engine's, by its key and by its agent metadata."""
+    return record.engine_id == engine_id and (record.metadata is None or record.metadata.engine_id == engine_id)

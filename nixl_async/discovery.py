@@ -215,15 +215,19 @@ class EtcdDirectory:
     async def _put_on_lease(self) -> None:
         record = self._record
         assert record is not None
-        if self._lease_id is None:
-            self._lease_id = await self._bounded("a lease grant", lambda: self._client.grant(self._config.lease_ttl_s))
-        key, value, lease_id = self.key(record.engine_id), messages.encode(record), self._lease_id
-        try:
-            await self._bounded("a put", lambda: self._client.put(key, value, lease=lease_id))
-        except DiscoveryUnavailable as exc:
-            if "lease not found" in str(exc):  # it ran out (or etcd was wiped): the next try gets a new one
-                self._lease_id = None
-            raise
+        key, value = self.key(record.engine_id), messages.encode(record)
+        for attempt in range(2):
+            if self._lease_id is None:
+                self._lease_id = await self._bounded("a lease grant",
+                                                     lambda: self._client.grant(self._config.lease_ttl_s))  # fmt: skip
+            lease_id = self._lease_id
+            try:
+                await self._bounded("a put", lambda: self._client.put(key, value, lease=lease_id))  # noqa: B023
+                return
+            except DiscoveryUnavailable as exc:
+                if "lease not found" not in str(exc) or attempt:
+                    raise
+                self._lease_id = None  # it ran out (or etcd was wiped): put again on a new one
 
     async def _keep(self) -> None:
         """Renew the lease every ttl/3; put the record again when it changed or the lease was lost."""
@@ -241,11 +245,18 @@ class EtcdDirectory:
                     self.republished += 1
                 if time.monotonic() >= renew_at:
                     lease = self._lease_id
-                    assert lease is not None
-                    ttl = await self._bounded("a lease renewal", lambda: self._client.keep_alive(lease))  # noqa: B023
+                    if lease is None:  # lost at the last put: put again on a new one
+                        self._dirty.set()
+                        continue
+                    # Within a third of the lease, so a renewal stuck on a dead connection is retried in time.
+                    ttl = await self._bounded("a lease renewal", lambda: self._client.keep_alive(lease),  # noqa: B023
+                                              interval)  # fmt: skip
                     if ttl <= 0:  # it ran out meanwhile (or etcd was wiped): our key is gone
                         self._warn(f"our etcd lease at {self.endpoint} had run out: publishing again")
                         self._lease_id = None
+                        self._dirty.set()
+                        continue
+                    if not await self._key_held(lease):
                         self._dirty.set()
                         continue
                     renew_at = time.monotonic() + interval
@@ -255,6 +266,21 @@ class EtcdDirectory:
                     self._dirty.set()
                 renew_at = time.monotonic() + _RETRY_S
                 await asyncio.sleep(_RETRY_S)
+
+    async def _key_held(self, lease: int) -> bool:
+        """Whether our key is still there: a process publishing our engine id too (a misconfiguration)
+        takes it over, and its lease, once revoked, deletes it while ours lives on."""
+        record = self._record
+        assert record is not None
+        key = self.key(record.engine_id)
+        found = await self._bounded("a check of our key", lambda: self._client.get(key), self._config.lease_ttl_s / 3)
+        if found is None:
+            self._warn(f"our etcd record at {self.endpoint} was deleted while our lease lived: publishing again")
+            return False
+        if found.lease != lease:
+            self._warn(f"engine id {record.engine_id!r} is published in etcd at {self.endpoint} by another process too "
+                       "(its record replaced ours): two engines must not share an id")  # fmt: skip
+        return True
 
     def _warn(self, message: str) -> None:
         now = time.monotonic()

@@ -491,3 +491,76 @@ def test_etcd_settings_are_checked_by_name():
 def test_prefix_end_bounds_exactly_the_keys_under_a_prefix():
     assert prefix_end(b"ns/engines/") == b"ns/engines0"
     assert prefix_end(b"a\xff") == b"b" and prefix_end(b"\xff\xff") == b"\x00"
+
+
+def _record(engine_id: str, tag: str) -> messages.PublishedEngine:
+    return messages.PublishedEngine(engine_id=engine_id, compat_hash="c", host="h" + tag, port=1, fingerprint=tag)
+
+
+async def _until_async(condition, timeout: float, what: str) -> None:
+    started = time.monotonic()
+    while not await condition():
+        assert time.monotonic() - started < timeout, what
+        await asyncio.sleep(0.05)
+
+
+async def test_our_record_deleted_by_another_publisher_of_our_id_comes_back(etcd):
+    """Two processes publish one engine id (a misconfiguration): the second's record replaces ours,
+    and its close revokes its lease, which deletes the key while our lease lives on. The renewal
+    notices and publishes again; before, our record stayed gone for as long as we ran."""
+    config = EtcdConfig(etcd.endpoint, namespace=NAMESPACE, lease_ttl_s=2)
+    ours, theirs = (discovery.EtcdDirectory(config, timeout=2.0) for _ in range(2))
+    try:
+        await ours.publish(_record("twice", "ours"))
+        await theirs.publish(_record("twice", "theirs"))
+        await theirs.close()
+        assert await _etcd_value(etcd, "twice") is None
+        await _until_async(lambda: _etcd_value(etcd, "twice"), 3.0, "our record never came back")
+        assert messages.decode_published(await _etcd_value(etcd, "twice")).host == "hours"
+    finally:
+        await ours.close()
+        await theirs.close()
+
+
+async def test_publishing_again_after_the_lease_ran_out_takes_a_new_lease(etcd):
+    """The lease ran out (a partition longer than its TTL, or etcd wiped) before the renewal saw it:
+    `publish()` puts the record on a new lease; before, it raised `DiscoveryUnavailable` ("lease not
+    found") with etcd up, and the renewal then failed every second until something put it again."""
+    directory = discovery.EtcdDirectory(EtcdConfig(etcd.endpoint, namespace=NAMESPACE, lease_ttl_s=3), timeout=2.0)
+    try:
+        await directory.publish(_record("lapsed", "1"))
+        await directory._client.revoke(directory._lease_id)  # stands for a lease that ran out
+        assert await _etcd_value(etcd, "lapsed") is None
+        await directory.publish(_record("lapsed", "2"))
+        await asyncio.sleep(2.5)  # past two renewals
+        assert messages.decode_published(await _etcd_value(etcd, "lapsed")).host == "h2"
+        assert directory._keeper is not None and not directory._keeper.done()
+    finally:
+        await directory.close()
+
+
+async def test_a_changed_record_naming_another_engine_in_its_metadata_replaces_no_peer(etcd):
+    """A record appears under a followed peer's key whose agent metadata says it is engine Y, one we
+    handshook with: following it must not swap Y's agent for that process's (we would read its memory
+    as Y's). `connect(engine_id=...)` already refused such a record; the follower now does too."""
+    config = _etcd_config(etcd)
+    engines = {name: TransferEngine(EngineConfig(engine_id=name, etcd=config if name in "XR" else None))
+               for name in "XYIR"}  # fmt: skip
+    try:
+        for engine in engines.values():
+            await engine.start()
+            engine.register("kv", _regions(1, 16), block_len=BLOCK)
+        published, real, other, reader = (engines[n] for n in "XYIR")
+        await published.publish()
+        y = await reader.connect(*await real.serve(), expected_engine_id="Y")
+        x = await reader.connect(engine_id="X")
+        impostor = msgspec.structs.replace(other._metadata(), engine_id="Y")
+        record = messages.PublishedEngine(engine_id="X", compat_hash=impostor.compat_hash, metadata=impostor,
+                                          fingerprint="changed")  # fmt: skip
+        etcd.put(_key("X"), messages.encode(record))
+        await _until(lambda: x.stale or reader.peer("Y").agent_name != real.agent_name, 5.0, "record not followed")
+        assert reader.peer("Y") is y and y.agent_name == real.agent_name and not y.stale, "Y's agent was swapped"
+        assert other.agent_name not in {peer.agent_name for peer in reader.peers}
+    finally:
+        for engine in engines.values():
+            await engine.close()
