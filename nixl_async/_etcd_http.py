@@ -108,10 +108,13 @@ class EtcdHttp:
     def __init__(self, endpoint: str) -> None:
         self.base = f"http://{endpoint}"
         self._session: Any = None  # aiohttp.ClientSession
+        self._closed = False
 
     def _open(self) -> Any:
         import aiohttp
 
+        if self._closed:  # a call still retrying after close() opens no new session
+            raise EtcdUnreachable(f"{self.base}: the client is closed")
         if self._session is None:
             self._session = aiohttp.ClientSession(self.base, timeout=aiohttp.ClientTimeout(total=None))
         return self._session
@@ -194,6 +197,7 @@ class EtcdHttp:
         raise EtcdUnreachable(f"{self.base}: the watch stream ended")
 
     async def close(self) -> None:
+        self._closed = True
         if self._session is not None:
             await self._session.close()
             self._session = None

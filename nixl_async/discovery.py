@@ -74,6 +74,8 @@ class EtcdDirectory:
         self._keeper: asyncio.Task[None] | None = None
         self._warned_at = float("-inf")
         self._closed = False
+        self._closing = False  # close() began: no publish starts, one under way ends first
+        self._publishing = asyncio.Lock()
         self.republished = 0  # puts after the first (a re-registration, a lost lease)
 
     @property
@@ -99,6 +101,8 @@ class EtcdDirectory:
                     try:
                         return await call()
                     except EtcdUnreachable as exc:
+                        if self._closed:  # closed meanwhile: no new connection
+                            raise EngineClosedError("the engine's etcd directory was closed") from None
                         last = exc
                         await asyncio.sleep(_UNREACHABLE_RETRY_S)
         except TimeoutError:
@@ -195,8 +199,11 @@ class EtcdDirectory:
 
         Raises `DiscoveryUnavailable` if etcd does not take it within the timeout.
         """
-        self._record = record
-        await self._put_on_lease()
+        async with self._publishing:  # (a close waits for it, so the lease it takes is revoked)
+            if self._closing:
+                raise EngineClosedError("the engine's etcd directory is closed")
+            self._record = record
+            await self._put_on_lease()
         if self._keeper is None and not self._closed:
             self._keeper = asyncio.get_running_loop().create_task(self._keep(), name=f"etcd-keeper:{self.endpoint}")
 
@@ -292,6 +299,9 @@ class EtcdDirectory:
         """Stop renewing, revoke the lease (our key goes at once; bounded), close the client; refuse calls after."""
         if self._closed:
             return
+        self._closing = True
+        async with self._publishing:  # a publish under way ends (within its timeout): its lease is ours to revoke
+            pass
         if self._keeper is not None:
             self._keeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):

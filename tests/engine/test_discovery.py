@@ -226,10 +226,11 @@ class _Blackhole:
     """A TCP relay to etcd whose open connections can be made to carry nothing more, as in a network
     partition (no reset: the other end cannot tell). New connections still go through."""
 
-    def __init__(self, target: str):
+    def __init__(self, target: str, delay_s: float = 0.0):
         self.host, port = target.split(":")
         self.port = int(port)
         self.frozen = asyncio.Event()
+        self.delay_s = delay_s  # each chunk held this long each way (a slow link)
 
     async def start(self) -> str:
         self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
@@ -246,6 +247,7 @@ class _Blackhole:
                 while data := await src.read(65536):
                     if frozen.is_set():
                         await asyncio.sleep(3600)  # cancelled at close
+                    await asyncio.sleep(self.delay_s)
                     dst.write(data)
                     await dst.drain()
 
@@ -564,3 +566,40 @@ async def test_a_changed_record_naming_another_engine_in_its_metadata_replaces_n
     finally:
         for engine in engines.values():
             await engine.close()
+
+
+async def test_a_close_during_a_publish_leaves_no_record_and_no_session(etcd):
+    """`close()` while `publish()` waits for etcd (a slow link: 0.3 s each way): the publish ends
+    first, then the close revokes the lease it took. Before, the close found no lease yet and
+    returned; the publish's grant then took a lease nobody revoked (alive for its 30 s) and its
+    retries opened a new HTTP session after the close."""
+    leases_before = await _leases(etcd)
+    relay = _Blackhole(etcd.endpoint, delay_s=0.3)
+    directory = discovery.EtcdDirectory(EtcdConfig(await relay.start(), namespace=NAMESPACE, lease_ttl_s=30),
+                                        timeout=5.0)  # fmt: skip
+    try:
+        publishing = asyncio.ensure_future(directory.publish(_record("closing", "1")))
+        await asyncio.sleep(0.2)  # its lease grant is on the way
+        await directory.close()
+        with contextlib.suppress(Exception):
+            await publishing
+        assert await _etcd_value(etcd, "closing") is None, "a record outlived the close"
+        assert await _leases(etcd) <= leases_before, "a lease outlived the close"
+        assert directory._client._session is None, "an HTTP session was opened after the close"
+    finally:
+        await directory.close()
+        await relay.close()
+
+
+class _Leases(msgspec.Struct):
+    leases: list[dict] = []
+
+
+async def _leases(server: EtcdServer) -> set[str]:
+    """The ids of every lease etcd holds."""
+    client = EtcdHttp(server.endpoint)
+    try:
+        found = await client._post("/v3/lease/leases", {}, _Leases)
+    finally:
+        await client.close()
+    return {lease["ID"] for lease in found.leases}
