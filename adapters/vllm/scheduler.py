@@ -96,8 +96,10 @@ class AdapterScheduler(_MarksIdleSteps, _WorkersServeHandshakes, NixlPullConnect
             # A turn-2 readback (a NixlConnector decode with bidirectional_kv_xfer names the blocks it
             # kept): vLLM 0.32 would promise the load and never start it, so the request would wait
             # forever. Reading KV back from decode is not implemented: compute the prompt here.
-            log.warning("request %s: its kv_transfer_params ask to read KV back from decode (bidirectional_kv_xfer, "
-                        "not implemented): prefilling it here", request.request_id)  # fmt: skip
+            if not _no_blocks(params["remote_block_ids"]):
+                log.warning("request %s: its kv_transfer_params ask to read KV back from decode "
+                            "(bidirectional_kv_xfer, not implemented): prefilling it here",
+                            request.request_id)  # fmt: skip
             del params["remote_block_ids"]
         super().on_new_request(request)
         if (self.settings.etcd is None or not params.get("do_remote_prefill")

@@ -133,6 +133,13 @@ def _refuse_unsupported(vllm_config: Any, extra: dict[str, Any]) -> None:
         raise UnsupportedSetting("enable_permute_local_kv is not supported: the adapter reads layouts as they are")
 
 
+def _registration_timeout(extra: dict[str, Any]) -> float:
+    """Push mode's `push_registration_timeout`; unset, `decoder_kv_blocks_ttl` (if set), as vLLM's push scheduler."""
+    if "push_registration_timeout" not in extra and extra.get("decoder_kv_blocks_ttl") is not None:
+        return _number(extra, "decoder_kv_blocks_ttl", 480)
+    return _number(extra, "push_registration_timeout", 480)
+
+
 def _backends(extra: dict[str, Any]) -> tuple[str, ...]:
     value = extra.get("backends", ["UCX"])
     if isinstance(value, str) or not value or not all(isinstance(b, str) and b for b in value):
@@ -317,9 +324,7 @@ class AdapterSettings:
                 extra, "tcp_send_buffer_bytes", TCP_SEND_BUFFER_BYTES, TCP_SEND_BUFFER_RANGE
             ),
             etcd=_etcd(extra),
-            push_registration_timeout_s=_number(
-                extra, "push_registration_timeout", _number(extra, "decoder_kv_blocks_ttl", 480)
-            ),
+            push_registration_timeout_s=_registration_timeout(extra),
             push_progressive=_flag(extra, "push_progressive", False),
             idle_step_wait_s=_idle_wait(extra),
         )

@@ -65,8 +65,8 @@ def _give_back(engine: TransferEngine, pool: BlockPool, blocks: list[int], start
         return
 
     async def when_quiet() -> None:
-        await engine.settle(started)
-        pool.give(blocks)
+        if await engine.settle(started):  # (False: the engine closed with NIXL holding one: never reused)
+            pool.give(blocks)
 
     task = asyncio.get_running_loop().create_task(when_quiet())
     _SETTLING.add(task)

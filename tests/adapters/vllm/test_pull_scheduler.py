@@ -213,18 +213,20 @@ def test_a_request_to_pull_that_cannot_be_read_is_prefilled_here(changes, lackin
     assert not sched._reqs_need_recv and not sched._heartbeat_by_engine
 
 
-def test_a_request_to_read_kv_back_from_decode_is_prefilled_here(caplog):
+@pytest.mark.parametrize("blocks", [([1, 2, 3],), ([],)], ids=["blocks", "no-blocks"])
+def test_a_request_to_read_kv_back_from_decode_is_prefilled_here(caplog, blocks):
     """A NixlConnector decode with bidirectional_kv_xfer hands prefill the blocks it kept ("turn 2").
     vLLM 0.32's scheduler, which the adapter reuses, would promise that load and never start it
     (bidirectional transfer off): the request would wait for KV forever, holding its blocks."""
     sched = _configured({})
-    readback = {"do_remote_prefill": False, "do_remote_decode": True, "remote_num_tokens": 96}
+    readback = {"do_remote_prefill": False, "do_remote_decode": True, "remote_num_tokens": 96,
+                "remote_block_ids": blocks}  # fmt: skip
     request = _pull_request("r", "10.0.0.2", 5600, **readback)
     request.prompt_token_ids = list(range(128))
     request.num_prompt_tokens = 128
     sched.on_new_request(request)
     assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
-    assert "bidirectional_kv_xfer" in caplog.text
-    blocks = SimpleNamespace(blocks=([],), get_unhashed_block_ids_all_groups=lambda: ([7, 8, 9],))
-    sched.update_state_after_alloc(request, blocks, 0)
+    assert ("bidirectional_kv_xfer" in caplog.text) is bool(blocks[0])  # (nothing named: nothing to warn of)
+    allocated = SimpleNamespace(blocks=([],), get_unhashed_block_ids_all_groups=lambda: ([7, 8, 9],))
+    sched.update_state_after_alloc(request, allocated, 0)
     assert not sched._reqs_need_recv and request.request_id in sched._reqs_in_batch  # a prefill for decode

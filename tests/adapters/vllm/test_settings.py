@@ -192,6 +192,10 @@ def test_push_mode_takes_the_registration_timeout():
     assert fallback.push_registration_timeout_s == 60
     both = {"decoder_kv_blocks_ttl": 60, "push_registration_timeout": 9}
     assert AdapterSettings.from_vllm(_config(both, **push)).push_registration_timeout_s == 9
+    unread = {"decoder_kv_blocks_ttl": 0, "push_registration_timeout": 9}  # vLLM never reads it then
+    assert AdapterSettings.from_vllm(_config(unread, **push)).push_registration_timeout_s == 9
+    for connector in ({}, push):  # null: its default, in either mode
+        assert AdapterSettings.from_vllm(_config({"decoder_kv_blocks_ttl": None}, **connector))
     with pytest.raises(ValueError, match="push_registration_timeout"):
         AdapterSettings.from_vllm(_config({"push_registration_timeout": 0}, **push))
 
