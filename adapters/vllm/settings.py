@@ -106,7 +106,7 @@ class UnsupportedSetting(ValueError):
 
 
 def _refuse_unsupported(vllm_config: Any, extra: dict[str, Any]) -> None:
-    push = vllm_config.kv_transfer_config.kv_connector == PUSH_CONNECTOR
+    push = getattr(vllm_config.kv_transfer_config, "kv_connector", None) == PUSH_CONNECTOR  # (stand-ins lack it)
     for key, value in extra.items():
         if key in PUSH_FALLBACKS and push:
             continue
