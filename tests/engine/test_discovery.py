@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import inspect
 import socket
 import time
 
@@ -195,8 +196,9 @@ async def test_side_channel_notifications_handshake_at_the_published_address(etc
 
 
 async def _until(condition, timeout: float, what: str) -> float:
+    """Seconds until `condition()` (or what it returns, awaited) is true; AssertionError past `timeout`."""
     started = time.monotonic()
-    while not condition():
+    while not ((await found) if inspect.isawaitable(found := condition()) else found):
         if time.monotonic() - started > timeout:
             raise AssertionError(f"{what}: not within {timeout}s")
         await asyncio.sleep(0.02)
@@ -499,13 +501,6 @@ def _record(engine_id: str, tag: str) -> messages.PublishedEngine:
     return messages.PublishedEngine(engine_id=engine_id, compat_hash="c", host="h" + tag, port=1, fingerprint=tag)
 
 
-async def _until_async(condition, timeout: float, what: str) -> None:
-    started = time.monotonic()
-    while not await condition():
-        assert time.monotonic() - started < timeout, what
-        await asyncio.sleep(0.05)
-
-
 async def test_our_record_deleted_by_another_publisher_of_our_id_comes_back(etcd):
     """Two processes publish one engine id (a misconfiguration): the second's record replaces ours,
     and its close revokes its lease, which deletes the key while our lease lives on. The renewal
@@ -517,7 +512,7 @@ async def test_our_record_deleted_by_another_publisher_of_our_id_comes_back(etcd
         await theirs.publish(_record("twice", "theirs"))
         await theirs.close()
         assert await _etcd_value(etcd, "twice") is None
-        await _until_async(lambda: _etcd_value(etcd, "twice"), 3.0, "our record never came back")
+        await _until(lambda: _etcd_value(etcd, "twice"), 3.0, "our record never came back")
         assert messages.decode_published(await _etcd_value(etcd, "twice")).host == "hours"
     finally:
         await ours.close()
