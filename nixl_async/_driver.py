@@ -354,10 +354,12 @@ class TransferDriver:
             if agent_name is None or transfer.remote_agent == agent_name:
                 self.end(transfer, make_error(transfer))
 
-    def fence_releasing(self) -> None:
-        """No grace left (the engine is closing): report every transfer NIXL still holds fenced now."""
+    def fence_releasing(self, now: float = _NEVER) -> None:
+        """Report fenced every ended transfer NIXL still holds past its grace at `now` (by default,
+        whatever its grace: the engine is closing). Sweeps do this for the transfers they watch; a
+        poller whose sweeps keep breaking calls it, or their callers would wait for ever."""
         for transfer in list(self.active.values()):
-            self._apply(transfer, transfer.core.tick(_NEVER))
+            self._apply(transfer, transfer.core.tick(now))
 
     def _on_awaiter_cancelled(self, transfer_id: int) -> None:
         """A task awaiting the transfer was cancelled (see `TransferFuture`): end the transfer."""
@@ -505,13 +507,17 @@ class TransferDriver:
                 self._apply(transfer, core.post_failed(index, str(exc)))
                 continue
             self._handles[base + index] = handle
+            # The core counts the handle running before the post: whatever raises from here on (a
+            # KeyboardInterrupt, a bug), the transfer's end watches it until NIXL says it ended and
+            # releases it then (not posted: NIXL says NOT_POSTED), never while bytes may still land.
+            core.posted(index, "PROC")
             try:
                 state = agent.post(handle)
             except NIXL_ERRORS as exc:
                 state = f"ERR ({exc})"
             took = time.perf_counter() - started
             copy_s = time.thread_time() - cpu_started if timed else 0.0
-            actions = core.posted(index, state)  # first: the core knows of the handle before anything can raise
+            actions = core.checked(index, state)
             transfer.post_seconds += took
             self._stats.histograms["post_us"].record(took)
             moved = True

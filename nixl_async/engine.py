@@ -987,6 +987,7 @@ class TransferEngine:
                 errors.record(exc)
                 try:
                     self._fail_in_flight(f"engine poller error: {type(exc).__name__}")
+                    self._driver.fence_releasing(loop.time())  # sweeps that keep breaking watch nothing
                 except Exception as again:  # nor one that breaks failing them: the next sweep tries again
                     errors.record(again)
                 # Work submitted meanwhile is looked at when due, not after the back-off; pokes

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from nixl_async import EngineConfig, TransferEngine, TransferFailed
+from nixl_async import EngineConfig, TransferEngine, TransferFailed, TransferFenced
 from nixl_async._agent import NIXL_ERRORS
 
 BLOCK, BLOCKS = 1 << 20, 32
@@ -62,6 +62,37 @@ async def test_the_poller_outlives_a_failure_while_failing_the_transfers_in_flig
     assert not nixl_engine._poller.done(), "the poller died"
     result = await asyncio.wait_for(nixl_engine.read(peer, [1, 2], [3, 4]), 10)
     assert result.nbytes == 2 * BLOCK
+
+
+async def test_a_caller_hears_fenced_when_every_sweep_breaks(nixl_peer_factory, monkeypatch):
+    """A bug that breaks every sweep: the poller fails the transfers in flight, but no sweep watches
+    their slices end any more. Past the grace their callers hear `TransferFenced` (before: they waited
+    forever); once the sweeps work again the transfer goes quiet."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    proc = nixl_peer_factory(num_regions=1, num_blocks=BLOCKS, block_len=BLOCK, seed=4, tcp=True)
+    async with TransferEngine(EngineConfig(engine_id="broken-sweeps", release_grace_s=0.2)) as engine:
+        engine.register("kv", [np.zeros(BLOCKS * BLOCK, np.uint8)], block_len=BLOCK)
+        peer = await engine.connect(*proc.address)
+        driver, broken = engine._driver, [True]
+        real = driver.sweep
+
+        async def sweep(*args, **kwargs):
+            if broken[0] and driver.active:
+                raise RuntimeError("a bug in every sweep")
+            return await real(*args, **kwargs)
+
+        transfer = await engine.start_read(peer, range(BLOCKS), range(BLOCKS))
+        for _ in range(2000):
+            if transfer.core.has_running:
+                break
+            await asyncio.sleep(0.0005)
+        assert transfer.core.has_running, "nothing in flight: is UCX really using TCP?"
+        monkeypatch.setattr(driver, "sweep", sweep)
+        with pytest.raises(TransferFenced) as info:
+            await asyncio.wait_for(asyncio.shield(transfer.wait()), 10)
+        assert isinstance(info.value.reason, TransferFailed)
+        broken[0] = False
+        assert await transfer.wait_quiet(timeout=10)
 
 
 @pytest.fixture(autouse=True)

@@ -148,6 +148,36 @@ async def test_peer_sigkill(tcp_engine, tcp_peer, as_batch):
         assert transfer.slices_errored >= 1, "NIXL ended a slice in error: its bytes are not known to have landed"
 
 
+async def test_an_exception_right_after_a_post(tcp_engine, tcp_peer, as_batch, monkeypatch):
+    """Something not NIXL's raises between NIXL taking a post and the engine noting it (a bug, a
+    KeyboardInterrupt): the transfer fails, and the caller hears only once that post ended and its
+    handle is released (before: told at once, the handle lost and its bytes landing afterwards)."""
+    regions, peer = await _setup(tcp_engine, tcp_peer)
+    agent, raised = tcp_engine._agent, []
+    real = agent.post
+
+    def post(handle):
+        state = real(handle)
+        if not raised and state == "PROC":
+            raised.append(handle)
+            raise RuntimeError("a bug right after the post")
+        return state
+
+    monkeypatch.setattr(agent, "post", post)
+    ids = list(range(BLOCKS))
+    if as_batch:
+        rows = np.array(ids)[:, None]
+        transfer = await tcp_engine.start_read_batch(peer, rows, rows)
+    else:
+        transfer = await tcp_engine.start_read(peer, ids, ids)
+    with pytest.raises((TransferFailed, TransferFenced)) as info:
+        await transfer.wait(timeout=30)
+    assert raised, "no post was in flight: is UCX really using TCP?"
+    if not isinstance(info.value, TransferFenced):
+        assert transfer.quiet and tcp_engine.live_handles().get("xfers", 0) == 0, "a handle was lost"
+    await _assert_quiet_after(tcp_engine, regions, info.value)
+
+
 async def test_engine_close(tcp_engine, tcp_peer, as_batch):
     regions, peer = await _setup(tcp_engine, tcp_peer)
     transfer = await _in_flight(tcp_engine, peer, as_batch)
