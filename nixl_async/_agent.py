@@ -131,6 +131,7 @@ class OwnedAgent:
         for backend in backends:
             self._agent.create_backend(backend, dict(backend_params.get(backend, {})))
         self.live: Counter[str] = Counter()
+        self._remotes: set[str] = set()  # remote agents loaded (NIXL loads one again in place)
 
     def _check(self) -> None:
         if threading.get_ident() != self._owner:
@@ -158,14 +159,19 @@ class OwnedAgent:
     # -- remote agents --------------------------------------------------------------------
     def add_remote(self, metadata: bytes) -> str:
         self._check()
-        name = self._agent.add_remote_agent(metadata)
-        self.live["remote_agents"] += 1
-        return name.decode() if isinstance(name, bytes) else str(name)
+        loaded = self._agent.add_remote_agent(metadata)
+        name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        if name not in self._remotes:
+            self._remotes.add(name)
+            self.live["remote_agents"] += 1
+        return name
 
     def remove_remote(self, agent_name: str) -> None:
         self._check()
         self._agent.remove_remote_agent(agent_name)
-        self.live["remote_agents"] -= 1  # (once NIXL let go: one it kept still counts)
+        if agent_name in self._remotes:  # (once NIXL let go: one it kept still counts)
+            self._remotes.discard(agent_name)
+            self.live["remote_agents"] -= 1
 
     # -- descriptor lists -----------------------------------------------------------------
     def prep_view(self, agent_name: str, view: BlockView) -> DlistHandle:

@@ -79,6 +79,12 @@ class Connections:
         self, reply: messages.MetadataReply, address: Address, offset: float, now: float, claimed: bool
     ) -> Peer:
         agent = self._agent()
+        where = f"{address[0]}:{address[1]}" if address[0] else None
+        holder = self.table.of_agent(reply.agent_name)
+        if holder is not None and holder.engine_id != reply.engine_id:
+            raise HandshakeRejected(f"{reply.engine_id} answered with the NIXL agent of {holder.engine_id} "
+                                    f"({reply.agent_name!r}): two engines cannot share one agent",
+                                    address=where)  # fmt: skip
         old = self.table.get(reply.engine_id)
         busy = old is not None and old.agent_name in self._driver.busy_agents()
         decision = reconcile(old, reply, busy=busy)
@@ -104,10 +110,29 @@ class Connections:
             await self._retired(retiring, self._config.release_grace_s + 0.5)
         assert self._driver.loop is not None
         peer = Peer(reply, address, now=self._driver.loop.time())
-        peer.agent_name = agent.add_remote(reply.agent_metadata)
+        peer.agent_name = self._load_agent(agent, reply, where)
         peer.clock_offset_s = offset
         self.table.add(peer, ("", 0) if claimed else address)
         return peer
+
+    def _load_agent(self, agent: OwnedAgent, reply: messages.MetadataReply, where: str | None) -> str:
+        """Load the peer's agent metadata into NIXL; `HandshakeRejected` if NIXL refuses it, or if it
+        names another agent than the reply does (whose loaded agent, unless a peer of ours uses it, goes)."""
+        try:
+            loaded = agent.add_remote(reply.agent_metadata)
+        except NIXL_ERRORS as exc:
+            raise HandshakeRejected(f"NIXL refused the agent metadata of {reply.engine_id}: {exc}",
+                                    address=where) from exc  # fmt: skip
+        if loaded == reply.agent_name:
+            return loaded
+        if self.table.of_agent(loaded) is None and loaded not in self.retiring:
+            try:
+                agent.remove_remote(loaded)
+            except NIXL_ERRORS as exc:
+                log.warning("NIXL refused to unload agent %r, loaded from %s's metadata: %s", loaded,
+                            reply.engine_id, exc)  # fmt: skip
+        raise HandshakeRejected(f"{reply.engine_id} claims NIXL agent {reply.agent_name!r} but its metadata is "
+                                f"agent {loaded!r}'s", address=where)  # fmt: skip
 
     async def _retired(self, peer: Peer, timeout: float) -> None:
         loop = asyncio.get_running_loop()

@@ -25,6 +25,7 @@ from .config import UCX_TCP_DEFAULT_SEGMENT, EngineConfig
 from .discovery import EtcdDirectory
 from .exceptions import (
     DiscoveryUnavailable,
+    EngineClosedError,
     EngineIdMismatch,
     HandshakeRejected,
     HandshakeTimeout,
@@ -137,16 +138,27 @@ class Dialer:
             task = self._loop.create_task(connect(), name=name)
             self._connecting[key] = task
             task.add_done_callback(functools.partial(self._connect_done, key))
-            return await asyncio.shield(task)  # bounded by this caller's timeout already
+            return await self._joined(task)  # bounded by this caller's timeout already
         try:
             async with asyncio.timeout(timeout) as waited:
-                return await asyncio.shield(task)
+                return await self._joined(task)
         except TimeoutError:
             if not waited.expired():  # the handshake's own HandshakeTimeout
                 raise
             late = DiscoveryUnavailable if key[0] == "etcd" else HandshakeTimeout
             raise late(f"{name}: no answer within {timeout}s (a lookup started earlier goes on)",
                        address=name.partition(":")[2]) from None  # fmt: skip
+
+    async def _joined(self, task: asyncio.Task[Peer]) -> Peer:
+        """Await a shared connect; `EngineClosedError` when the engine's close cancelled it (a caller
+        not cancelled itself must not hear a cancellation it never asked for)."""
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if self._closing and task.cancelled() and current is not None and not current.cancelling():
+                raise EngineClosedError("the engine closed while connecting") from None
+            raise
 
     def _connect_done(self, key: tuple[str, str | None], task: asyncio.Task[Peer]) -> None:
         self._connecting.pop(key, None)

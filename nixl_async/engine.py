@@ -447,8 +447,11 @@ class TransferEngine:
                 max_frame_bytes=self.config.max_frame_bytes,
                 secret=self.config.auth_secret,
             )
-        except BaseException:
+        except BaseException as exc:
             self.stats.counters["call_failures"] += 1
+            current = asyncio.current_task()
+            if isinstance(exc, asyncio.CancelledError) and self._closing and current and not current.cancelling():
+                raise EngineClosedError("the engine closed during the call") from None  # its sockets went
             raise
         if reply.engine_id != peer.engine_id:
             raise EngineIdMismatch(f"{host}:{port} is now engine {reply.engine_id!r}, not {peer.engine_id!r}",

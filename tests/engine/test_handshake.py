@@ -7,11 +7,13 @@ import sys
 import time
 
 import msgspec
+import numpy as np
 import pytest
 import zmq
 import zmq.asyncio
 
 from nixl_async import (
+    EngineClosedError,
     EngineConfig,
     EngineIdMismatch,
     HandshakeRejected,
@@ -87,6 +89,30 @@ async def test_silent_peer_times_out(nixl_engine):
         await server.close()
 
 
+async def test_a_close_during_a_connect_or_a_call_tells_the_callers_it_closed(nixl_peer_factory):
+    """Callers waiting for a handshake (two sharing it) or for a call's reply when the engine closes
+    hear `EngineClosedError`; before, a `CancelledError` they never asked for (a TaskGroup or retry
+    loop takes that for its own cancellation)."""
+    proc = nixl_peer_factory()
+    silent = FakeServer(None)
+    engine = await TransferEngine(EngineConfig(engine_id="closing-mid-connect")).start()
+    try:
+        peer = await engine.connect(*proc.address)
+        proc.pause()  # its side channel answers no call now
+        waiting = [asyncio.ensure_future(engine.connect("127.0.0.1", silent.port, timeout=30)) for _ in range(2)]
+        waiting.append(asyncio.ensure_future(engine.call(peer, "topic", b"x", timeout=30)))
+        await asyncio.sleep(0.3)
+        await engine.close()
+        for task in waiting:
+            with pytest.raises(EngineClosedError):
+                await asyncio.wait_for(task, 5)
+            assert not task.cancelled()
+    finally:
+        proc.resume()
+        await engine.close()
+        await silent.close()
+
+
 @pytest.mark.parametrize(
     ("reply", "error", "match"),
     [
@@ -105,6 +131,47 @@ async def test_bad_replies_raise_typed_errors(nixl_engine, reply, error, match):
         await server.close()
     assert nixl_engine.peers == []
     assert not nixl_engine.live_handles().get("remote_agents")
+
+
+async def test_metadata_nixl_refuses_is_a_handshake_rejected(nixl_engine):
+    reply = messages.MetadataReply(version=1, engine_id="x", agent_name="x/1", agent_metadata=b"garbage",
+                                   compat_hash=messages.compat_hash(nixl_engine.config.compat), layouts=[])  # fmt: skip
+    server = FakeServer(messages.encode(reply))
+    try:
+        with pytest.raises(HandshakeRejected, match="NIXL refused the agent metadata of x"):
+            await nixl_engine.connect("127.0.0.1", server.port, timeout=2)
+    finally:
+        await server.close()
+    assert nixl_engine.peers == [] and not nixl_engine.live_handles().get("remote_agents")
+
+
+@pytest.mark.parametrize("claimed", ["its own", "the other's"])
+async def test_an_engine_answering_with_another_engines_agent_is_refused(nixl_engine, claimed):
+    """An engine whose reply carries the NIXL agent of an engine we are connected to (a hostile or
+    misconfigured one) is refused, and the other engine's agent stays loaded and in use: before, the
+    peer took that agent over (its notifications credited to the impostor), and disconnecting the
+    impostor unloaded it, so reads from the real engine failed with NIXL's raw NOT_FOUND."""
+    ours = [np.zeros(8 * 4096, np.uint8)]
+    nixl_engine.register("kv", ours, num_blocks=8)
+    async with TransferEngine(EngineConfig(engine_id="real")) as real:
+        real.register("kv", [np.arange(8 * 4096, dtype=np.uint8)], num_blocks=8)
+        peer = await nixl_engine.connect(*await real.serve())
+        theirs = real._metadata()
+        agent_name = "impostor/1" if claimed == "its own" else theirs.agent_name
+        hostile = messages.MetadataReply(version=1, engine_id="impostor", agent_name=agent_name,
+                                         agent_metadata=theirs.agent_metadata, compat_hash=theirs.compat_hash,
+                                         layouts=theirs.layouts)  # fmt: skip
+        server = FakeServer(messages.encode(hostile))
+        try:
+            with pytest.raises(HandshakeRejected, match="agent"):
+                await nixl_engine.connect("127.0.0.1", server.port, timeout=2)
+        finally:
+            await server.close()
+        assert [p.engine_id for p in nixl_engine.peers] == ["real"] and peer.connected
+        assert nixl_engine._peers.table.of_agent(peer.agent_name) is peer
+        assert nixl_engine.live_handles()["remote_agents"] == 1
+        await nixl_engine.read(peer, [1, 2], [1, 2], timeout=5)
+        assert np.array_equal(ours[0][4096 : 3 * 4096], np.arange(8 * 4096, dtype=np.uint8)[4096 : 3 * 4096])
 
 
 async def test_future_protocol_version_is_refused(nixl_engine):
