@@ -75,9 +75,12 @@ class SideChannelNotifier:
             sock.close()
 
     def close(self) -> None:
-        """Close every socket; do this before the context is destroyed (its term waits for them)."""
-        for sock in self._sockets.values():
-            sock.close()
+        """Close every socket, dropping what is still queued: the engine's close gave notifications
+        sent moments ago their time to leave, and a peer that could not take them in that time is
+        unreachable. (A linger here would block the loop in the context's term, up to 1 s.)"""
+        sockets, self._sockets = self._sockets, {}
+        for sock in sockets.values():
+            sock.close(linger=0)
         self._sockets.clear()
 
     def __len__(self) -> int:

@@ -236,6 +236,7 @@ class TransferEngine:
             self._poller.cancel()
         driver = self._driver
         driver.fence_releasing()  # cut short, or past the grace: a caller not told yet hears now
+        self._notify.close()  # first: forgetting the peers below would close their sockets lingering
         fenced = [t for t in driver.live() if not t.quiet]
         if fenced:
             # NIXL may still write into (or read from) that memory: never deregister or free it.
@@ -254,7 +255,6 @@ class TransferEngine:
                           exc)  # fmt: skip
                 _KEPT_ALIVE.append((agent, self._memory.keepalives(), []))
                 self._memory.forget()
-        self._notify.close()
         if self._zmq is not None:
             self._zmq.destroy(linger=0)
         self._final_live = agent.live_handles()

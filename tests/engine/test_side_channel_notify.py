@@ -6,6 +6,7 @@ notifications wake the peer's loop through its socket and hold nothing.
 """
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -124,6 +125,39 @@ async def test_a_notification_too_large_for_the_side_channel_is_refused_before_a
         assert await producer.wait_notifications(too_large, timeout=5) == ["reader"]
         with pytest.raises(ValueError, match="max_request_bytes"):  # no blocks: it only notifies, on the side channel
             await reader.start_write(peer, [], [], notify=too_large)
+    finally:
+        await reader.close()
+        await producer.close()
+
+
+async def test_a_close_sends_what_is_queued_to_a_live_peer_and_never_stalls_on_a_gone_one():
+    """Notifications queued for a live peer just before the close still arrive. Ones queued for a peer
+    that is gone are dropped at the close: before, the close blocked the event loop for 1 s (the
+    sockets' linger, waited out in the ZMQ context's term)."""
+    producer, reader, peer = await _pair(EngineConfig(engine_id="reader", notify_via="side_channel"),
+                                         EngineConfig(engine_id="producer"))  # fmt: skip
+    gone = await TransferEngine(EngineConfig(engine_id="gone")).start()
+    try:
+        gone_peer = await reader.connect(*await gone.serve())
+        await gone.close()
+        for n in range(3):
+            await reader.notify(gone_peer, b"lost %d" % n)
+        await reader.notify(peer, b"last words")
+        stalls, stamps = [], [time.monotonic()]
+
+        async def ticker():
+            while True:
+                await asyncio.sleep(0.005)
+                stamps.append(time.monotonic())
+                stalls.append(stamps[-1] - stamps[-2])
+
+        ticking = asyncio.ensure_future(ticker())
+        await asyncio.sleep(0.02)
+        await reader.close()
+        await asyncio.sleep(0.02)
+        ticking.cancel()
+        assert max(stalls) < 0.3, f"the close blocked the loop for {max(stalls):.2f} s"
+        assert await producer.wait_notifications(b"last words", timeout=5) == ["reader"]
     finally:
         await reader.close()
         await producer.close()
