@@ -141,7 +141,14 @@ class SyncEngine:
         """Run `func(*args)` (sync or async) on the loop thread and return its result."""
         if self._closed:
             raise EngineClosedError("the sync engine is closed")
+        self._off_the_loop("call()")
         return self._portal.call(func, *args)
+
+    def _off_the_loop(self, what: str) -> None:
+        """Blocking calls wait for the loop thread: from that very thread they could never return."""
+        if threading.get_ident() == self._loop_thread:
+            raise WrongThreadError(f"{what} blocks until the loop thread answers: on that thread use the "
+                                   "TransferEngine (`.engine`) instead")  # fmt: skip
 
     @property
     def engine_id(self) -> str:
@@ -461,6 +468,7 @@ class SyncEngine:
         `poke_every`: meanwhile have the loop progress NIXL that often (`poke`), e.g. so a peer's
         TCP operation on our memory keeps moving. True if something happened.
         """
+        self._off_the_loop("wait_activity()")
         deadline = time.monotonic() + timeout
         happened = False
         while not happened:
@@ -500,8 +508,7 @@ class SyncEngine:
         """Cancel outstanding work, close the engine (releasing every handle), stop the thread."""
         if self._closed:
             return
-        if threading.get_ident() == self._loop_thread:
-            raise WrongThreadError("close() waits for the loop thread: call it from another thread")
+        self._off_the_loop("close()")
         self._closed = True
         with self._lock:
             pending = list(self._inflight.items())

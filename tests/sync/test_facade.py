@@ -1,6 +1,7 @@
 """The sync facade, driven from plain threads against a real peer process."""
 
 import asyncio
+import queue
 import socket
 import sys
 import threading
@@ -327,9 +328,29 @@ def test_a_dropped_engine_and_a_forked_child_let_their_processes_exit():
 
 
 def test_close_from_the_loop_thread_is_refused(sync_engine):
-    with pytest.raises(WrongThreadError, match="another thread"):
+    with pytest.raises(WrongThreadError, match="loop thread"):
         sync_engine.call(sync_engine.close)
     sync_engine.call(lambda: None)  # still running
+
+
+def test_blocking_calls_from_the_loop_thread_are_refused_at_once(sync_engine):
+    """A callback on the loop (`call_soon`, a submitted coroutine) calling the facade's blocking methods
+    gets `WrongThreadError` at once; before, anyio's plain RuntimeError, and `wait_activity` blocked
+    the loop itself for its whole timeout."""
+    seen: queue.SimpleQueue = queue.SimpleQueue()
+
+    def on_loop(name, blocking):
+        started = time.monotonic()
+        try:
+            blocking()
+        except Exception as exc:
+            seen.put((name, type(exc), time.monotonic() - started))
+
+    for name, blocking in [("stats", sync_engine.stats), ("wait_activity", lambda: sync_engine.wait_activity(2.0)),
+                           ("connect", lambda: sync_engine.connect("127.0.0.1", 1))]:  # fmt: skip
+        sync_engine.call_soon(on_loop, name, blocking)
+        got, error, took = seen.get(timeout=10)
+        assert (got, error) == (name, WrongThreadError) and took < 0.5, (got, error, took)
 
 
 def test_closed_engine_refuses_work():
