@@ -4,6 +4,7 @@ environment behind the caller's back; adapters translate their own settings into
 from __future__ import annotations
 
 import dataclasses
+import math
 import socket
 import uuid
 from collections.abc import Mapping
@@ -302,8 +303,10 @@ class EngineConfig:
     # channel wakes the peer's loop through its socket and holds nothing. WRITE notifications
     # always ride on the WRITE (ordering at the target).
     notify_via: str = "nixl"
-    # Notifications nobody has claimed yet are kept up to this many (oldest dropped first).
+    # Notifications nobody has claimed yet are kept up to this many, and up to this many bytes of
+    # distinct messages (oldest dropped first).
     max_unclaimed_notifications: int = 65536
+    max_unclaimed_notification_bytes: int = 64 << 20
     poll: PollConfig = field(default_factory=PollConfig)
 
     def __post_init__(self) -> None:
@@ -328,26 +331,25 @@ class EngineConfig:
             "max_request_bytes",
             "max_frame_bytes",
             "max_unclaimed_notifications",
+            "max_unclaimed_notification_bytes",
         )
         for name in positive:
-            if getattr(self, name) <= 0:
+            if not getattr(self, name) > 0:  # (NaN too)
                 raise ValueError(f"EngineConfig.{name} must be > 0")
-        if self.transfer_timeout_s is not None and self.transfer_timeout_s <= 0:
-            raise ValueError("EngineConfig.transfer_timeout_s must be > 0 or None")
-        if self.peer_ttl_s is not None and self.peer_ttl_s <= 0:
-            raise ValueError("EngineConfig.peer_ttl_s must be > 0 or None")
-        if self.handshake_timeout_s <= 0:
-            raise ValueError("EngineConfig.handshake_timeout_s must be > 0")
+        # Seconds: finite numbers (a NaN deadline is never reached and never missed; None is "no limit").
+        for name, low, strict, optional in (("transfer_timeout_s", 0, True, True), ("peer_ttl_s", 0, True, True),
+                                            ("handshake_timeout_s", 0, True, False), ("post_target_s", 0, True, False),
+                                            ("slice_flight_s", 0, True, True), ("release_grace_s", 0, False, False),
+                                            ("link_timeout_s", 2, False, True)):  # fmt: skip
+            value = getattr(self, name)
+            if value is None and optional:
+                continue
+            number = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+            if not number or value < low or (strict and value == low):
+                raise ValueError(f"EngineConfig.{name} must be a finite number of seconds {'>' if strict else '>='} "
+                                 f"{low}{' or None' if optional else ''}, got {value!r}")  # fmt: skip
         if self.etcd is not None and not isinstance(self.etcd, EtcdConfig):
             raise ValueError(f"EngineConfig.etcd must be an EtcdConfig (or None), got {self.etcd!r}")
-        if self.link_timeout_s is not None and self.link_timeout_s < 2:
-            raise ValueError("EngineConfig.link_timeout_s must be >= 2 (seconds) or None")
-        if self.release_grace_s < 0:
-            raise ValueError("EngineConfig.release_grace_s must be >= 0")
-        if self.post_target_s <= 0:
-            raise ValueError("EngineConfig.post_target_s must be > 0")
-        if self.slice_flight_s is not None and self.slice_flight_s <= 0:
-            raise ValueError("EngineConfig.slice_flight_s must be > 0 or None")
         if self.notify_via not in ("nixl", "side_channel"):
             raise ValueError(f"EngineConfig.notify_via must be 'nixl' or 'side_channel', got {self.notify_via!r}")
         for name, (low, high) in (("tcp_segment_bytes", TCP_SEGMENT_RANGE),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Generator
@@ -42,13 +43,18 @@ class _Waiter:
 
 
 class NotificationBox:
-    def __init__(self, max_unclaimed: int) -> None:
+    def __init__(self, max_unclaimed: int, max_unclaimed_bytes: int = 64 << 20) -> None:
+        """Unclaimed notifications are kept up to `max_unclaimed` of them, and up to `max_unclaimed_bytes`
+        of distinct messages (a peer may send NIXL notifications of a MiB each); the oldest go first."""
         self._max_unclaimed = max_unclaimed
+        self._max_unclaimed_bytes = max_unclaimed_bytes
         self._unclaimed: OrderedDict[bytes, deque[str]] = OrderedDict()
         self._unclaimed_total = 0
+        self._unclaimed_bytes = 0  # of the distinct messages kept
         self._waiters: dict[bytes, deque[_Waiter]] = {}
         self._subscribers: set[asyncio.Queue[Notification | None]] = set()
         self._claiming = 0  # subscriptions that take every notification nobody waits for
+        self._closed: BaseException | None = None  # what a wait hears once the box is closed
         self.dropped = 0  # unclaimed notifications pushed out by newer ones
 
     @property
@@ -84,17 +90,21 @@ class NotificationBox:
             self._keep(message, [sender])
 
     def _keep(self, message: bytes, senders: list[str]) -> None:
-        box = self._unclaimed.setdefault(message, deque())
+        box = self._unclaimed.get(message)
+        if box is None:
+            box = self._unclaimed[message] = deque()
+            self._unclaimed_bytes += len(message)
         box.extend(senders)
         self._unclaimed.move_to_end(message)
         self._unclaimed_total += len(senders)
-        while self._unclaimed_total > self._max_unclaimed:
+        while self._unclaimed_total > self._max_unclaimed or self._unclaimed_bytes > self._max_unclaimed_bytes:
             oldest, box = next(iter(self._unclaimed.items()))
             box.popleft()
             self._unclaimed_total -= 1
             self.dropped += 1
             if not box:
                 del self._unclaimed[oldest]
+                self._unclaimed_bytes -= len(oldest)
 
     async def wait(self, message: bytes, count: int = 1, timeout: float | None = None) -> list[str]:
         """Wait until `count` notifications carrying `message` have arrived; return senders.
@@ -106,6 +116,8 @@ class NotificationBox:
             raise TypeError(f"a notification is bytes, not {type(message).__name__} (encode it)")
         if count <= 0:
             raise ValueError(f"count must be > 0, got {count}")
+        if self._closed is not None:  # (a lease's task may start only after the close)
+            raise type(self._closed)(*self._closed.args)
         taken: list[str] = []
         box = self._unclaimed.get(message)
         while box and len(taken) < count:
@@ -113,6 +125,7 @@ class NotificationBox:
             self._unclaimed_total -= 1
         if box is not None and not box:
             del self._unclaimed[message]
+            self._unclaimed_bytes -= len(message)
         if len(taken) == count:
             return taken
         waiter = _Waiter(count, asyncio.get_running_loop().create_future())
@@ -157,7 +170,8 @@ class NotificationBox:
         self._claiming -= claim
 
     def close(self, exc: BaseException) -> None:
-        """Fail every waiter and end every subscription (the engine is closing)."""
+        """Fail every waiter, and every wait from now on, and end every subscription (the engine is closing)."""
+        self._closed = exc
         for queue in tuple(self._subscribers):
             queue.put_nowait(None)
         for waiters in self._waiters.values():
@@ -229,12 +243,16 @@ class Lease:
     def __init__(self, box: NotificationBox, message: bytes, readers: int, ttl_s: float) -> None:
         if not isinstance(message, bytes):
             raise TypeError(f"a notification is bytes, not {type(message).__name__} (encode it)")
-        if ttl_s <= 0:
-            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        if not (isinstance(ttl_s, int | float) and 0 < ttl_s < math.inf):
+            raise ValueError(f"ttl_s must be a finite number > 0, got {ttl_s!r}")
+        if isinstance(readers, bool) or not isinstance(readers, int) or readers < 1:
+            raise ValueError(f"readers must be an int >= 1, got {readers!r}")
         self.message = message
         self.readers = readers
         self.expires_at = time.time() + ttl_s
         self._task = asyncio.get_running_loop().create_task(self._hold(box, ttl_s))
+        # A lease nobody awaits (the engine closed under it) must not log "never retrieved".
+        self._task.add_done_callback(lambda task: task.cancelled() or task.exception())
 
     async def _hold(self, box: NotificationBox, ttl_s: float) -> bool:
         try:

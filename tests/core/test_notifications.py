@@ -121,6 +121,21 @@ async def test_unclaimed_notifications_are_bounded():
     assert await box.wait(b"m4", timeout=0.01) == ["p"]
 
 
+async def test_unclaimed_notifications_are_bounded_in_bytes_too():
+    """NIXL takes notifications of a MiB: 65,536 distinct ones kept would be 64 GiB (before: bounded by count only)."""
+    box = NotificationBox(100, max_unclaimed_bytes=3 << 20)
+    for i in range(5):
+        box.deliver("p", bytes([i]) * (1 << 20))
+    assert box.unclaimed == 3 and box.dropped == 2 and box._unclaimed_bytes == 3 << 20
+    assert await box.wait(bytes([4]) * (1 << 20), timeout=0.01) == ["p"]
+    assert box._unclaimed_bytes == 2 << 20, "a claimed message's bytes leave the budget"
+    box.deliver("p", b"x" * (4 << 20))  # larger than the whole budget: kept by nobody
+    assert box._unclaimed_bytes <= 3 << 20
+    for _ in range(3):
+        box.deliver("q", b"small")  # the same message from many senders counts its bytes once
+    assert box._unclaimed_bytes <= (3 << 20) and box.unclaimed >= 3
+
+
 async def test_subscription_sees_every_delivery_and_ends_on_close():
     box = NotificationBox(10)
     seen = []

@@ -211,6 +211,14 @@ def test_config_validation():
     assert EngineConfig(engine_id="a").replace(engine_id="b").engine_id == "b"
     with pytest.raises(ValueError, match="link_timeout_s"):
         EngineConfig(link_timeout_s=1)
+    # A NaN deadline is never reached (before: every connect failed "within nan s"; a NaN grace never fenced)
+    for name in ("handshake_timeout_s", "transfer_timeout_s", "release_grace_s", "peer_ttl_s", "post_target_s",
+                 "slice_flight_s", "link_timeout_s", "max_inflight_bytes"):  # fmt: skip
+        with pytest.raises(ValueError, match=name):
+            EngineConfig(**{name: float("nan")})
+    with pytest.raises(ValueError, match="transfer_timeout_s"):
+        EngineConfig(transfer_timeout_s=float("inf"))  # no limit is None
+    assert EngineConfig(release_grace_s=0, link_timeout_s=2, transfer_timeout_s=None).release_grace_s == 0
     for backends in ("UCX", (), ("UCX", "")):  # a string would be read letter by letter
         with pytest.raises(ValueError, match="backends"):
             EngineConfig(backends=backends)
