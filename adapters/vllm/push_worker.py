@@ -37,11 +37,13 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import msgspec
 
 from nixl_async import (
+    EngineClosedError,
     FinishedRequests,
     LayoutError,
     LeaseExpired,
@@ -74,6 +76,8 @@ from .send_book import SendBook
 from .settings import UnsupportedSetting, connect_rank
 from .tp_mapping import expected_consumers
 from .worker import LAYOUT, ConnectorWorker, KVGeometry, RecvJob
+
+T = TypeVar("T")
 
 __all__ = ["WRITE_MARGIN_S", "DecodeRestarted", "PushConnectorWorker", "PushFailed", "PushWithdrawn", "push",
            "push_or_tell", "push_progressively", "receive_pushed"]  # fmt: skip
@@ -120,7 +124,8 @@ class PushConnectorWorker(ConnectorWorker):
         # running push -> (its prefill request, decode ranks reading this rank); both threads, under the lock
         self._push_ids: dict[str, tuple[str, int]] = {}
         self._push_lock = threading.Lock()
-        self._cancelled: set[str] = set()  # pushes cancelled (their lease ran out, or decode withdrew them)
+        self._cancelled: set[str] = set()  # pushes cancelled (lease ran out, decode withdrew them, prefill aborted)
+        self._held_after_abort: set[str] = set()  # aborted; vLLM frees the blocks once we report them sent
         # progressive push (model thread): each request's pushes, this step's hand-over, layer -> region
         self._feeds: dict[str, list[ProgressiveFeed]] = {}
         self._layer_jobs: list[tuple[ProgressiveFeed, LayerReady]] = []
@@ -192,6 +197,7 @@ class PushConnectorWorker(ConnectorWorker):
         self._book.computing(metadata.reqs_in_batch)  # (a retry under a freed request's id is not doubted)
         for request_id in metadata.reqs_not_processed:  # prefill dropped it: stop pushing its layers
             self._abandon(request_id)
+        self._held_after_abort.update(getattr(metadata, "push_held_after_abort", None) or [])
         for request_id, blocks in getattr(metadata, "push_finished_blocks", {}).items():
             grouped = tuple(list(map(int, g)) for g in blocks)
             for feed in self._feeds.pop(request_id, []):
@@ -249,6 +255,10 @@ class PushConnectorWorker(ConnectorWorker):
         Decode ranks registered for it are told once no retry under its id came (`PushBook`).
         """
         for feed in self._feeds.pop(request_id, []):
+            with self._push_lock:
+                if feed.push_id in self._cancelled:
+                    continue
+                self._cancelled.add(feed.push_id)  # (a lease's end or a withdrawal does not cancel it again)
             self.sync.cancel(feed.push_id)
         self._release(request_id)
 
@@ -275,8 +285,9 @@ class PushConnectorWorker(ConnectorWorker):
                       if push_id.endswith(suffix) and base_request_id(request_id) == base]  # fmt: skip
             self._withdrawn_pushes.update(pushes)  # one not begun yet ends at once (`_begin`)
             begun = [push_id for push_id in pushes if push_id in self._pushing]
-            self._cancelled.update(begun)
-        for push_id in begun:
+            stop = [push_id for push_id in begun if push_id not in self._cancelled]  # (others are stopping)
+            self._cancelled.update(stop)
+        for push_id in stop:
             log.info("decode withdrew %s: stopping push %s", registration.decode_request_id, push_id)
             self.sync.cancel(push_id)  # once NIXL let go of it, `push_or_tell` tells decode
         if begun:
@@ -421,7 +432,10 @@ class PushConnectorWorker(ConnectorWorker):
                 self._cancelled.add(push_id)
                 self.sync.cancel(push_id)
         self._tell_expired()
-        return super()._finished_sending()
+        closing = set(self._book.closing())
+        freed = {request_id for request_id in self._held_after_abort if request_id not in closing}
+        self._held_after_abort -= freed  # (aborted, and none of our pushes reads the blocks any more)
+        return super()._finished_sending() | freed
 
 
 async def push_or_tell(
@@ -439,7 +453,7 @@ async def push_or_tell(
         return await push(engine, geometry, blocks, reg, started=started)
     except BaseException as exc:
         if not isinstance(exc, TransferFenced | DecodeRestarted):  # (fenced: NIXL may still write into its blocks)
-            await tell_push_failed(engine, geometry.tp_rank, reg, landed=_landed(engine, started))
+            await _despite_cancels(tell_push_failed(engine, geometry.tp_rank, reg, landed=_landed(engine, started)))
         raise
 
 
@@ -541,11 +555,29 @@ async def _write_parts(engine: TransferEngine, peer: Any, parts: list[WritePart]
 
 async def _settled(engine: TransferEngine, started: list[Transfer]) -> bool:
     """Cancel what is left of a failed push and wait until NIXL holds none of it; False if it still does
-    after the grace (or the wait was cancelled: then nobody knows)."""
+    after the grace (or the engine closed meanwhile: then nobody knows)."""
     try:
-        return await engine.settle(started, timeout=engine.config.release_grace_s + 0.5)
-    except asyncio.CancelledError:
+        return await _despite_cancels(engine.settle(started, timeout=engine.config.release_grace_s + 0.5))
+    except (asyncio.CancelledError, EngineClosedError):
         return False
+
+
+async def _despite_cancels(work: Coroutine[Any, Any, T]) -> T:
+    """Run `work` to its end, bounded as it is, even if this task is cancelled again meanwhile.
+
+    A push being stopped is stopped once: a second cancel (prefill aborting the request, then decode
+    withdrawing it) must not cut short settling its WRITEs or telling decode, which would otherwise
+    hold the request's blocks until its deadline. The cancel is not lost: the push ends anyway.
+    """
+    task = asyncio.ensure_future(work)
+    while True:
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.cancelled():
+                raise
+            if task.done():
+                return task.result()
 
 
 # -- prefill: progressive push ----------------------------------------------------------------
@@ -604,7 +636,7 @@ async def push_progressively(
     except BaseException as exc:
         # (fenced, or another decode at that address: say nothing; decode waits for its deadline)
         if not isinstance(exc, TransferFenced | DecodeRestarted) and await _settled(engine, started):
-            await tell_push_failed(engine, geometry.tp_rank, reg, landed=_landed(engine, started))
+            await _despite_cancels(tell_push_failed(engine, geometry.tp_rank, reg, landed=_landed(engine, started)))
         raise
     finally:
         feed.over = True

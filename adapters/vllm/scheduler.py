@@ -201,6 +201,7 @@ class AdapterPushScheduler(_MarksIdleSteps, _WorkersServeHandshakes, NixlPushCon
         self._computing = PrefillFollower()  # prefill's requests for decode, with progressive push
         self._awaiting_push: set[str] = set()  # decode: requests registered with prefill, not yet received
         self._to_withdraw: list[str] = []  # decode: ... that vLLM finished meanwhile (for the next metadata)
+        self._held_after_abort: list[str] = []  # prefill: aborted while followed (for the next metadata)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = request.kv_transfer_params or {}
@@ -218,11 +219,19 @@ class AdapterPushScheduler(_MarksIdleSteps, _WorkersServeHandshakes, NixlPushCon
             self._reqs_need_recv[request.request_id] = (staged[0], staged[1], hits, staged[3])
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        followed = request.request_id in self._computing
         self._computing.forget(request.request_id)
         if request.request_id in self._awaiting_push:  # finished (aborted) before its push arrived
             self._awaiting_push.discard(request.request_id)
             self._to_withdraw.append(request.request_id)
-        return super().request_finished(request, block_ids)
+        delay, params = super().request_finished(request, block_ids)
+        if followed and not delay and any(len(group) for group in block_ids):
+            # Aborted while computed: vLLM would free its blocks now, and a progressive push may still
+            # be reading them (its WRITEs end only once cancelled and settled). The workers report it
+            # sent once none of theirs reads them.
+            self._held_after_abort.append(request.request_id)
+            return True, None
+        return delay, params
 
     def update_connector_output(self, connector_output: Any) -> None:
         super().update_connector_output(connector_output)
@@ -234,6 +243,8 @@ class AdapterPushScheduler(_MarksIdleSteps, _WorkersServeHandshakes, NixlPushCon
             meta.push_steps = self._prefill_steps(scheduler_output)  # type: ignore[attr-defined]
         if self._to_withdraw:
             meta.push_withdrawn, self._to_withdraw = self._to_withdraw, []  # type: ignore[attr-defined]
+        if self._held_after_abort:
+            meta.push_held_after_abort, self._held_after_abort = self._held_after_abort, []  # type: ignore[attr-defined]
         return meta
 
     def _prefill_steps(self, out: Any) -> dict[str, PrefillStep]:

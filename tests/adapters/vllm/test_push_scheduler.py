@@ -43,6 +43,7 @@ def scheduler(monkeypatch) -> AdapterPushScheduler:
     sched._computing = PrefillFollower()
     sched._awaiting_push = set()
     sched._to_withdraw = []
+    sched._held_after_abort = []
     return sched
 
 
@@ -106,3 +107,19 @@ def test_a_request_finished_while_it_waits_for_its_push_is_withdrawn_once(schedu
         scheduler.request_finished(_request(request_id), ([7],))
     assert scheduler.build_connector_meta(_output()).push_withdrawn == ["aborted"]
     assert not hasattr(scheduler.build_connector_meta(_output()), "push_withdrawn"), "named once"
+
+
+def test_a_request_aborted_while_followed_keeps_its_blocks_until_the_workers_free_them(scheduler, monkeypatch):
+    """vLLM's push scheduler frees an aborted request's blocks at once, while a progressive push may still
+    read them (its layer WRITEs end only once cancelled and settled): the blocks then held another request's
+    KV as the WRITEs read them. Held now, the workers report the request sent once no push of theirs reads them."""
+    monkeypatch.setattr(NixlPushConnectorScheduler, "request_finished", lambda self, request, blocks: (False, None))
+    scheduler.update_state_after_alloc(_request("p", do_remote_decode=True), SimpleNamespace(blocks=([],)), 0)
+    scheduler.build_connector_meta(_output(new=[("p", ([3, 4],), 0)], scheduled={"p": 192}))
+    assert scheduler.request_finished(_request("p", do_remote_decode=True), ([3, 4],)) == (True, None)
+    assert scheduler.build_connector_meta(_output()).push_held_after_abort == ["p"]
+    assert not hasattr(scheduler.build_connector_meta(_output()), "push_held_after_abort"), "said once"
+    # Not followed, or no blocks: vLLM's answer stands.
+    assert scheduler.request_finished(_request("q", do_remote_decode=True), ([5],)) == (False, None)
+    scheduler.update_state_after_alloc(_request("r", do_remote_decode=True), SimpleNamespace(blocks=([],)), 0)
+    assert scheduler.request_finished(_request("r", do_remote_decode=True), ([],)) == (False, None)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -26,7 +27,8 @@ import msgspec
 import pytest
 import torch
 
-from nixl_async import EngineConfig, TransferEngine
+from nixl_async import EngineConfig, FinishedRequests, TransferCancelled, TransferEngine
+from nixl_async_vllm.progressive import ProgressiveFeed
 from nixl_async_vllm.push_book import (
     NOT_HELD,
     PUSH_TOPIC,
@@ -100,9 +102,15 @@ async def test_a_registration_prefill_holds_is_withdrawn_and_the_blocks_go_back_
         assert [r.write for r in book.finished("req-p-0badf00d", ([0, 1],))] == [False], "prefill writes nothing"
 
 
-async def test_a_push_in_flight_is_stopped_and_the_blocks_go_back_once_nothing_can_land(monkeypatch):
+@pytest.mark.parametrize("cancels", [1, 2])
+async def test_a_push_in_flight_is_stopped_and_the_blocks_go_back_once_nothing_can_land(monkeypatch, cancels):
+    """With `cancels` 2 the push is cancelled again 2 ms after the withdrawal's cancel (prefill aborting the
+    request as decode withdraws it): before, that cut the push's settling short, decode was never told and
+    held its blocks to the deadline."""
     monkeypatch.setenv("UCX_TLS", "tcp")  # read when the agents' UCX workers are created
-    async with _prefill(LARGE) as prefill, _decode(LARGE, "push-withdraw-in-flight") as (decode, address, caches):
+    async with _prefill(LARGE) as prefill, _decode(LARGE, f"push-withdraw-in-flight-{cancels}") as (
+        decode, address, caches,
+    ):  # fmt: skip
         engine, geometry = prefill.engines[0], prefill.geometries[0]
         pushes: list[asyncio.Task[Any]] = []
         plain_start, never = engine.start_write, asyncio.Event()
@@ -121,6 +129,8 @@ async def test_a_push_in_flight_is_stopped_and_the_blocks_go_back_once_nothing_c
 
         def withdraw(_sender: str, _payload: bytes) -> bytes:
             pushes[0].cancel()  # the push tells decode once NIXL let go of its WRITEs
+            if cancels == 2:
+                asyncio.get_running_loop().call_later(0.002, pushes[0].cancel)
             return STOPPING
 
         engine.handle_calls(PUSH_TOPIC, register)
@@ -189,6 +199,7 @@ class _Prefill:
             set(),
         )
         worker.tp_size = 1
+        worker._held_after_abort = set()
         worker.sync = SimpleNamespace(submit=lambda push_id, *args: self.submitted.append((push_id, args[-1])),
                                       cancel=self.cancelled.append)  # fmt: skip
         self.worker = worker
@@ -254,3 +265,58 @@ def test_a_withdrawal_of_a_registration_never_seen_stands_a_reader_in_for_it():
     for matched in prefill.worker._book.finished(REQUEST, ([1],)):
         prefill.worker._start_push(REQUEST, ([1],), matched)
     assert prefill.submitted == [] and prefill.freed()
+
+
+def test_a_push_stopped_by_its_lease_is_not_cancelled_again_by_a_withdrawal():
+    prefill, registration = _Prefill(), _registration()
+    worker = prefill.worker
+    worker.sync.poke = worker.sync.call_soon = worker.sync.spawn = lambda *args: None
+    worker._notifications, worker._record = queue.SimpleQueue(), lambda *args: None
+    worker._book.finished(REQUEST, ([1],))
+    worker._start_push(*worker._book.register(registration, time.time()))
+    ((push_id, _),) = prefill.submitted
+    assert worker._begin(push_id)
+    worker._sends.hold(REQUEST, time.perf_counter() - 1)  # its lease ran out
+    worker._finished_sending()  # closing: a push still reads the blocks
+    worker._finished_sending()  # ... so it is stopped
+    assert prefill.cancelled == [push_id]
+    assert prefill.withdraw(registration) == STOPPING
+    assert prefill.cancelled == [push_id], "cancelled again"
+
+
+def test_a_progressive_push_stopped_by_an_abort_is_not_cancelled_again():
+    prefill, registration = _Prefill(), _registration()
+    worker = prefill.worker
+    worker.sync.poke = worker.sync.call_soon = worker.sync.spawn = lambda *args: None
+    worker._notifications, worker._record = queue.SimpleQueue(), lambda *args: None
+    worker._book.register(registration, time.time())
+    (claimed,) = worker._book.claim(REQUEST)
+    push_id = worker._claim_push_id(REQUEST, claimed)
+    worker._feeds = {REQUEST: [ProgressiveFeed(push_id, 1)]}
+    assert worker._begin(push_id)
+    worker._abandon(REQUEST)  # start_load_kv: vLLM aborted it
+    worker._finished_sending()  # the same step's results: the request closing, its push running
+    assert prefill.withdraw(registration) == STOPPING
+    assert prefill.cancelled == [push_id], "cancelled again"
+
+
+def test_a_request_aborted_under_its_progressive_push_is_reported_sent_once_the_push_ended():
+    """The scheduler holds an aborted request's blocks while it was followed (`push_held_after_abort`):
+    the worker reports it sent (vLLM frees the blocks) only once its push no longer reads them, and once."""
+    prefill, registration = _Prefill(), _registration()
+    worker = prefill.worker
+    worker.sync.poke = worker.sync.call_soon = worker.sync.spawn = lambda *args: None
+    worker._notifications, worker._record, worker._withdrawals = queue.SimpleQueue(), lambda *args: None, {}
+    worker._sends = SendBook(base_id=base_request_id)  # aborted: vLLM handed no lease to hold it by
+    worker._book.register(registration, time.time())
+    (claimed,) = worker._book.claim(REQUEST)
+    push_id = worker._claim_push_id(REQUEST, claimed)
+    worker._feeds = {REQUEST: [ProgressiveFeed(push_id, 1)]}
+    assert worker._begin(push_id)
+    worker._abandon(REQUEST)
+    worker._held_after_abort.add(REQUEST)
+    assert REQUEST not in worker._finished_sending(), "freed while its push may still read the blocks"
+    stopped = TransferCancelled("cancelled", peer="d/tp0")
+    worker._own_finished(FinishedRequests(done=set(), failed={push_id: stopped}, fenced={}))
+    assert REQUEST in worker._finished_sending()
+    assert REQUEST not in worker._finished_sending()
