@@ -128,7 +128,10 @@ class OwnedAgent:
         config = nixl_agent_config(enable_prog_thread=progress_thread, enable_listen_thread=False, backends=[])
         self._agent = nixl_agent(name, config)
         self._bind = self._agent.agent  # the bindings' agent: the per-transfer calls skip the wrapper
+        plugins = self._agent.get_plugin_list()
         for backend in backends:
+            if backend not in plugins:  # (NIXL's own answer is a bare NIXL_ERR_NOT_FOUND)
+                raise ValueError(f"NIXL has no plugin for backend {backend!r} here; it found {sorted(plugins)}")
             self._agent.create_backend(backend, dict(backend_params.get(backend, {})))
         self.live: Counter[str] = Counter()
         self._remotes: set[str] = set()  # remote agents loaded (NIXL loads one again in place)

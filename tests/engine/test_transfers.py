@@ -122,6 +122,15 @@ async def test_misuse_gets_a_typed_error_and_posts_nothing(nixl_engine, nixl_pee
         await nixl_engine.connect(*nixl_engine.address)
 
 
+async def test_a_backend_nixl_has_no_plugin_for_is_named_and_nothing_is_left_running():
+    """Before: NIXL's bare NIXL_ERR_NOT_FOUND, naming no backend."""
+    engine = TransferEngine(EngineConfig(engine_id="no-such-backend", backends=("NOPE",)))
+    with pytest.raises(ValueError, match="no plugin for backend 'NOPE'.*UCX"):
+        await engine.start()
+    assert not engine.running and engine._agent is None and engine._zmq is None
+    await engine.close()
+
+
 async def test_an_engine_refuses_another_engines_peer_and_another_loop(nixl_engine, nixl_peer):
     peer = await nixl_engine.connect(*nixl_peer.address)
     async with TransferEngine(EngineConfig(engine_id="bystander")) as other:
