@@ -81,7 +81,6 @@ class SideChannelNotifier:
         sockets, self._sockets = self._sockets, {}
         for sock in sockets.values():
             sock.close(linger=0)
-        self._sockets.clear()
 
     def __len__(self) -> int:
         return len(self._sockets)

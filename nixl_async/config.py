@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import socket
 import uuid
 from collections.abc import Mapping
@@ -344,7 +345,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is None and optional:
                 continue
-            number = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+            number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+            number = number and (isinstance(value, numbers.Integral) or math.isfinite(value))
             if not number or value < low or (strict and value == low):
                 raise ValueError(f"EngineConfig.{name} must be a finite number of seconds {'>' if strict else '>='} "
                                  f"{low}{' or None' if optional else ''}, got {value!r}")  # fmt: skip

@@ -122,8 +122,9 @@ class TransferEngine:
         self._backing_off = False  # the poller waits after an error: only new work may cut that short
         self._memory = MemoryRegistry()
         self._admission = Admission(self.config.max_inflight_transfers, self.config.max_inflight_bytes)
-        self._notifications = NotificationBox(self.config.max_unclaimed_notifications,
-                                              self.config.max_unclaimed_notification_bytes)
+        self._notifications = NotificationBox(
+            self.config.max_unclaimed_notifications, self.config.max_unclaimed_notification_bytes
+        )
         self._pacer = AdaptivePacer(self.config.poll)
         self._notify = NotificationTransport(self.config, self.stats, self._notifications, self._pacer, self._wakeup)
         table = PeerTable()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import operator
 import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Generator
@@ -243,12 +244,16 @@ class Lease:
     def __init__(self, box: NotificationBox, message: bytes, readers: int, ttl_s: float) -> None:
         if not isinstance(message, bytes):
             raise TypeError(f"a notification is bytes, not {type(message).__name__} (encode it)")
-        if not (isinstance(ttl_s, int | float) and 0 < ttl_s < math.inf):
+        if isinstance(ttl_s, bool) or not (isinstance(ttl_s, int | float) and 0 < ttl_s < math.inf):
             raise ValueError(f"ttl_s must be a finite number > 0, got {ttl_s!r}")
-        if isinstance(readers, bool) or not isinstance(readers, int) or readers < 1:
+        try:
+            count = -1 if isinstance(readers, bool) else operator.index(readers)  # (numpy's ints too)
+        except TypeError:
+            count = -1
+        if count < 1:
             raise ValueError(f"readers must be an int >= 1, got {readers!r}")
         self.message = message
-        self.readers = readers
+        self.readers = count
         self.expires_at = time.time() + ttl_s
         self._task = asyncio.get_running_loop().create_task(self._hold(box, ttl_s))
         # A lease nobody awaits (the engine closed under it) must not log "never retrieved".

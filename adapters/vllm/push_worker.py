@@ -428,8 +428,8 @@ class PushConnectorWorker(ConnectorWorker):
         for request_id in self._book.closing():  # lease ran out while a push reads the blocks: stop it
             with self._push_lock:
                 running = [p for p, (r, _) in self._push_ids.items() if r == request_id and p not in self._cancelled]
+                self._cancelled.update(running)
             for push_id in running:
-                self._cancelled.add(push_id)
                 self.sync.cancel(push_id)
         self._tell_expired()
         closing = set(self._book.closing())

@@ -53,6 +53,7 @@ bounds reading KV back from decode) or refused at startup with an error naming t
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import sys
@@ -203,8 +204,8 @@ def _number(extra: dict[str, Any], key: str, default: float) -> float:
         number = float(value)
     except (TypeError, ValueError):
         raise ValueError(f"kv_connector_extra_config[{key!r}] must be a number, got {value!r}") from None
-    if number <= 0:
-        raise ValueError(f"kv_connector_extra_config[{key!r}] must be > 0, got {value!r}")
+    if not 0 < number < math.inf:  # (NaN too)
+        raise ValueError(f"kv_connector_extra_config[{key!r}] must be a finite number > 0, got {value!r}")
     return number
 
 

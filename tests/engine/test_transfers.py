@@ -125,7 +125,7 @@ async def test_misuse_gets_a_typed_error_and_posts_nothing(nixl_engine, nixl_pee
 async def test_a_backend_nixl_has_no_plugin_for_is_named_and_nothing_is_left_running():
     """Before: NIXL's bare NIXL_ERR_NOT_FOUND, naming no backend."""
     engine = TransferEngine(EngineConfig(engine_id="no-such-backend", backends=("NOPE",)))
-    with pytest.raises(ValueError, match="no plugin for backend 'NOPE'.*UCX"):
+    with pytest.raises(ValueError, match=r"no plugin for backend 'NOPE'.*UCX"):
         await engine.start()
     assert not engine.running and engine._agent is None and engine._zmq is None
     await engine.close()

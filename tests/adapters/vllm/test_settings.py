@@ -171,6 +171,9 @@ def test_unsupported_settings_are_refused_by_name(extra, knobs, named):
         {"num_threads": -1},
         {"num_threads": "4"},
         {"engine_ttl": "long"},
+        {"engine_ttl": "inf"},  # (before: taken, then refused by EngineConfig under its own name)
+        {"kv_lease_duration": float("nan")},
+        {"transfer_timeout": float("inf")},
         {"enforce_handshake_compat": "no"},
     ],
 )
