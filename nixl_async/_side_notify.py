@@ -16,6 +16,8 @@ keeps order.
 from __future__ import annotations
 
 import itertools
+import time
+from collections import deque
 
 import zmq
 import zmq.asyncio
@@ -40,6 +42,9 @@ class SideChannelNotifier:
         self._secret = secret
         self._seq = itertools.count(1)
         self._sockets: dict[Address, zmq.Socket[bytes]] = {}
+        # Forgotten peers' sockets, left open for the linger, then closed without one: a socket closed
+        # with a linger would hold up the context's term at the engine's close (the loop blocked).
+        self._retired: deque[tuple[float, zmq.Socket[bytes]]] = deque()
 
     def send(self, address: Address, session: bytes, message: bytes, busy_ms: int = 0) -> None:
         """Queue `message` (or, with `busy_ms`, a busy hint) for the peer at `address` in its notify `session`.
@@ -49,6 +54,8 @@ class SideChannelNotifier:
         sock = self._sockets.get(address)
         if sock is None:
             sock = self._open(address)
+        if self._retired:
+            self._close_retired(time.monotonic())
         seq = next(self._seq)
         secret = self._secret
         mac = messages.notify_mac(secret, session, seq, self._engine_id, message, busy_ms) if secret else b""
@@ -69,18 +76,25 @@ class SideChannelNotifier:
         return sock
 
     def forget(self, address: Address) -> None:
-        """Close the socket to `address` (queued notifications get the linger period to leave)."""
+        """Retire the socket to `address`: what it has queued gets the linger period to leave."""
+        now = time.monotonic()
         sock = self._sockets.pop(address, None)
         if sock is not None:
-            sock.close()
+            self._retired.append((now + _LINGER_MS / 1000, sock))
+        self._close_retired(now)
+
+    def _close_retired(self, now: float) -> None:
+        while self._retired and self._retired[0][0] <= now:
+            self._retired.popleft()[1].close(linger=0)
 
     def close(self) -> None:
         """Close every socket, dropping what is still queued: the engine's close gave notifications
         sent moments ago their time to leave, and a peer that could not take them in that time is
         unreachable. (A linger here would block the loop in the context's term, up to 1 s.)"""
         sockets, self._sockets = self._sockets, {}
-        for sock in sockets.values():
+        for sock in [*sockets.values(), *(sock for _, sock in self._retired)]:
             sock.close(linger=0)
+        self._retired.clear()
 
     def __len__(self) -> int:
         return len(self._sockets)
