@@ -111,12 +111,15 @@ def pair_blocks(group: GroupBlocks, ratio: int, *, paged: bool = False) -> tuple
             remote = remote[: len(local) * ratio]  # load (lookahead slots of speculative decoding)
         return list(local), list(remote)
     if group.kind == "window":
-        if len(group.local) > len(group.remote):
+        # In kernel pages each side kept its window's blocks plus one, in its own --block-size: a decode
+        # with larger blocks keeps older pages than prefill, which its window never reaches (prefill kept
+        # at least the window and a token); they are left as they are. In blocks, a longer list is refused.
+        if len(group.local) > len(group.remote) and not paged:
             raise LayoutError(
                 f"a sliding-window group wants {len(group.local)} blocks; the producer kept {len(group.remote)}"
             )
-        n = len(group.local)
-        return list(group.local), group.remote[len(group.remote) - n :]
+        n = min(len(group.local), len(group.remote))
+        return list(group.local[len(group.local) - n :]), group.remote[len(group.remote) - n :]
     # state: a longer producer list carries positions we have; a longer local one, a position we compute
     n = min(len(group.local), len(group.remote))
     if len(group.local) - len(group.remote) > 1:

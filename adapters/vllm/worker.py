@@ -261,7 +261,8 @@ class ConnectorWorker:
         self.attention = AttentionChoice.of(vllm_config, attention_layers or None)
         self.sync = SyncEngine(
             self.settings.engine_config(
-                rank_engine_id(engine_id, self.tp_rank), _compat(vllm_config, self.attention, self.TRANSFER_MODE)
+                rank_engine_id(engine_id, self.tp_rank),
+                _compat(vllm_config, self.attention, self.TRANSFER_MODE, has_state="state" in self.group_kinds),
             )
         )
         self._notifications: queue.SimpleQueue[Notification] = self.sync.feed_notifications()
@@ -807,14 +808,22 @@ async def connect_job_rank(engine: TransferEngine, job: RecvJob, rank: int) -> P
                               rank_engine_id(job.remote_engine_id, rank))  # fmt: skip
 
 
-def _compat(vllm_config: Any, attention: AttentionChoice, transfer_mode: str) -> dict[str, str]:
+def _compat(vllm_config: Any, attention: AttentionChoice, transfer_mode: str, *, has_state: bool = False
+            ) -> dict[str, str]:  # fmt: skip
     """What must agree between producer and reader (TP size and block size may differ).
 
     vLLM's own hash (model, dtype, KV heads, head size, layers, attention backend, cache dtype,
     hybrid manager, speculative decoding), plus the cache layout and the CPU backend's ISA, which
-    change what a block's bytes mean.
+    change what a block's bytes mean. With Mamba state layers, also the conv state's layout
+    (``VLLM_SSM_CONV_STATE_LAYOUT``): state pages are copied as they are, and pages of equal size
+    in the other layout hold it transposed. (vLLM's own worker requires DS, so its hash leaves it out.)
     """
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import compute_nixl_compatibility_hash
 
     vllm_hash = compute_nixl_compatibility_hash(vllm_config, attention.backend, transfer_mode=transfer_mode)
-    return {"vllm": vllm_hash, "kv_cache_layout": attention.layout, "cpu_attn_isa": attention.isa or ""}
+    compat = {"vllm": vllm_hash, "kv_cache_layout": attention.layout, "cpu_attn_isa": attention.isa or ""}
+    if has_state:
+        from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+
+        compat["ssm_conv_state_layout"] = str(get_conv_state_layout())
+    return compat

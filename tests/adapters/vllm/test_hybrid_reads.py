@@ -176,6 +176,12 @@ def _window_side(num_tokens, block, page, window, first_id, hit=0):
         (330, 128, 64, 128, 0, True),  # the producer's last block is full to its last page
         (560, 256, 128, 64, 4, False),
         (300, 128, 128, 128, 0, True),
+        # decode's blocks larger than prefill's: decode keeps older pages, which its window never reaches
+        # (before: refused, "a sliding-window group wants 6 blocks; the producer kept 5", for half the lengths;
+        # vLLM 0.32's own pairing asserts: None)
+        (1000, 256, 128, 64, 0, None),
+        (1001, 128, 128, 64, 0, None),
+        (1000, 128, 256, 64, 0, None),
     ],
 )
 def test_window_pages_pair_by_token_with_other_pages_per_block(num_tokens, window, local_block, remote_block, hit,
@@ -191,11 +197,19 @@ def test_window_pages_pair_by_token_with_other_pages_per_block(num_tokens, windo
     pairs = [(local_tokens[a], remote_tokens[b]) for a, b in zip(*ours, strict=True)]
     assert pairs and all(mine == theirs for mine, theirs in pairs), pairs
     assert local_tokens[ours[0][-1]][1] == num_tokens, "the prompt's last page is read"
+    needed_from = max(num_tokens - window, hit * local_block)  # (decode holds its prefix hit already)
+    assert min(local_tokens[a][0] for a in ours[0]) <= needed_from, "the window's tokens are all read"
 
     from types import SimpleNamespace
 
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker
 
+    if vllm_right is None:
+        with pytest.raises(AssertionError):
+            NixlBaseConnectorWorker._apply_prefix_caching(
+                SimpleNamespace(_has_mamba=False), [group.local], [group.remote], local_pages, remote_pages
+            )
+        return
     (vllm_local,), (vllm_remote,) = NixlBaseConnectorWorker._apply_prefix_caching(
         SimpleNamespace(_has_mamba=False), [group.local], [group.remote], local_pages, remote_pages
     )
@@ -247,3 +261,25 @@ async def test_the_producer_hears_once_per_request(nixl_peer_factory):
     await _read(port, ("window", "full"), groups, with_state=False)
     senders = await prefill.request(WaitNotifications(message=b"req-p:1", count=1, timeout=10))
     assert senders == ["decode/tp0"]
+
+
+def test_with_mamba_layers_the_conv_state_layout_must_agree(monkeypatch):
+    """State pages are copied as they are: a prefill with DS conv state (set for NixlConnector, which requires
+    it) and a decode left at SD have pages of equal size, so before the handshake passed and the state landed
+    transposed. The layout is now part of what must agree, with state layers only."""
+    import vllm.envs
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import metadata
+    from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+
+    from nixl_async_vllm.worker import AttentionChoice, _compat
+
+    monkeypatch.setattr(metadata, "compute_nixl_compatibility_hash", lambda *args, **kwargs: "vllm's")
+    attention = AttentionChoice("FLASH_ATTN", "LBHNC", None)
+    seen = {}
+    for layout in ("DS", "SD"):
+        monkeypatch.setattr(vllm.envs, "VLLM_SSM_CONV_STATE_LAYOUT", layout, raising=False)
+        get_conv_state_layout.cache_clear()  # (vLLM reads it once per process)
+        seen[layout] = (_compat(None, attention, "pull", has_state=True), _compat(None, attention, "pull"))
+    get_conv_state_layout.cache_clear()  # (read again, as the process has it, by whoever asks next)
+    assert seen["DS"][0] != seen["SD"][0], "a Mamba model's conv state layouts must not mix"
+    assert seen["DS"][1] == seen["SD"][1], "without state layers the setting does not matter"
