@@ -28,7 +28,7 @@ __all__ = ["SideChannelNotifier"]
 
 Address = tuple[str, int]
 
-_LINGER_MS = 1000  # let a last notification leave at close
+_RETIRED_S = 1.0  # a forgotten peer's socket stays open this long, for what it has queued to leave
 _SNDHWM = 10000  # queued notifications per peer before send raises zmq.Again
 
 
@@ -42,8 +42,8 @@ class SideChannelNotifier:
         self._secret = secret
         self._seq = itertools.count(1)
         self._sockets: dict[Address, zmq.Socket[bytes]] = {}
-        # Forgotten peers' sockets, left open for the linger, then closed without one: a socket closed
-        # with a linger would hold up the context's term at the engine's close (the loop blocked).
+        # Forgotten peers' sockets, left open a while, then closed without a linger (every socket is): a
+        # socket closed with one would hold up the context's term at the engine's close (the loop blocked).
         self._retired: deque[tuple[float, zmq.Socket[bytes]]] = deque()
 
     def send(self, address: Address, session: bytes, message: bytes, busy_ms: int = 0) -> None:
@@ -66,7 +66,7 @@ class SideChannelNotifier:
     def _open(self, address: Address) -> zmq.Socket[bytes]:
         sock: zmq.Socket[bytes] = self._context.socket(zmq.DEALER)
         try:
-            sock.setsockopt(zmq.LINGER, _LINGER_MS)
+            sock.setsockopt(zmq.LINGER, 0)  # (closed explicitly; one never closed must not hold up the term)
             sock.setsockopt(zmq.SNDHWM, _SNDHWM)
             sock.connect(f"tcp://{address[0]}:{address[1]}")
         except zmq.ZMQError:
@@ -76,11 +76,11 @@ class SideChannelNotifier:
         return sock
 
     def forget(self, address: Address) -> None:
-        """Retire the socket to `address`: what it has queued gets the linger period to leave."""
+        """Retire the socket to `address`: what it has queued gets `_RETIRED_S` to leave."""
         now = time.monotonic()
         sock = self._sockets.pop(address, None)
         if sock is not None:
-            self._retired.append((now + _LINGER_MS / 1000, sock))
+            self._retired.append((now + _RETIRED_S, sock))
         self._close_retired(now)
 
     def _close_retired(self, now: float) -> None:
