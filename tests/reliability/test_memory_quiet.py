@@ -57,14 +57,18 @@ def as_batch(request):
     return request.param
 
 
-async def _in_flight(engine, peer, as_batch=False):
-    """Start a read of every block (a transfer, or a batch of one row each); return once it is really in flight."""
+async def _start_read_all(engine, peer, as_batch=False):
+    """Start a read of every block: a transfer, or a batch of one row each."""
     ids = list(range(BLOCKS))
     if as_batch:
         rows = np.array(ids)[:, None]
-        transfer = await engine.start_read_batch(peer, rows, rows)
-    else:
-        transfer = await engine.start_read(peer, ids, ids)
+        return await engine.start_read_batch(peer, rows, rows)
+    return await engine.start_read(peer, ids, ids)
+
+
+async def _in_flight(engine, peer, as_batch=False):
+    """`_start_read_all`, returning once the read is really in flight."""
+    transfer = await _start_read_all(engine, peer, as_batch)
     for _ in range(2000):
         if transfer.core.has_running:
             return transfer
@@ -164,12 +168,7 @@ async def test_an_exception_right_after_a_post(tcp_engine, tcp_peer, as_batch, m
         return state
 
     monkeypatch.setattr(agent, "post", post)
-    ids = list(range(BLOCKS))
-    if as_batch:
-        rows = np.array(ids)[:, None]
-        transfer = await tcp_engine.start_read_batch(peer, rows, rows)
-    else:
-        transfer = await tcp_engine.start_read(peer, ids, ids)
+    transfer = await _start_read_all(tcp_engine, peer, as_batch)
     with pytest.raises((TransferFailed, TransferFenced)) as info:
         await transfer.wait(timeout=30)
     assert raised, "no post was in flight: is UCX really using TCP?"
