@@ -425,16 +425,18 @@ class PushConnectorWorker(ConnectorWorker):
         return released
 
     def _finished_sending(self) -> set[str]:
-        for request_id in self._book.closing():  # lease ran out while a push reads the blocks: stop it
+        closing = self._book.closing()
+        for request_id in closing:  # lease ran out while a push reads the blocks: stop it
             with self._push_lock:
                 running = [p for p, (r, _) in self._push_ids.items() if r == request_id and p not in self._cancelled]
                 self._cancelled.update(running)
             for push_id in running:
                 self.sync.cancel(push_id)
         self._tell_expired()
-        closing = set(self._book.closing())
-        freed = {request_id for request_id in self._held_after_abort if request_id not in closing}
-        self._held_after_abort -= freed  # (aborted, and none of our pushes reads the blocks any more)
+        # Aborted, and none of our pushes reads the blocks any more (one listed closing above may have
+        # ended since: it is reported at the next step).
+        freed = self._held_after_abort.difference(closing)
+        self._held_after_abort -= freed
         return super()._finished_sending() | freed
 
 
