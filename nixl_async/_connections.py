@@ -10,8 +10,9 @@ still be moving that transfer's bytes), so a peer is *retiring* in between.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from . import messages
@@ -65,15 +66,27 @@ class Connections:
         outlives it): it neither displaces the engine that answers there nor is indexed.
         Adoptions for one engine id run one at a time (a watch and a connect may race).
         """
-        entry = self._adopting.setdefault(reply.engine_id, (asyncio.Lock(), [0]))
+        async with self._one_at_a_time(reply.engine_id):
+            return await self._adopt(reply, address, offset, now, claimed)
+
+    async def adopt_record(self, reply: messages.MetadataReply, address: Address, now: float,
+                           newest: Callable[[], bool]) -> Peer | None:  # fmt: skip
+        """`adopt` an etcd record's metadata, unless `newest`, asked in its turn, says a newer record of
+        that engine was applied meanwhile (then None: nothing adopted)."""
+        async with self._one_at_a_time(reply.engine_id):
+            return await self._adopt(reply, address, 0.0, now, True) if newest() else None
+
+    @contextlib.asynccontextmanager
+    async def _one_at_a_time(self, engine_id: str) -> AsyncIterator[None]:
+        entry = self._adopting.setdefault(engine_id, (asyncio.Lock(), [0]))
         entry[1][0] += 1  # callers holding or awaiting it: the lock goes with the last one
         try:
             async with entry[0]:
-                return await self._adopt(reply, address, offset, now, claimed)
+                yield
         finally:
             entry[1][0] -= 1
             if not entry[1][0]:
-                del self._adopting[reply.engine_id]
+                del self._adopting[engine_id]
 
     async def _adopt(
         self, reply: messages.MetadataReply, address: Address, offset: float, now: float, claimed: bool

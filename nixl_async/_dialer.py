@@ -22,7 +22,7 @@ from . import messages
 from ._connections import Connections
 from ._peers import Peer
 from .config import UCX_TCP_DEFAULT_SEGMENT, EngineConfig
-from .discovery import EtcdDirectory
+from .discovery import EtcdDirectory, RecordOrder
 from .exceptions import (
     DiscoveryUnavailable,
     EngineClosedError,
@@ -73,6 +73,7 @@ class Dialer:
         self._connecting: dict[tuple[str, str | None], asyncio.Task[Peer]] = {}
         self._follower: asyncio.Task[None] | None = None  # applies etcd changes to peers we hold
         self._discovered: set[str] = set()  # engine ids we connected to through etcd
+        self._order = RecordOrder()  # the newest etcd record of each applied (a lookup and the watch race)
 
     def open_directory(self) -> None:
         """Make the etcd client, if one is configured (first in `start`: if it fails, nothing else was made)."""
@@ -113,7 +114,7 @@ class Dialer:
         limit = handshake_limit(self.config, timeout, f"{host}:{port}")  # (checked even when no handshake is needed)
         peer = self._peers.table.at((host, port))
         moved = peer is not None and expected_engine_id is not None and peer.engine_id != expected_engine_id
-        if peer is None or refresh or moved or not peer.connected or peer.stale:
+        if peer is None or refresh or moved or not peer.connected or peer.stale or peer.unpublished:
             # The peer refuses a handshake naming another engine: nothing of a wrong engine is loaded.
             handshake = functools.partial(self._handshake, host, port, limit, expected_engine_id)
             key = (f"{host}:{port}", expected_engine_id)
@@ -225,7 +226,7 @@ class Dialer:
         """Connect to the engine `engine_id` published in etcd (see `_discover`)."""
         directory = self.require_directory()
         peer = self._peers.table.get(engine_id)
-        if peer is None or refresh or not peer.connected or peer.stale:
+        if peer is None or refresh or not peer.connected or peer.stale or peer.unpublished:
             limit = handshake_limit(self.config, timeout, engine_id)
             discover = functools.partial(self._discover, directory, engine_id, limit)
             peer = await self._shared(("etcd", engine_id), f"discover:{engine_id}", discover, limit)
@@ -251,80 +252,100 @@ class Dialer:
 
         A record adopted directly means the peer is never asked (its loop does no work for us)
         and its clock is taken to agree with ours (no round trip measures an offset). Otherwise
-        etcd gives the address and the side-channel handshake runs as usual.
+        etcd gives the address and the side-channel handshake runs as usual. A record older than
+        one the follower applied meanwhile is read again, never adopted (`RecordOrder`).
         """
         assert self._loop is not None
         started = self._loop.time()
-        try:
-            if self._follower is None and not self._closing:
-                self._follower = self._loop.create_task(
-                    self._follow(directory), name=f"etcd-follower:{self.config.engine_id}"
-                )
-            record = await directory.lookup(engine_id, timeout)
-            where = f"etcd record of {engine_id!r}"
-            if record is None:
-                raise PeerNotPublished(f"no engine {engine_id!r} is published in etcd at {directory.endpoint}",
-                                       address=directory.endpoint)  # fmt: skip
-            if not _claims(record, engine_id):
-                raise EngineIdMismatch(f"etcd's record for {engine_id!r} is another engine's", address=where)
-            self.check_compat(engine_id, record.compat_hash, where)
-            direct = record.metadata is not None and self._adopts_records(self._peers.table.get(engine_id))
-            if not direct and not record.host:
-                raise HandshakeRejected(f"engine {engine_id!r} serves no side channel, and its record cannot be used"
-                                        " without one (a shared secret or notify_via='side_channel')",
-                                        address=where)  # fmt: skip
-        except BaseException:
-            self.stats.counters["handshake_failures"] += 1
-            raise
-        self._discovered.add(engine_id)
-        if not direct:
+        behind: int | None = None  # the applied revision the last lookup was older than
+        while True:
             remaining = max(0.001, timeout - (self._loop.time() - started))
-            peer = await self._handshake(record.host, record.port, remaining, engine_id)  # counts itself
-            if peer.engine_id != engine_id:
-                raise EngineIdMismatch(f"{record.host}:{record.port} is engine {peer.engine_id!r}, "
-                                       f"etcd says {engine_id!r}", address=f"{record.host}:{record.port}")  # fmt: skip
-            return peer
-        try:
-            peer = await self._adopt_published(record)
-        except BaseException:
-            self.stats.counters["handshake_failures"] += 1
-            raise
+            try:
+                if self._follower is None and not self._closing:
+                    self._follower = self._loop.create_task(
+                        self._follow(directory), name=f"etcd-follower:{self.config.engine_id}"
+                    )
+                record, revision = await directory.lookup(engine_id, remaining)
+                where = f"etcd record of {engine_id!r}"
+                if record is None:
+                    raise PeerNotPublished(f"no engine {engine_id!r} is published in etcd at {directory.endpoint}",
+                                           address=directory.endpoint)  # fmt: skip
+                if not _claims(record, engine_id):
+                    raise EngineIdMismatch(f"etcd's record for {engine_id!r} is another engine's", address=where)
+                self.check_compat(engine_id, record.compat_hash, where)
+                direct = record.metadata is not None and self._adopts_records(self._peers.table.get(engine_id))
+                if not direct and not record.host:
+                    raise HandshakeRejected(f"engine {engine_id!r} serves no side channel, and its record cannot be "
+                                            "used without one (a shared secret or notify_via='side_channel')",
+                                            address=where)  # fmt: skip
+            except BaseException:
+                self.stats.counters["handshake_failures"] += 1
+                raise
+            self._discovered.add(engine_id)
+            if not direct:
+                remaining = max(0.001, timeout - (self._loop.time() - started))
+                peer = await self._handshake(record.host, record.port, remaining, engine_id)  # counts itself
+                if peer.engine_id != engine_id:
+                    where = f"{record.host}:{record.port}"
+                    raise EngineIdMismatch(f"{where} is engine {peer.engine_id!r}, etcd says {engine_id!r}",
+                                           address=where)  # fmt: skip
+                return peer
+            try:
+                adopted = await self._adopt_published(record, revision, behind)
+            except BaseException:
+                self.stats.counters["handshake_failures"] += 1
+                raise
+            if adopted is not None:
+                break
+            behind = self._order.applied(engine_id)  # the follower applied a newer change: read again
         self.stats.counters["handshakes"] += 1
         self.stats.counters["handshakes_via_etcd"] += 1
         self.stats.histograms["handshake_us"].record(self._loop.time() - started)
-        return peer
+        return adopted
 
-    async def _adopt_published(self, record: messages.PublishedEngine) -> Peer:
+    async def _adopt_published(
+        self, record: messages.PublishedEngine, revision: int, behind: int | None = None
+    ) -> Peer | None:
+        """Adopt `record`, read at etcd's `revision`, unless a newer one was applied (None)."""
         assert self._loop is not None and record.metadata is not None
         self.check_peer(record.metadata, f"etcd record of {record.engine_id!r}")
-        return await self._peers.adopt(
-            record.metadata, (record.host, record.port), 0.0, self._loop.time(), claimed=True
-        )
+
+        def newest() -> bool:
+            return self._order.claim(record.engine_id, revision, behind=behind)
+
+        return await self._peers.adopt_record(record.metadata, (record.host, record.port), self._loop.time(), newest)
 
     async def _follow(self, directory: EtcdDirectory) -> None:
         """Apply what etcd says about peers we found there: a changed record refreshes them, a gone one
-        marks them stale.
+        marks them unpublished.
 
         A peer adopted from a record is refreshed at once (new layouts usable, re-registered
         memory reloaded); one we handshook with is marked stale, so its next `connect` handshakes
-        again. A record that went (closed, lease ran out) only marks the peer stale: transfers
-        in flight go on, and the next ``connect(engine_id=...)`` raises `PeerNotPublished`.
+        again. A record that went (closed, lease ran out) only marks the peer unpublished: transfers
+        in flight go on, and the next ``connect(engine_id=...)`` raises `PeerNotPublished`, unless
+        the record came back as it was (etcd wiped, a lease that lapsed): that clears the mark.
         """
         async for changes in directory.changes():
             gone: list[str] = []
             if changes.complete:
+                self._order.relisted(changes.revision, changes.revisions)
                 self._discovered &= {peer.engine_id for peer in self._peers.table}  # forgotten ones go
                 gone = [i for i in self._discovered if i not in changes.records]
             for engine_id, record in [*changes.records.items(), *((i, None) for i in gone)]:
+                revision = changes.revisions.get(engine_id, changes.revision)
+                followed = engine_id in self._discovered or ("etcd", engine_id) in self._connecting
+                if followed and not changes.complete and not self._order.claim(engine_id, revision):
+                    continue  # a lookup applied a newer record of it already
                 peer = self._peers.table.get(engine_id)
                 if engine_id not in self._discovered or peer is None or not peer.connected:
                     continue
                 if record is None:
-                    if not peer.stale:
+                    if not peer.unpublished:
                         self.stats.counters["published_peers_gone"] += 1
-                    peer.stale = True
+                    peer.unpublished = True
                     continue
                 if record.fingerprint == peer.fingerprint:
+                    peer.unpublished = False  # (it may have gone and come back as it was)
                     if not peer.notify_session and (record.host, record.port) != peer.address:
                         peer.address = (record.host, record.port)  # it serves elsewhere now (calls go there)
                     continue
@@ -333,7 +354,7 @@ class Dialer:
                     peer.stale = True  # the next connect handshakes again (and checks whom it reaches)
                     continue
                 try:
-                    await self._adopt_published(record)
+                    await self._adopt_published(record, revision)
                 except Exception as exc:  # incompatible now, or fenced: the next connect says why
                     log.warning("refreshing peer %s from etcd failed: %s", engine_id, exc)
                     peer.stale = True

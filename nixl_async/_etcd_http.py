@@ -133,9 +133,10 @@ class EtcdHttp:
             raise EtcdError(error.code, error.message or f"HTTP {status} on {path}")
         return msgspec.json.decode(data, type=answer, strict=False)
 
-    async def get(self, key: bytes) -> KeyValue | None:
+    async def get(self, key: bytes) -> tuple[KeyValue | None, int]:
+        """`key` (None: absent), and the revision etcd read it at."""
         found = await self._post("/v3/kv/range", {"key": key}, _Range)
-        return found.kvs[0] if found.kvs else None
+        return (found.kvs[0] if found.kvs else None), found.header.revision
 
     async def get_prefix(self, prefix: bytes, *, keys_only: bool = False) -> tuple[list[KeyValue], int]:
         """Every key under `prefix` (without values if `keys_only`), and the revision they were read at."""

@@ -108,6 +108,7 @@ class Peer:
         "metadata_digest",
         "notify_session",
         "stale",
+        "unpublished",
     )
 
     def __init__(self, reply: MetadataReply, address: Address, *, now: float = 0.0) -> None:
@@ -122,6 +123,7 @@ class Peer:
         self.address = address
         self.connected = True
         self.stale = False  # a transfer with it failed: the next connect() handshakes again
+        self.unpublished = False  # its etcd record went: the next connect() looks it up again
         self.clock_offset_s = 0.0  # its wall clock minus ours, estimated at the handshake
         self.link = LinkRates()  # how posts to it behave: sizes slices, paces the poller
         self.last_used = now  # loop time of the last connect or submit
@@ -148,6 +150,7 @@ class Peer:
         self.notify_session = reply.notify_session  # a new session per handshake
         self.clock_offset_s = clock_offset_s
         self.stale = False
+        self.unpublished = False
         self.last_used = now
 
 

@@ -26,7 +26,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import msgspec
 
@@ -35,7 +35,7 @@ from ._etcd_http import EtcdError, EtcdHttp, EtcdUnreachable, KeyValue, WatchIdl
 from .config import EtcdConfig
 from .exceptions import DiscoveryUnavailable, EngineClosedError, ProtocolError
 
-__all__ = ["Changes", "EtcdDirectory"]
+__all__ = ["Changes", "EtcdDirectory", "Found", "RecordOrder"]
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +48,54 @@ _UNREACHABLE_RETRY_S = 0.1
 
 @dataclass(frozen=True)
 class Changes:
-    """Records that changed (None: gone). `complete`: these are all the records there are (a resync)."""
+    """Records that changed (None: gone), each with etcd's revision of its change (`revisions`).
+    `complete`: these are all the records there are (a resync), as of etcd's `revision`."""
 
     records: dict[str, messages.PublishedEngine | None]
+    revisions: dict[str, int]
     complete: bool = False
+    revision: int = 0
+
+
+class Found(NamedTuple):
+    """A lookup's answer: the record (None: none published) and the etcd revision it was read at."""
+
+    record: messages.PublishedEngine | None
+    revision: int
+
+
+class RecordOrder:
+    """The newest etcd revision of each engine's record applied here, so that an older read never
+    undoes a newer one.
+
+    A lookup and the watch race: the lookup reads a record, the watch applies the engine's next
+    one (or its deletion), and the lookup's answer is applied last. Each application claims its
+    revision first; a claim older than one applied fails (the lookup reads again, the watch skips
+    the event). etcd's revisions go back only when it was wiped: a read found older than the same
+    applied revision twice in a row is taken (a second read of one etcd is never older). A full
+    listing starts the order again.
+    """
+
+    def __init__(self) -> None:
+        self._applied: dict[str, int] = {}
+        self._listed_at = 0  # revision of the last full listing: engines it lacked were gone then
+
+    def relisted(self, revision: int, present: dict[str, int]) -> None:
+        """A full listing at `revision`, of the records `present` (engine id -> its mod revision)."""
+        self._applied = dict(present)
+        self._listed_at = revision
+
+    def applied(self, engine_id: str) -> int:
+        return self._applied.get(engine_id, self._listed_at)
+
+    def claim(self, engine_id: str, revision: int, *, behind: int | None = None) -> bool:
+        """Whether a read of `engine_id` at `revision` may be applied (and is then the newest).
+        `behind`: the applied revision a previous read of it was older than."""
+        applied = self.applied(engine_id)
+        if revision < applied and applied != behind:
+            return False
+        self._applied[engine_id] = revision
+        return True
 
 
 class EtcdDirectory:
@@ -93,7 +137,7 @@ class EtcdDirectory:
         """
         if self._closed:
             raise EngineClosedError("the engine's etcd directory is closed")
-        limit = self._timeout if timeout is None else min(timeout, self._timeout)
+        limit = self._timeout if timeout is None else timeout
         last: Exception | None = None
         try:
             async with asyncio.timeout(limit):
@@ -113,11 +157,11 @@ class EtcdDirectory:
             raise DiscoveryUnavailable(f"etcd at {self.endpoint} failed {what}: {exc}", address=self.endpoint) from None
 
     # -- looking up -----------------------------------------------------------------------
-    async def lookup(self, engine_id: str, timeout: float | None = None) -> messages.PublishedEngine | None:
-        """The record `engine_id` published, or None. Raises `DiscoveryUnavailable`, `ProtocolError`."""
+    async def lookup(self, engine_id: str, timeout: float | None = None) -> Found:
+        """The record `engine_id` published (None: none). Raises `DiscoveryUnavailable`, `ProtocolError`."""
         key = self.key(engine_id)
-        found = await self._bounded(f"a lookup of {engine_id!r}", lambda: self._client.get(key), timeout)
-        return None if found is None else self._decode(engine_id, found.value)
+        found, revision = await self._bounded(f"a lookup of {engine_id!r}", lambda: self._client.get(key), timeout)
+        return Found(None if found is None else self._decode(engine_id, found.value), revision)
 
     def _decode(self, engine_id: str, value: bytes) -> messages.PublishedEngine:
         try:
@@ -156,7 +200,8 @@ class EtcdDirectory:
                     kvs, revision = await self._bounded("a listing", lambda: self._client.get_prefix(self._prefix))
                     known = {kv.key: kv.mod_revision for kv in kvs}
                     yield Changes({self._engine_id(kv.key): self._decoded(kv.key, kv.value) for kv in kvs},
-                                  complete=True)  # fmt: skip
+                                  {self._engine_id(kv.key): kv.mod_revision for kv in kvs},
+                                  complete=True, revision=revision)  # fmt: skip
                 else:
                     revision, resume_at = resume_at, None
                 async for event in self._client.watch_prefix(self._prefix, revision + 1, _WATCH_IDLE_S):
@@ -166,7 +211,8 @@ class EtcdDirectory:
                     else:
                         known[event.kv.key] = event.kv.mod_revision
                     record = None if gone else self._decoded(event.kv.key, event.kv.value)
-                    yield Changes({self._engine_id(event.kv.key): record})
+                    engine_id = self._engine_id(event.kv.key)  # (a deletion's mod revision is the deletion's)
+                    yield Changes({engine_id: record}, {engine_id: event.kv.mod_revision})
             except EngineClosedError:
                 return
             except WatchIdle:
@@ -237,42 +283,55 @@ class EtcdDirectory:
                 self._lease_id = None  # it ran out (or etcd was wiped): put again on a new one
 
     async def _keep(self) -> None:
-        """Renew the lease every ttl/3; put the record again when it changed or the lease was lost."""
+        """Renew the lease every ttl/3; put the record again when it changed or the lease was lost.
+
+        A put and a renewal fail and are retried apart: a put etcd keeps refusing (a record over
+        its size limit) must not stop the renewals that keep the record already there alive.
+        """
         interval = self._config.lease_ttl_s / 3
         renew_at = time.monotonic() + interval
+        put_at = float("inf")  # a put is due from then (the record changed, the lease was lost, a put failed)
         while True:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(max(0.0, renew_at - time.monotonic())):
-                    await self._dirty.wait()
-            putting = self._dirty.is_set()
-            try:
-                if putting:
-                    self._dirty.clear()
+            if not self._dirty.is_set():
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(max(0.0, min(renew_at, put_at) - time.monotonic())):
+                        await self._dirty.wait()
+            now = time.monotonic()
+            if self._dirty.is_set():
+                self._dirty.clear()
+                put_at = min(put_at, now)
+            if now >= put_at:
+                try:
                     await self._put_on_lease()
                     self.republished += 1
-                if time.monotonic() >= renew_at:
-                    lease = self._lease_id
-                    if lease is None:  # lost at the last put: put again on a new one
-                        self._dirty.set()
-                        continue
-                    # Within a third of the lease, so a renewal stuck on a dead connection is retried in time.
-                    ttl = await self._bounded("a lease renewal", lambda: self._client.keep_alive(lease),  # noqa: B023
-                                              interval)  # fmt: skip
-                    if ttl <= 0:  # it ran out meanwhile (or etcd was wiped): our key is gone
-                        self._warn(f"our etcd lease at {self.endpoint} had run out: publishing again")
-                        self._lease_id = None
-                        self._dirty.set()
-                        continue
-                    if not await self._key_held(lease):
-                        self._dirty.set()
-                        continue
-                    renew_at = time.monotonic() + interval
-            except Exception as exc:  # etcd down (DiscoveryUnavailable) or anything else: keep trying
-                self._warn(f"keeping our etcd record at {self.endpoint} failed ({exc!r}): retrying")
-                if putting:
-                    self._dirty.set()
-                renew_at = time.monotonic() + _RETRY_S
-                await asyncio.sleep(_RETRY_S)
+                    put_at = float("inf")
+                except Exception as exc:  # etcd down (DiscoveryUnavailable), refusing it, or anything else
+                    self._warn(f"putting our etcd record at {self.endpoint} failed ({exc!r}): retrying")
+                    put_at = time.monotonic() + _RETRY_S
+            if now >= renew_at:
+                try:
+                    renew_at = await self._renew(interval)
+                except Exception as exc:
+                    self._warn(f"renewing our etcd lease at {self.endpoint} failed ({exc!r}): retrying")
+                    renew_at = time.monotonic() + _RETRY_S
+                if renew_at <= now:  # the lease or our key is gone: put again, then renew right after
+                    put_at = min(put_at, now)
+                    renew_at = put_at
+
+    async def _renew(self, interval: float) -> float:
+        """Renew our lease; when to renew next (now or earlier: put the record again first)."""
+        lease = self._lease_id
+        if lease is None:  # lost at the last put
+            return float("-inf")
+        # Within a third of the lease, so a renewal stuck on a dead connection is retried in time.
+        ttl = await self._bounded("a lease renewal", lambda: self._client.keep_alive(lease), interval)
+        if ttl <= 0:  # it ran out meanwhile (or etcd was wiped): our key is gone
+            self._warn(f"our etcd lease at {self.endpoint} had run out: publishing again")
+            self._lease_id = None
+            return float("-inf")
+        if not await self._key_held(lease):
+            return float("-inf")
+        return time.monotonic() + interval
 
     async def _key_held(self, lease: int) -> bool:
         """Whether our key is still there: a process publishing our engine id too (a misconfiguration)
@@ -280,7 +339,8 @@ class EtcdDirectory:
         record = self._record
         assert record is not None
         key = self.key(record.engine_id)
-        found = await self._bounded("a check of our key", lambda: self._client.get(key), self._config.lease_ttl_s / 3)
+        found, _ = await self._bounded("a check of our key", lambda: self._client.get(key),
+                                       self._config.lease_ttl_s / 3)  # fmt: skip
         if found is None:
             self._warn(f"our etcd record at {self.endpoint} was deleted while our lease lived: publishing again")
             return False

@@ -19,7 +19,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Self
 
 __all__ = ["EtcdServer", "EtcdUnavailable", "etcd_or_skip", "etcd_required"]
@@ -47,12 +47,14 @@ def _free_port(host: str) -> int:
 class EtcdServer:
     """One etcd member listening for clients on ``host:client_port``."""
 
-    def __init__(self, host: str = "127.0.0.1") -> None:
+    def __init__(self, host: str = "127.0.0.1", options: Sequence[str] = ()) -> None:
+        """`options`: more of etcd's command-line flags (e.g. ``--max-request-bytes=4096``)."""
         binary = shutil.which("etcd")
         if binary is None:
             raise EtcdUnavailable("no etcd binary on PATH (Debian: apt-get install etcd-server)")
         self.binary = binary
         self.host = host
+        self.options = tuple(options)
         self.client_port = _free_port(host)
         self.peer_port = _free_port(host)
         self.data_dir = tempfile.mkdtemp(prefix="nixl-async-etcd-")
@@ -75,6 +77,7 @@ class EtcdServer:
                 f"--listen-peer-urls={peer}",
                 f"--initial-advertise-peer-urls={peer}",
                 f"--initial-cluster=nixl-async-test={peer}",
+                *self.options,
             ],
             stdout=self._log,
             stderr=subprocess.STDOUT,
@@ -159,12 +162,12 @@ class EtcdServer:
 
 
 @contextlib.contextmanager
-def etcd_or_skip(host: str = "127.0.0.1") -> Iterator[EtcdServer]:
+def etcd_or_skip(host: str = "127.0.0.1", options: Sequence[str] = ()) -> Iterator[EtcdServer]:
     """A started `EtcdServer` for a test: skips where etcd cannot run, unless `etcd_required()`."""
     import pytest
 
     try:
-        server = EtcdServer(host).start()
+        server = EtcdServer(host, options).start()
     except EtcdUnavailable as exc:
         if etcd_required():
             pytest.fail(f"{exc} (NIXL_ASYNC_REQUIRE_ETCD=1: this run must test with etcd)")

@@ -326,7 +326,7 @@ async def test_close_removes_the_record_and_a_connected_engine_notices(etcd, nix
         peer = await engine.connect(engine_id=publisher.engine_id)
         await publisher.astop()
         assert await _etcd_value(etcd, publisher.engine_id) is None, "close() must remove the record at once"
-        await _until(lambda: peer.stale, 5.0, "the connected engine saw the record go")
+        await _until(lambda: peer.unpublished, 5.0, "the connected engine saw the record go")
         with pytest.raises(PeerNotPublished):
             await engine.connect(engine_id=publisher.engine_id)
     finally:

@@ -1,0 +1,187 @@
+"""Discovery through a real etcd when things happen at once: a lookup racing the watch, a record
+that goes and comes back, a put etcd refuses, a caller's own timeout."""
+
+import asyncio
+import socket
+import time
+
+import numpy as np
+import pytest
+
+from nixl_async import DiscoveryUnavailable, EngineConfig, EtcdConfig, PeerNotPublished, TransferEngine, discovery
+from nixl_async.discovery import RecordOrder
+from nixl_async.testing import Register, verify_blocks
+from nixl_async.testing.etcd import etcd_or_skip
+
+from .test_discovery import BLOCK, NAMESPACE, _etcd_config, _etcd_value, _key, _record, _regions, _until
+
+
+@pytest.fixture(scope="module")
+def etcd():
+    with etcd_or_skip() as server:
+        yield server
+
+
+async def _reader(etcd) -> TransferEngine:
+    engine = TransferEngine(EngineConfig(etcd=_etcd_config(etcd), handshake_timeout_s=10))
+    await engine.start()
+    return engine
+
+
+class _HeldLookups:
+    """Holds each lookup's answer until released: the reply still on its way while etcd changes."""
+
+    def __init__(self, engine: TransferEngine) -> None:
+        self.directory = engine._dialer.require_directory()
+        self._real = self.directory.lookup
+        self.answered = asyncio.Event()
+        self.release = asyncio.Event()
+        self.lookups = 0
+        self.directory.lookup = self._lookup  # type: ignore[method-assign]
+
+    async def _lookup(self, engine_id, timeout=None):
+        found = await self._real(engine_id, timeout)
+        self.lookups += 1
+        if self.lookups == 1:
+            self.answered.set()
+            await self.release.wait()
+        return found
+
+
+async def test_a_lookup_answered_before_the_peer_restarted_does_not_undo_the_watch(etcd, nixl_peer_factory):
+    """`connect(refresh=True)` reads the record; the peer restarts (same engine id, a new NIXL agent)
+    and the follower adopts its new record; then the lookup's answer arrives. Before, it was applied
+    last: the live peer was forgotten and loading the dead agent failed (`HandshakeRejected`)."""
+    publisher = nixl_peer_factory(etcd_endpoint=etcd.endpoint, etcd_namespace=NAMESPACE)
+    reader = await _reader(etcd)
+    try:
+        regions = _regions()
+        reader.register("kv", regions, block_len=BLOCK)
+        old = await reader.connect(engine_id=publisher.engine_id)
+        held = _HeldLookups(reader)
+        refreshing = asyncio.ensure_future(reader.connect(engine_id=publisher.engine_id, refresh=True))
+        await held.answered.wait()
+        await publisher.reincarnate(publisher.engine_id)
+        await _until(lambda: reader.peer(publisher.engine_id).agent_name != old.agent_name, 10.0,
+                     "the follower adopted the restarted peer's record")  # fmt: skip
+        live = reader.peer(publisher.engine_id)
+        held.release.set()
+        got = await refreshing
+        assert got is live and live.connected, "the older lookup undid the follower's adoption"
+        assert held.lookups == 2, "the lookup older than the applied record was not read again"
+        await reader.read(got, [0, 1], [5, 6])
+        assert verify_blocks(regions, BLOCK, [0, 1], [5, 6], seed=1) == []
+    finally:
+        await reader.close()
+
+
+async def test_a_lookup_answered_before_a_new_registration_does_not_undo_the_watch(etcd, nixl_peer_factory):
+    """Same agent, memory registered anew: the follower adopts the record with the new layout, then
+    the older lookup's answer arrives. Before, it reloaded the older metadata (the new layout gone,
+    the old memory keys back) and nothing corrected it."""
+    publisher = nixl_peer_factory(etcd_endpoint=etcd.endpoint, etcd_namespace=NAMESPACE)
+    reader = await _reader(etcd)
+    try:
+        reader.register("kv", _regions(), block_len=BLOCK)
+        await reader.connect(engine_id=publisher.engine_id)
+        held = _HeldLookups(reader)
+        refreshing = asyncio.ensure_future(reader.connect(engine_id=publisher.engine_id, refresh=True))
+        await held.answered.wait()
+        await publisher.request(Register(layout_name="more", num_regions=1, num_blocks=16, seed=7))
+        await _until(lambda: "more" in reader.peer(publisher.engine_id).layouts, 10.0, "the follower saw 'more'")
+        held.release.set()
+        got = await refreshing
+        assert "more" in got.layouts, "the older lookup's metadata replaced the newer"
+        assert "more" in reader.peer(publisher.engine_id).layouts
+    finally:
+        await reader.close()
+
+
+async def test_a_lookup_answered_before_the_record_went_is_not_published(etcd, nixl_peer_factory):
+    """The record is read, then the peer closes (its record goes, the follower marks the peer), then
+    the lookup's answer arrives. Before, it was adopted: loading the closed peer's agent failed with
+    `HandshakeRejected`; it is now read again and says what is so."""
+    publisher = nixl_peer_factory(etcd_endpoint=etcd.endpoint, etcd_namespace=NAMESPACE)
+    reader = await _reader(etcd)
+    try:
+        reader.register("kv", _regions(), block_len=BLOCK)
+        peer = await reader.connect(engine_id=publisher.engine_id)
+        held = _HeldLookups(reader)
+        refreshing = asyncio.ensure_future(reader.connect(engine_id=publisher.engine_id, refresh=True))
+        await held.answered.wait()
+        await publisher.astop()
+        await _until(lambda: peer.unpublished, 5.0, "the follower saw the record go")
+        held.release.set()
+        with pytest.raises(PeerNotPublished):
+            await refreshing
+    finally:
+        await reader.close()
+
+
+async def test_a_record_that_comes_back_as_it_was_is_published_again(etcd, nixl_peer_factory):
+    """The publisher's lease goes (a partition, etcd wiped) and it puts the same record back. Before,
+    the peer stayed marked for good: every next connect looked it up and reloaded it."""
+    publisher = nixl_peer_factory(etcd_endpoint=etcd.endpoint, etcd_namespace=NAMESPACE, etcd_lease_ttl_s=2)
+    reader = await _reader(etcd)
+    try:
+        reader.register("kv", _regions(), block_len=BLOCK)
+        peer = await reader.connect(engine_id=publisher.engine_id)
+        directory = reader._dialer.require_directory()
+        found, _ = await directory._client.get(_key(publisher.engine_id))
+        assert found is not None
+        await directory._client.revoke(found.lease)
+        await _until(lambda: peer.unpublished, 5.0, "the follower saw the record go")
+        await _until(lambda: _etcd_value(etcd, publisher.engine_id), 5.0, "the publisher put its record back")
+        await _until(lambda: not peer.unpublished, 5.0, "the record came back as it was: the peer is published")
+        via_etcd = reader.snapshot().counters["handshakes_via_etcd"]
+        assert await reader.connect(engine_id=publisher.engine_id) is peer
+        assert reader.snapshot().counters["handshakes_via_etcd"] == via_etcd, "looked up again"
+    finally:
+        await reader.close()
+
+
+async def test_a_put_etcd_keeps_refusing_does_not_stop_the_lease_renewals():
+    """A new record over etcd's request size limit: its put fails every time. Before, each retry came
+    before the renewal, so the lease ran out and the live engine's record left etcd."""
+    with etcd_or_skip(options=["--max-request-bytes=4096"]) as small:
+        directory = discovery.EtcdDirectory(EtcdConfig(small.endpoint, namespace=NAMESPACE, lease_ttl_s=2),
+                                            timeout=2.0)  # fmt: skip
+        try:
+            await directory.publish(_record("big", "1"))
+            directory.republish(_record("big", "2" * 8000))
+            for _ in range(8):  # two lease TTLs
+                await asyncio.sleep(0.5)
+                assert await _etcd_value(small, "big") is not None, "a live engine's record left etcd"
+            assert directory._keeper is not None and not directory._keeper.done()
+        finally:
+            await directory.close()
+
+
+async def test_a_callers_timeout_longer_than_the_handshake_timeout_is_kept_for_etcd():
+    """`connect(engine_id=..., timeout=3)` with a 1 s handshake timeout: etcd may take the 3 s
+    (before, the lookup gave up after 1 s)."""
+    with socket.socket() as silent:  # accepts connections (backlog) and never says a word
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        engine = TransferEngine(EngineConfig(etcd=EtcdConfig(f"127.0.0.1:{silent.getsockname()[1]}"),
+                                             handshake_timeout_s=1.0))  # fmt: skip
+        await engine.start()
+        try:
+            started = time.monotonic()
+            with pytest.raises(DiscoveryUnavailable, match="did not answer"):
+                await engine.connect(engine_id="anyone", timeout=3.0)
+            assert 2.9 < time.monotonic() - started < 3.6
+        finally:
+            await engine.close()
+
+
+def test_record_order_refuses_an_older_read_unless_etcd_went_back():
+    order = RecordOrder()
+    assert order.claim("a", 5)
+    assert not order.claim("a", 4), "an older read applied over a newer one"
+    assert order.claim("a", 4, behind=5), "read twice older than the same revision: etcd was wiped"
+    assert order.applied("a") == 4
+    order.relisted(100, {"b": 40})
+    assert order.applied("b") == 40 and order.applied("a") == 100  # absent from the listing: gone as of it
+    assert order.claim("b", 41) and not order.claim("a", 99) and order.claim("a", 100)
+    assert np.array_equal([order.applied(i) for i in "ab"], [100, 41])
