@@ -38,7 +38,7 @@ from .layout import BlockLayout, BlockView, LayoutKind, MemType, ViewSpec
 from .notifications import Lease, Notification
 from .stats import StatsSnapshot
 from .sync import FinishedRequests, PeerInfo, SyncEngine
-from .transfer import Transfer, TransferBatch, TransferResult, TransferState
+from .transfer import Transfer, TransferBatch, TransferResult, TransferState, wait_all
 
 __version__ = "0.1.0"
 
@@ -87,4 +87,5 @@ __all__ = [
     "ViewSpec",
     "WrongThreadError",
     "__version__",
+    "wait_all",
 ]

@@ -847,6 +847,9 @@ class TransferEngine:
         """A submit's (deadline, lease deadline) in loop time; `LeaseExpired` if the lease already ran out."""
         assert self._loop is not None
         now = self._loop.time()
+        for name, value in (("timeout", timeout), ("lease_expires_at", lease_expires_at)):
+            if value is not None and value != value:  # NaN: every comparison with it is False (no deadline)
+                raise ValueError(f"{name} must be a number of seconds, not NaN")
         if timeout is None:
             timeout = self.config.transfer_timeout_s
         elif timeout <= 0:  # (a budget computed by the caller that ran out): nothing is posted

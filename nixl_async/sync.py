@@ -25,6 +25,7 @@ never touches the NIXL agent.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -133,6 +134,7 @@ class SyncEngine:
         self._tasks: set[asyncio.Task[None]] = set()
         self._background: set[asyncio.Task[None]] = set()  # spawn(): cancelled at close
         self._closed = False
+        self._shut = threading.Event()  # set once close() is done
         self._poke_pending = False  # set by the caller's thread, cleared on the loop
         self._activity = threading.Event()  # set when a request ends or a fed notification arrives
 
@@ -142,7 +144,12 @@ class SyncEngine:
         if self._closed:
             raise EngineClosedError("the sync engine is closed")
         self._off_the_loop("call()")
-        return self._portal.call(func, *args)
+        try:
+            return self._portal.call(func, *args)
+        except concurrent.futures.CancelledError:
+            if self._closed:  # cancelled by close(): the caller did not cancel anything
+                raise EngineClosedError(f"the sync engine closed during {func!r}") from None
+            raise
 
     def _off_the_loop(self, what: str) -> None:
         """Blocking calls wait for the loop thread: from that very thread they could never return."""
@@ -240,18 +247,22 @@ class SyncEngine:
                 error = exc
             finally:
                 coro.close()
+        outcome: tuple[str, BaseException | None] | None = None
         try:
-            quiet = await self._quiesce(request_id, started, error)
+            # Not quiet: the engine closed with NIXL holding some; reported fenced, and so it stays.
+            if await self._quiesce(request_id, started, error):
+                if error is None:  # a transfer it started but never awaited may have failed, or been settled
+                    error = next((e for t in started if t.done() and _lost_data(e := t.exception())), None)
+                outcome = ("done" if error is None else "failed", error)
         finally:
             self._running.pop(request_id, None)
             self._cancel_asked.discard(request_id)
-            with self._lock:
+            with self._lock:  # its id is free only once its outcome is there to be read
                 self._inflight.pop(request_id, None)
-        if not quiet:  # the engine closed with NIXL holding some: reported fenced, and so it stays
-            return
-        if error is None:  # a transfer it started but never awaited may have failed, or been settled (cancelled)
-            error = next((e for t in started if t.done() and _lost_data(e := t.exception())), None)
-        self._report(request_id, "done" if error is None else "failed", error)
+                if outcome is not None:
+                    self._finished.put((request_id, *outcome))
+            if outcome is not None:
+                self._activity.set()
 
     async def _quiesce(self, request_id: str, started: list[Any], error: BaseException | None) -> bool:
         """Settle the request's transfers; if NIXL holds one past the grace, say fenced and keep waiting.
@@ -291,7 +302,12 @@ class SyncEngine:
         unawaited and the facade settled, makes the request failed; a READ whose data arrived
         and whose notice alone failed, `NotificationFailed` with a result, counts as succeeded).
         """
-        self._submit(request_id, func(self.engine, *args))
+        coro = func(self.engine, *args)
+        if not asyncio.iscoroutine(coro):
+            with contextlib.suppress(Exception):
+                coro.close()  # (a generator, say)
+            raise TypeError(f"submit() runs a coroutine function: {func!r} returned {type(coro).__name__}")
+        self._submit(request_id, coro)
 
     def spawn(self, func: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> None:
         """Run ``func(engine, *args)`` on the loop in the background, outside any request.
@@ -469,6 +485,10 @@ class SyncEngine:
         TCP operation on our memory keeps moving. True if something happened.
         """
         self._off_the_loop("wait_activity()")
+        if not timeout >= 0:  # (NaN too: it would never pass)
+            raise ValueError(f"wait_activity(): timeout must be >= 0 seconds, not {timeout!r}")
+        if poke_every is not None and not poke_every > 0:
+            raise ValueError(f"wait_activity(): poke_every must be > 0 seconds, not {poke_every!r}")
         deadline = time.monotonic() + timeout
         happened = False
         while not happened:
@@ -505,19 +525,25 @@ class SyncEngine:
 
     # -- shutdown -------------------------------------------------------------------------
     def close(self) -> None:
-        """Cancel outstanding work, close the engine (releasing every handle), stop the thread."""
+        """Cancel outstanding work (`call`s still running too), close the engine (releasing every
+        handle), stop the thread. A close while another thread closes returns once that one is done."""
         if self._closed:
+            if threading.get_ident() != self._loop_thread:
+                self._shut.wait()
             return
         self._off_the_loop("close()")
         self._closed = True
-        with self._lock:
-            pending = list(self._inflight.items())
-        for request_id, run in pending:
-            self._loop.call_soon_threadsafe(self._cancel_on_loop, request_id, run)
         try:
-            self._portal.call(self._stop_background)
+            with self._lock:
+                pending = list(self._inflight.items())
+            for request_id, run in pending:
+                self._loop.call_soon_threadsafe(self._cancel_on_loop, request_id, run)
+            try:
+                self._portal.call(self._stop_background)
+            finally:
+                self._stopper.stop()
         finally:
-            self._stopper.stop()
+            self._shut.set()
 
     async def _stop_background(self) -> None:
         tasks = list(self._background)
@@ -552,6 +578,8 @@ class _LoopStopper:
         try:
             portal.call(engine.close)
         finally:
+            with contextlib.suppress(Exception):
+                portal.call(portal.stop, True)  # `call`s still running (a caller's coroutine) are cancelled
             with contextlib.suppress(Exception):
                 portal_cm.__exit__(None, None, None)
 

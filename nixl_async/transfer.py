@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -252,7 +252,9 @@ class Transfer:
 
     @property
     def future(self) -> asyncio.Future[TransferResult]:
-        """The underlying future, for bulk waits (``asyncio.wait``/``gather`` over many transfers)."""
+        """The underlying future, for ``asyncio.wait`` over many transfers. To await them all, use
+        `wait_all`: ``asyncio.gather`` returns at the first error or cancellation while the others
+        still move bytes."""
         return self._future
 
     def cancel(self, reason: str = "cancelled by caller") -> bool:
@@ -311,13 +313,7 @@ class Transfer:
 
     async def _outcome(self) -> TransferResult:
         """The result once the future is resolved; cancellations meanwhile wait too (the grace bounds it)."""
-        cancelled = 0
-        while not self._future.done():
-            try:
-                await asyncio.wait([self._future])
-            except asyncio.CancelledError:
-                cancelled += 1
-        if cancelled:
+        if await _until_resolved([self._future]):
             raise asyncio.CancelledError
         return self._future.result()
 
@@ -401,3 +397,47 @@ class TransferBatch(Transfer):
         """Rows NIXL failed so far, with its answer: their blocks hold no trustworthy data."""
         assert isinstance(self.core, BatchCore)
         return self.core.failed_rows
+
+
+async def wait_all(transfers: Iterable[Transfer]) -> list[TransferResult]:
+    """Await every transfer: their results in order, or else the first error (in their order) once all ended.
+
+    ``asyncio.gather`` over their futures returns at the first error, or when its task is
+    cancelled, while the other transfers still move bytes into memory the caller now takes for
+    free. Here, once one fails or the awaiting task is cancelled, the others are cancelled too
+    and the error (or the cancellation) is raised only when NIXL holds none of their memory, or
+    each was reported fenced (bounded by `EngineConfig.release_grace_s`).
+    """
+    transfers = list(transfers)
+    futures = [t._future for t in transfers]
+    if not futures:
+        return []
+    try:
+        await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
+    except asyncio.CancelledError:
+        for transfer in transfers:
+            transfer.cancel("the task awaiting it was cancelled")
+        await _until_resolved(futures)
+        raise
+    failed = next((t for t in transfers if t.done() and t.exception() is not None), None)
+    if failed is None:
+        return [t.result() for t in transfers]
+    for transfer in transfers:
+        transfer.cancel(f"transfer {failed.id}, awaited with it, failed")
+    if await _until_resolved(futures):
+        raise asyncio.CancelledError
+    error = failed.exception()
+    assert error is not None
+    raise error
+
+
+async def _until_resolved(futures: list[asyncio.Future[Any]]) -> bool:
+    """Wait until every one of `futures` is resolved, also through cancellations (the transfers' grace
+    bounds it); whether the waiting task was cancelled meanwhile."""
+    cancelled = False
+    while pending := [f for f in futures if not f.done()]:
+        try:
+            await asyncio.wait(pending)
+        except asyncio.CancelledError:
+            cancelled = True
+    return cancelled

@@ -110,6 +110,12 @@ async def test_misuse_gets_a_typed_error_and_posts_nothing(nixl_engine, nixl_pee
     for timeout in (0, -1.0):  # a deadline already passed: nothing is posted, no byte lands
         with pytest.raises(TransferTimeout, match="before the submit"):
             await nixl_engine.start_read(peer, [0], [5], timeout=timeout)
+    # NaN would compare False with every clock reading: a transfer with no deadline, a lease never checked
+    for options in ({"timeout": float("nan")}, {"lease_expires_at": float("nan")}):
+        with pytest.raises(ValueError, match="NaN"):
+            await nixl_engine.start_read(peer, [0], [5], **options)
+        with pytest.raises(ValueError, match="NaN"):
+            await nixl_engine.start_reads(peer, [[0]], [[5]], **options)
     assert not any(r.any() for r in regions) and nixl_engine.live_handles().get("xfers", 0) == 0
     with pytest.raises(TypeError, match="bytes"):
         await nixl_engine.wait_notifications("req-1", timeout=1)  # would never match b"req-1"

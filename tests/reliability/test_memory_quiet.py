@@ -22,6 +22,7 @@ from nixl_async import (
     TransferFailed,
     TransferFenced,
     TransferTimeout,
+    wait_all,
 )
 from nixl_async.testing import Checksums
 
@@ -128,6 +129,33 @@ async def test_asyncio_timeout_around_read(tcp_engine, tcp_peer):
         async with asyncio.timeout(0.01):
             await tcp_engine.read(peer, ids, ids)
     await _assert_quiet_after(tcp_engine, regions, None)
+
+
+@pytest.mark.parametrize("ending", ["awaiter_timed_out", "one_failed"])
+async def test_wait_all_ends_only_once_every_transfer_is_quiet(tcp_engine, nixl_peer_factory, ending):
+    """`wait_all` over 768 reads of 64 KiB: the wait times out, or one more read fails (its own 3 ms
+    deadline). `asyncio.gather` over the futures returned at the first transfer to end, with the
+    others still writing (a review measured 8.7 MB landing after its timeout); `wait_all` ends them
+    all and raises once they are quiet."""
+    blocks, block = 1024, 64 << 10
+    proc = nixl_peer_factory(num_regions=1, num_blocks=blocks, block_len=block, seed=9, tcp=True)
+    regions = [np.full(blocks * block, 0xAA, np.uint8)]
+    tcp_engine.register("kv", regions, block_len=block)
+    peer = await tcp_engine.connect(*proc.address)
+    rows = np.arange(blocks)[:, None]
+    transfers = list(await tcp_engine.start_reads(peer, rows[256:], rows[256:]))
+    if ending == "awaiter_timed_out":
+        with pytest.raises(TimeoutError) as info:
+            async with asyncio.timeout(0.005):
+                await wait_all(transfers)
+    else:
+        first = list(range(256))  # 16 MiB: not read within its 3 ms
+        transfers.append(await tcp_engine.start_read(peer, first, first, timeout=0.003))
+        with pytest.raises((TransferTimeout, TransferFenced)) as info:
+            await wait_all(transfers)
+    assert all(t.done() for t in transfers), "wait_all raised with transfers still running"
+    fenced = next((t.exception() for t in transfers if isinstance(t.exception(), TransferFenced)), None)
+    await _assert_quiet_after(tcp_engine, regions, fenced or info.value)
 
 
 async def test_settle(tcp_engine, tcp_peer, as_batch):

@@ -361,3 +361,78 @@ def test_closed_engine_refuses_work():
     with pytest.raises(EngineClosedError):
         engine.submit_read("x", "127.0.0.1", 1, [0], [0])
     engine.close()  # idempotent
+
+
+def test_bad_arguments_are_refused_at_once_and_lose_nothing(sync_engine):
+    """A plain function given to `submit` (before: accepted, never reported, its id blocked for good),
+    and a NaN or negative wait or poke period (before: a wait that never ended, or spun a core)."""
+
+    def not_a_coroutine(engine):
+        return None
+
+    async def ends(engine):
+        return None
+
+    with pytest.raises(TypeError, match="coroutine function"):
+        sync_engine.submit("r", not_a_coroutine)
+    assert sync_engine.in_flight == 0
+    sync_engine.submit("r", ends)  # the id is free
+    assert _wait_finished(sync_engine, 1) == ({"r"}, {})
+    for bad in ({"timeout": float("nan")}, {"timeout": -1.0}, {"timeout": 1.0, "poke_every": 0.0},
+                {"timeout": 1.0, "poke_every": float("nan")}):  # fmt: skip
+        started = time.monotonic()
+        with pytest.raises(ValueError):
+            sync_engine.wait_activity(**bad)
+        assert time.monotonic() - started < 0.5
+
+
+def test_a_request_id_is_free_only_once_its_outcome_can_be_read(sync_engine):
+    """Before, the id was freed (`in_flight` 0, the id taken again) before the outcome was queued: a
+    caller that saw nothing in flight and nothing finished could resubmit the id, then read the old
+    request's outcome as the new one's. The queueing is slowed here to widen that window."""
+
+    class SlowQueue(queue.SimpleQueue):
+        def put(self, item, block=True, timeout=None):
+            time.sleep(0.2)
+            super().put(item)
+
+    sync_engine._finished = SlowQueue()
+
+    async def ends(engine):
+        return None
+
+    sync_engine.submit("r", ends)
+    seen: set[str] = set()
+    deadline = time.monotonic() + 5
+    while not seen and time.monotonic() < deadline:
+        idle = sync_engine.in_flight == 0
+        seen = sync_engine.get_finished().done
+        assert seen or not idle, "no work in flight and no outcome to read"
+    assert seen == {"r"}
+
+
+def test_close_cancels_a_call_still_running_and_a_second_close_waits_for_it():
+    """A `call()` of a coroutine that would run 30 s held `close()` for all of it (and the interpreter's
+    exit); a `close()` from another thread meanwhile returned at once, before the engine had closed."""
+    engine = SyncEngine(EngineConfig(engine_id="closing-calls"))
+    outcome: dict[str, object] = {}
+
+    def long_call():
+        try:
+            engine.call(asyncio.sleep, 30)
+        except BaseException as exc:  # what the caller sees
+            outcome["call"] = exc
+
+    caller = threading.Thread(target=long_call)
+    caller.start()
+    time.sleep(0.2)
+    closers = [threading.Thread(target=engine.close) for _ in range(2)]
+    started = time.monotonic()
+    for closer in closers:
+        closer.start()
+    closers[1].join(10)
+    assert time.monotonic() - started < 5, "close() waited for the running call"
+    assert engine._shut.is_set(), "a second close() returned before the engine had closed"
+    closers[0].join(10)
+    caller.join(10)
+    assert isinstance(outcome.get("call"), EngineClosedError)
