@@ -745,9 +745,11 @@ async def receive(
     async def give_up(error: BaseException) -> None:
         """Settle every read, then tell the producer ranks not told yet that their blocks are free."""
         if not await engine.settle(started, timeout=engine.config.release_grace_s + 0.5):
-            # The facade reports the request only once these are quiet (fenced meanwhile).
+            # The facade reports the request only once these are quiet; the producers hear then too
+            # (before, never: each held the blocks until its lease ended).
             log.error("request %s: NIXL still holds reads into its blocks after cancelling them", job.request_id)
-            return
+            if not all(await asyncio.gather(*(t.wait_quiet() for t in started))):
+                return  # the engine closed with NIXL holding some: they stay fenced
         if isinstance(error, LeaseExpired) or (job.expires_at is not None and time.time() >= job.expires_at):
             return  # (the producer freed them when the lease ended: a notice now would count as a stray one)
         for engine_id, transfer in carries_notice.items():

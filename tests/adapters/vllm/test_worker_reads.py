@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
+import signal
 import time
 
 import numpy as np
@@ -94,7 +96,7 @@ def _expected(rank, tp_p, tp_d, mla, ratio, layer, local_index, backend="CPU_ATT
 
 async def _decode_rank(
     rank, tp_p, tp_d, mla, ratio, port, local_blocks, expires_at=None, backend="CPU_ATTN", kv_heads=HEADS,
-    notice_failed=None,
+    notice_failed=None, **engine_options,
 ):  # fmt: skip
     heads_d = _heads(kv_heads, tp_d)
     shape = (
@@ -110,7 +112,7 @@ async def _decode_rank(
         request_id="req-d", remote_request_id="req-p", remote_engine_id="prefill", host="127.0.0.1", port=port,
         remote_tp=tp_p, groups=(GroupBlocks("full", local_blocks, REMOTE_BLOCKS, LOCAL_HIT),), expires_at=expires_at,
     )  # fmt: skip
-    async with TransferEngine(EngineConfig(engine_id=f"decode/tp{rank}")) as engine:
+    async with TransferEngine(EngineConfig(engine_id=f"decode/tp{rank}", **engine_options)) as engine:
         engine.register("kv", caches, num_blocks=NUM_BLOCKS)
         results = await receive(engine, geometry, job, notice_failed=notice_failed)
     return [c.view(torch.uint8).numpy().reshape(NUM_BLOCKS, -1) for c in caches], results
@@ -288,6 +290,35 @@ async def test_after_a_failed_read_each_producer_rank_hears_once_that_its_blocks
         await _decode_rank(0, tp_p, tp_d, mla, ratio, port, local_blocks, backend=backend, kv_heads=kv_heads)
     ranks = remote_ranks(local_tp=tp_d, local_rank=0, remote_tp=tp_p)
     await _assert_told_once([prefill[r] for r in ranks], expected_consumers(remote_tp=tp_p, local_tp=tp_d))
+
+
+async def test_a_read_fenced_past_the_grace_tells_its_producers_once_it_is_quiet(nixl_peer_factory, monkeypatch):
+    """TP 2 -> 1 over UCX/TCP: rank 1's read is in flight, its producer paused (SIGSTOP), when rank 0's
+    cannot start; the read stays in NIXL past the grace, then the producer resumes. Once the read is
+    quiet both producer ranks hear the notice once; before, neither ever did (each held the blocks
+    until its lease ended)."""
+    tp_p, tp_d, mla, ratio, backend, kv_heads = CASES[2]
+    port, prefill = _spawn_prefill(nixl_peer_factory, tp_p, mla, ratio, kv_heads, tcp=True)
+    real_start_read, resumed = TransferEngine.start_read, []
+
+    async def start_read(self, peer, *args, **kwargs):
+        if peer.engine_id == rank_engine_id("prefill", 0):
+            await asyncio.sleep(0.3)  # rank 1's read is in flight meanwhile
+            raise TransferFailed("rank 0's read could not start")
+        os.kill(prefill[1].pid, signal.SIGSTOP)  # (connected already: the read goes out and stays out)
+        asyncio.get_running_loop().call_later(2.0, lambda: resumed.append(os.kill(prefill[1].pid, signal.SIGCONT)))
+        return await real_start_read(self, peer, *args, **kwargs)
+
+    monkeypatch.setattr(TransferEngine, "start_read", start_read)
+    local_blocks = LOCAL_CANDIDATES[: len(REMOTE_BLOCKS) - LOCAL_HIT]
+    try:
+        with pytest.raises(TransferFailed, match="could not start"):
+            await _decode_rank(0, tp_p, tp_d, mla, ratio, port, local_blocks, backend=backend, kv_heads=kv_heads,
+                               release_grace_s=0.3)  # fmt: skip
+    finally:
+        os.kill(prefill[1].pid, signal.SIGCONT)
+    assert resumed, "the request ended before its read was quiet"
+    await _assert_told_once(prefill, expected_consumers(remote_tp=tp_p, local_tp=tp_d))
 
 
 async def _assert_told_once(prefill, readers: int) -> None:
