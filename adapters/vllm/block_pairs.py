@@ -63,7 +63,14 @@ def kernel_pages(blocks: list[int], k: int) -> list[int]:
 
 
 def in_kernel_pages(group: GroupBlocks, local_pages: int, remote_pages: int) -> GroupBlocks:
-    """`group` with logical block ids turned into kernel page ids on each side."""
+    """`group` with logical block ids turned into kernel page ids on each side.
+
+    A full-attention group with other pages per block on each side needs the prefix hit: paired
+    from the end instead, the producer's empty trailing pages would count as prompt and every page
+    would take its neighbour's tokens."""
+    if group.kind == "full" and group.local_hit is None and local_pages != remote_pages:
+        raise LayoutError(f"a full-attention group in blocks of {local_pages} kernel pages cannot be read from "
+                          f"blocks of {remote_pages} without the prefix hit (local_num_computed_blocks)")  # fmt: skip
     hit = None if group.local_hit is None else group.local_hit * local_pages
     return dataclasses.replace(group, local=kernel_pages(group.local, local_pages),
                                remote=kernel_pages(group.remote, remote_pages), local_hit=hit)  # fmt: skip

@@ -32,7 +32,7 @@ from math import prod
 
 from nixl_async.exceptions import LayoutError
 
-__all__ = ["SHUFFLED_AITER_FA", "CacheLayout", "describe_cache", "packing_name"]
+__all__ = ["SHUFFLED_AITER_FA", "CacheLayout", "describe_cache", "no_head_window", "packing_name"]
 
 # Backends whose C is one head's K then V (or a quantized slot) for one token.
 _PER_TOKEN_SLOT = frozenset({
@@ -119,6 +119,13 @@ def describe_cache(
         why = f"{backend} keeps K and V as two planes of all heads, re-tiled by its kernels"
         return CacheLayout(backend, layout, None, block_len, False, None, why)
     raise LayoutError(f"{where}: this backend's cache packing is not known to the nixl_async adapter")
+
+
+def no_head_window(remote_tp: int, local_tp: int) -> LayoutError:
+    """The refusal of heterogeneous TP where a rank's heads are not one byte range of a block."""
+    return LayoutError(f"TP {remote_tp} -> {local_tp}: a rank's heads are not one byte range of a block in this "
+                       "cache packing (heterogeneous TP needs the head-major layout, LBHNC, of a backend that keeps "
+                       "each head's K and V together)")  # fmt: skip
 
 
 def _dense(shape: tuple[int, ...], layout: str) -> tuple[int, ...]:

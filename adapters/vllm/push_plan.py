@@ -19,6 +19,7 @@ import numpy as np
 from nixl_async import LayoutError, Peer, ViewSpec
 
 from .block_pairs import GroupBlocks, in_kernel_pages, pair_blocks
+from .kv_layout import no_head_window
 from .progressive import LayerReady
 from .push_book import PushGroup, PushRegistration
 from .tp_mapping import RankRead, plan_reads, split_for_block_ratio
@@ -87,8 +88,7 @@ def plan_push(geometry: KVGeometry, job: RecvJob, first: Peer) -> list[RankRead]
         remote_part_len=first.layout(LAYOUT).part_len,
     )  # fmt: skip
     if not geometry.head_window and any(s.local != WHOLE or s.remote != WHOLE for s in steps if s.read):
-        raise LayoutError(f"TP {job.remote_tp} -> {geometry.tp_size}: a rank's heads are not one byte range of a "
-                          "block in this cache layout (heterogeneous TP needs LBHNC)")  # fmt: skip
+        raise no_head_window(job.remote_tp, geometry.tp_size)
     return [RankRead(s.remote_rank, _rescaled(s.local, divide=ratio), s.remote, s.read) for s in steps]
 
 

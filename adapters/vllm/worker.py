@@ -46,7 +46,7 @@ from nixl_async import (
 
 from . import cpu_quirks
 from .block_pairs import GroupBlocks, in_kernel_pages, kernel_pages, pair_blocks, window_pages_of_prompt
-from .kv_layout import CacheLayout, describe_cache, packing_name
+from .kv_layout import CacheLayout, describe_cache, no_head_window, packing_name
 from .leases import LEASE_TOPIC, LearnedLeases, answer_renewal, heartbeat
 from .push_book import PUSH_FAILED_PREFIX, PUSH_PREFIX
 from .send_book import SendBook
@@ -289,15 +289,15 @@ class ConnectorWorker:
     # -- registration ----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         num_blocks = self.kv_cache_config.num_blocks
+        attention = [t for name, t in kv_caches.items() if name not in self.state_layers]
+        if not attention:
+            raise LayoutError("a model with state layers only (no attention) is not supported by the adapter")
+        cache = self.attention.describe(self.vllm_config, attention[0])  # first: it names a packing refused
         regions, block_len, pages = _kv_regions(kv_caches, num_blocks, self.state_layers)
         if self.block_size % pages:
             raise LayoutError(f"{pages} kernel pages do not divide a block of {self.block_size} tokens")
         page_size = self.block_size // pages
         first = regions[0]
-        attention = [t for name, t in kv_caches.items() if name not in self.state_layers]
-        if not attention:
-            raise LayoutError("a model with state layers only (no attention) is not supported by the adapter")
-        cache = self.attention.describe(self.vllm_config, attention[0])
         if first.device.type == "cuda" and self.buffer_device == "cpu":
             if self.state_layers:
                 raise LayoutError("kv_buffer_device 'cpu' (host staging) with state (Mamba) layers is not supported")
@@ -657,8 +657,7 @@ def plan_request(geometry: KVGeometry, job: RecvJob, first: Peer) -> RequestPlan
         kv_heads=geometry.kv_heads, local_part_len=geometry.part_len, remote_part_len=remote_layout.part_len * ratio,
     )  # fmt: skip
     if not geometry.head_window and any(s.local != ViewSpec() or s.remote != ViewSpec() for s in plan if s.read):
-        raise LayoutError(f"TP {job.remote_tp} -> {geometry.tp_size}: a rank's heads are not one byte range of a "
-                          "block in this cache layout (heterogeneous TP needs LBHNC)")  # fmt: skip
+        raise no_head_window(job.remote_tp, geometry.tp_size)
     return RequestPlan(plan, ratio, paged, groups)
 
 

@@ -156,6 +156,12 @@ def test_logical_blocks_become_kernel_pages():
     assert kernel_pages([3, 0], 2) == [6, 7, 0, 1]
     paged = in_kernel_pages(GroupBlocks("full", [3], [1, 4], 1), local_pages=2, remote_pages=4)
     assert (paged.local, paged.remote, paged.local_hit) == ([6, 7], [4, 5, 6, 7, 16, 17, 18, 19], 2)
+    # Without the prefix hit, pages are paired from the end: with other pages per block on each side the
+    # producer's empty trailing page counted as prompt (a 37-token prompt in one 64-token page here, two
+    # pages there: page 7, past the prompt, was read instead of page 6). Refused; equal pages still pair.
+    with pytest.raises(LayoutError, match="without the prefix hit"):
+        in_kernel_pages(GroupBlocks("full", [7], [3]), local_pages=1, remote_pages=2)
+    assert pair_blocks(in_kernel_pages(GroupBlocks("full", [7], [3]), 2, 2), 1, paged=True) == ([14, 15], [6, 7])
 
 
 def _window_side(num_tokens, block, page, window, first_id, hit=0):

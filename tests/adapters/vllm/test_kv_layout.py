@@ -123,3 +123,22 @@ def test_packed_layouts_and_unknown_backends_are_refused_by_name():
     name, view = _views("FLASH_ATTN", "LBHNC")
     with pytest.raises(LayoutError, match="SOME_NEW_BACKEND"):
         _describe("SOME_NEW_BACKEND", view, "LBHNC")
+
+
+@pytest.mark.parametrize("layout", ["BLHNC", "BHLNC"])
+def test_registering_a_block_outermost_layout_names_the_layout(layout):
+    """The worker names the layout it refuses; before, its check of dense equal blocks ran first and blamed
+    a layer ("blocks must be dense and of equal size"), never saying what to change."""
+    from types import SimpleNamespace
+
+    from nixl_async_vllm.worker import AttentionChoice, ConnectorWorker
+
+    name, view = _views("FLASH_ATTN", layout)
+    worker = ConnectorWorker.__new__(ConnectorWorker)  # what register_kv_caches reads, without a vLLM server
+    worker.kv_cache_config = SimpleNamespace(num_blocks=BLOCKS)
+    worker.state_layers = frozenset()
+    worker.attention = AttentionChoice(name, layout, None)
+    worker.vllm_config = SimpleNamespace(model_config=SimpleNamespace(get_num_kv_heads=lambda _: HEADS, use_mla=False),
+                                         parallel_config=None)  # fmt: skip
+    with pytest.raises(LayoutError, match=f"KV cache layout {layout}: only the layer-compact layouts"):
+        worker.register_kv_caches({"l0": view, "l1": view})
