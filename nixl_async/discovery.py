@@ -44,6 +44,7 @@ _RETRY_S = 1.0  # after a failed renewal or a broken watch
 _WATCH_IDLE_S = 30.0  # a watch quiet this long is started again (it may sit on a dead connection)
 _WARN_INTERVAL_S = 10.0
 _UNREACHABLE_RETRY_S = 0.1
+_GRPC_UNAVAILABLE = 14  # what etcd answers while a cluster has no leader, changes it, or times out: retried
 
 
 @dataclass(frozen=True)
@@ -132,8 +133,8 @@ class EtcdDirectory:
     async def _bounded(self, what: str, call: Callable[[], Awaitable[_T]], timeout: float | None = None) -> _T:
         """Make an etcd call within the timeout; any failure of etcd is `DiscoveryUnavailable`.
 
-        Until the deadline an unreachable etcd is tried again, so a blip shorter than the timeout
-        costs only time.
+        Until the deadline an unreachable etcd, or one answering UNAVAILABLE (a cluster electing a
+        leader), is tried again, so a blip shorter than the timeout costs only time.
         """
         if self._closed:
             raise EngineClosedError("the engine's etcd directory is closed")
@@ -144,7 +145,9 @@ class EtcdDirectory:
                 while True:
                     try:
                         return await call()
-                    except EtcdUnreachable as exc:
+                    except (EtcdUnreachable, EtcdError) as exc:
+                        if isinstance(exc, EtcdError) and exc.code != _GRPC_UNAVAILABLE:
+                            raise
                         if self._closed:  # closed meanwhile: no new connection
                             raise EngineClosedError("the engine's etcd directory was closed") from None
                         last = exc

@@ -873,7 +873,7 @@ class TransferEngine:
         try:
             await self._admission.acquire(sum(sizes), deadline, count=len(sizes))
         except TimeoutError:
-            raise TransferTimeout("deadline passed while waiting for room to submit") from None
+            raise TransferTimeout("deadline passed while waiting for room to submit", peer=peer.engine_id) from None
         return self._admitted(peer, sizes, local_view, remote_view, waited=True)
 
     def _admitted(self, peer: Peer, sizes: Sequence[int], local_view: BlockView, remote_view: BlockView, *,

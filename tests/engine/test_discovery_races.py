@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from nixl_async import DiscoveryUnavailable, EngineConfig, EtcdConfig, PeerNotPublished, TransferEngine, discovery
+from nixl_async._etcd_http import EtcdError, EtcdHttp
 from nixl_async.discovery import RecordOrder
 from nixl_async.testing import Register, verify_blocks
 from nixl_async.testing.etcd import etcd_or_skip
@@ -185,3 +186,35 @@ def test_record_order_refuses_an_older_read_unless_etcd_went_back():
     assert order.applied("b") == 40 and order.applied("a") == 100  # absent from the listing: gone as of it
     assert order.claim("b", 41) and not order.claim("a", 99) and order.claim("a", 100)
     assert np.array_equal([order.applied(i) for i in "ab"], [100, 41])
+
+
+async def test_etcd_answering_unavailable_is_retried_within_the_timeout(etcd, nixl_peer_factory, monkeypatch):
+    """A cluster electing a leader answers UNAVAILABLE (gRPC 14, "leader changed") for a moment. Before,
+    the first such answer was `DiscoveryUnavailable`; it is tried again as an unreachable etcd is. Other
+    errors still fail at once."""
+    publisher = nixl_peer_factory(etcd_endpoint=etcd.endpoint, etcd_namespace=NAMESPACE)
+    reader = await _reader(etcd)
+    real_post, refusals = EtcdHttp._post, []
+
+    async def post(self, path, body, answer):
+        if path == "/v3/kv/range" and len(refusals) < 3:
+            refusals.append(path)
+            raise EtcdError(14, "etcdserver: leader changed")
+        return await real_post(self, path, body, answer)
+
+    monkeypatch.setattr(EtcdHttp, "_post", post)
+    try:
+        peer = await reader.connect(engine_id=publisher.engine_id)
+        assert peer.engine_id == publisher.engine_id and len(refusals) == 3
+        monkeypatch.setattr(EtcdHttp, "_post", lambda *_: _raise(EtcdError(3, "etcdserver: request is too large")))
+        started = time.monotonic()
+        with pytest.raises(DiscoveryUnavailable, match="too large"):
+            await reader.connect(engine_id="someone-else")
+        assert time.monotonic() - started < 0.5
+    finally:
+        monkeypatch.setattr(EtcdHttp, "_post", real_post)
+        await reader.close()
+
+
+async def _raise(error: Exception):
+    raise error
