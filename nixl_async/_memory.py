@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ._agent import OwnedAgent, RegisteredMemory
+from ._agent import NIXL_ERRORS, OwnedAgent, RegisteredMemory
 from ._peers import pick_layout
 from .exceptions import LayoutError
 from .layout import BlockLayout, BlockView, LayoutKind, MemType, ViewSpec
@@ -36,12 +36,18 @@ def _regions(memory: Any) -> tuple[list[int], int, MemType, int, list[Any]]:
         if isinstance(item, np.ndarray):
             if not item.flags.c_contiguous:
                 raise LayoutError("numpy arrays must be C-contiguous to be registered")
+            if not item.flags.writeable:  # a READ, or a peer's WRITE, would change it all the same
+                raise LayoutError("read-only numpy arrays cannot be registered (reads and peers' writes change them)")
+            if item.dtype.hasobject:  # bytes landing there would be taken for object pointers
+                raise LayoutError("numpy arrays of Python objects cannot be registered")
             addrs.append(item.ctypes.data)
             sizes.add(item.nbytes)
             kinds.add((MemType.DRAM, 0))
         elif hasattr(item, "data_ptr") and hasattr(item, "is_contiguous"):  # torch.Tensor
             if not item.is_contiguous():
                 raise LayoutError("tensors must be contiguous to be registered")
+            if item.is_conj() or item.is_neg():  # lazily conjugated or negated: the bytes say otherwise
+                raise LayoutError("conjugate or negative views cannot be registered (resolve_conj/resolve_neg first)")
             addrs.append(item.data_ptr())
             sizes.add(item.numel() * item.element_size())
             if item.device.type == "cuda":
@@ -107,6 +113,9 @@ class MemoryRegistry:
 
     def __init__(self) -> None:
         self._registered: dict[str, _Registered] = {}
+        # Deregistered memory stays referenced until the engine closes: a peer holding our older
+        # metadata may still reach it (UCX over TCP checks no keys), and must not reach freed memory.
+        self._deregistered: list[list[Any]] = []
         self.layouts: dict[str, BlockLayout] = {}  # name -> layout, what peers see
         self._views: dict[tuple[int, ViewSpec | None], BlockView] = {}
         self._local_dlists: dict[tuple[str, int, int, int], Any] = {}
@@ -118,7 +127,11 @@ class MemoryRegistry:
         for other in self._registered.values():
             if layout.overlaps(other.layout):
                 raise LayoutError(f"layout {layout.name!r} overlaps registered layout {other.layout.name!r}")
-        memory = agent.register(layout.region_descriptors(), layout.mem_type)
+        try:
+            memory = agent.register(layout.region_descriptors(), layout.mem_type)
+        except NIXL_ERRORS as exc:
+            raise LayoutError(f"NIXL refused to register layout {layout.name!r} ({layout.mem_type.name} on device "
+                              f"{layout.device_id}): {exc}") from exc  # fmt: skip
         self._registered[layout.name] = _Registered(layout, memory, keepalive)
         self.layouts[layout.name] = layout
         return layout
@@ -137,6 +150,7 @@ class MemoryRegistry:
         agent.deregister(registered.memory)
         del self.layouts[name]
         self._views.clear()
+        self._deregistered.append(registered.keepalive)
 
     def view(self, spec: ViewLike, layouts: dict[str, BlockLayout], owner: str) -> BlockView:
         """Resolve a view of one of `layouts` (ours or a peer's); resolved views are cached."""
@@ -184,7 +198,7 @@ class MemoryRegistry:
         return kept
 
     def keepalives(self) -> list[list[Any]]:
-        return [r.keepalive for r in self._registered.values()]
+        return [r.keepalive for r in self._registered.values()] + self._deregistered
 
     def release_all(self, agent: OwnedAgent) -> None:
         """Release every local list and deregister everything (no transfer may be alive)."""
@@ -198,6 +212,7 @@ class MemoryRegistry:
     def forget(self) -> None:
         """Drop every reference without calling NIXL (the memory is kept alive elsewhere)."""
         self._registered.clear()
+        self._deregistered.clear()
         self.layouts.clear()
         self._views.clear()
         self._local_dlists.clear()

@@ -329,7 +329,12 @@ class TransferEngine:
         return layout
 
     def deregister(self, name: str) -> None:
-        """Deregister a layout. Transfers using it must have finished."""
+        """Deregister a layout. Transfers using it must have finished.
+
+        Its objects stay referenced until the engine closes: a peer that still holds our older
+        metadata (until it connects again) may reach that memory over transports that check no
+        keys (UCX over TCP), so it must not be freed, nor given other data while such peers run.
+        """
         agent = self._require_agent()
         handles = self._memory.local_dlists_of(name)
         busy = [t for t in self._driver.live() if any(t.local_dlist is h for h in handles)]

@@ -9,12 +9,14 @@ import pytest
 import torch
 
 from nixl_async import (
+    BlockLayout,
     EngineClosedError,
     EngineConfig,
     HandshakeRejected,
     HandshakeTimeout,
     LayoutError,
     LayoutKind,
+    MemType,
     NotificationFailed,
     PeerUnknownError,
     PollConfig,
@@ -759,6 +761,27 @@ async def test_overlapping_memory_is_refused(nixl_engine):
     with pytest.raises(LayoutError, match="overlaps registered layout 'kv'"):
         nixl_engine.register("again", [shared[BLOCK:]], block_len=BLOCK)
     assert nixl_engine.live_handles() == {"registrations": 1}
+
+
+async def test_memory_nixl_cannot_use_as_given_is_refused(nixl_engine):
+    """Before: a read-only array (bytes!) and an array of Python objects were registered and read into
+    (the objects' pointers overwritten: a segfault), a conjugate view registered its raw bytes, and NIXL
+    refusing memory (VRAM without CUDA here) was its raw binding error."""
+    refused = [
+        (np.frombuffer(bytes(BLOCK), np.uint8), "read-only"),
+        (np.empty(BLOCK // 8, dtype=object), "Python objects"),
+        (torch.zeros(BLOCK // 8, dtype=torch.complex64).conj(), "conjugate"),
+    ]
+    for memory, match in refused:
+        with pytest.raises(LayoutError, match=match):
+            nixl_engine.register("x", [memory], num_blocks=1)
+    vram = BlockLayout.from_regions("gpu", [np.zeros(BLOCK, np.uint8).ctypes.data], num_blocks=1, block_len=BLOCK,
+                                    mem_type=MemType.VRAM)  # fmt: skip
+    if not torch.cuda.is_available():
+        with pytest.raises(LayoutError, match="NIXL refused to register layout 'gpu'"):
+            nixl_engine.register_layout(vram)
+    assert not nixl_engine.live_handles().get("registrations")
+    nixl_engine.register("x", [np.zeros(BLOCK, np.uint8)], num_blocks=1)  # the name was never taken
 
 
 @pytest.mark.nixl_engine_config(transfer_timeout_s=1.0)
