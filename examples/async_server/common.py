@@ -1,16 +1,34 @@
-"""What both services share: the KV shape, a block pool and block checksums."""
+"""What both services share: the KV shape, the request schema, a block pool and block checksums."""
 
 from __future__ import annotations
 
 import zlib
 from collections import deque
+from typing import Annotated
 
+import msgspec
 import numpy as np
 
 LAYERS = 4
 REGIONS = 2 * LAYERS  # K and V per layer
 BLOCK_LEN = 256 << 10
 NUM_BLOCKS = 64
+
+
+class BlocksRequest(msgspec.Struct):
+    """What both services are asked (JSON): a request's id and its number of KV blocks; for decode, a deadline."""
+
+    request_id: Annotated[str, msgspec.Meta(min_length=1)]
+    num_blocks: Annotated[int, msgspec.Meta(ge=1, le=NUM_BLOCKS)]  # more could never be served
+    deadline_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
+
+
+def parse_request(body: bytes) -> BlocksRequest | str:
+    """The request, or why it is refused (malformed JSON, a missing field, a value out of range)."""
+    try:
+        return msgspec.json.decode(body, type=BlocksRequest)
+    except msgspec.DecodeError as exc:
+        return str(exc)
 
 
 def new_kv_cache() -> list[np.ndarray]:

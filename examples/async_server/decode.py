@@ -2,8 +2,9 @@
 
 POST /generate {"request_id": str, "num_blocks": int, "deadline_s": float} asks prefill for the
 blocks, connects to it (one handshake per peer, cached by the engine and repeated on its own
-after a failure), reads the blocks, tells prefill it is done (the notification rides on the
-read), and checks the bytes. Everything runs under the request's deadline; if the client
+after a failure), reads the blocks within prefill's lease, tells prefill it is done (the
+notification rides on the read), and checks the bytes. A malformed request is 400, as is one
+prefill refuses (409: its id's blocks are still lent). Everything runs under the request's deadline; if the client
 disconnects, aiohttp cancels the handler and with it the transfer (its NIXL handles are freed). A
 request's blocks go back to the pool only once NIXL holds none of its reads.
 Many requests share one engine; a slow or dead prefill affects only the requests that use it.
@@ -19,10 +20,11 @@ import logging
 from collections.abc import AsyncIterator
 
 import aiohttp
+import msgspec
 from aiohttp import web
-from common import BLOCK_LEN, NUM_BLOCKS, BlockPool, checksum, new_kv_cache
+from common import BLOCK_LEN, NUM_BLOCKS, BlockPool, checksum, new_kv_cache, parse_request
 
-from nixl_async import EngineConfig, HandshakeError, Transfer, TransferEngine, TransferError
+from nixl_async import EngineConfig, HandshakeError, LeaseExpired, Transfer, TransferEngine, TransferError
 
 log = logging.getLogger("decode")
 ENGINE = web.AppKey("engine", TransferEngine)
@@ -31,26 +33,33 @@ STATE = web.AppKey("state", dict)
 
 async def generate(request: web.Request) -> web.Response:
     engine, state = request.app[ENGINE], request.app[STATE]
-    body = await request.json()
-    request_id, num_blocks = str(body["request_id"]), int(body["num_blocks"])
-    deadline_s = float(body.get("deadline_s", 5.0))
-    local = state["pool"].take(num_blocks)
+    asked = parse_request(await request.read())
+    if isinstance(asked, str):
+        return web.json_response({"ok": False, "error": "BadRequest", "message": asked}, status=400)
+    request_id, deadline_s = asked.request_id, asked.deadline_s
+    local = state["pool"].take(asked.num_blocks)
     if local is None:
         return web.json_response({"request_id": request_id, "error": "out of KV blocks"}, status=503)
     with engine.collect_transfers() as started:
         try:
             async with asyncio.timeout(deadline_s):
-                async with state["http"].post(state["prefill_url"] + "/prefill", json=body) as resp:
+                async with state["http"].post(state["prefill_url"] + "/prefill", data=msgspec.json.encode(asked),
+                                              headers={"Content-Type": "application/json"}) as resp:  # fmt: skip
+                    if resp.status in (400, 409):
+                        return _error(request_id, 400, "Refused", (await resp.json())["error"])
                     resp.raise_for_status()
                     info = await resp.json()
                 peer = await engine.connect(info["host"], info["port"], expected_engine_id=info["engine_id"])
-                await engine.read(peer, local, info["block_ids"], notify=request_id.encode())
+                await engine.read(peer, local, info["block_ids"], notify=request_id.encode(),
+                                  lease_expires_at=info["lease_expires_at"])  # fmt: skip
             ok = checksum(state["kv"], local) == info["checksum"]
             return web.json_response(
-                {"request_id": request_id, "ok": ok, "bytes": num_blocks * BLOCK_LEN * len(state["kv"])}
+                {"request_id": request_id, "ok": ok, "bytes": asked.num_blocks * BLOCK_LEN * len(state["kv"])}
             )
         except TimeoutError:
             return _error(request_id, 504, "DeadlineExceeded", f"no KV within {deadline_s}s")
+        except LeaseExpired as exc:  # prefill may have given the blocks to another prompt: never read them
+            return _error(request_id, 504, type(exc).__name__, str(exc))
         except (TransferError, HandshakeError, aiohttp.ClientError) as exc:
             return _error(request_id, 502, type(exc).__name__, str(exc))
         finally:

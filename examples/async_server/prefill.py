@@ -2,7 +2,9 @@
 
 POST /prefill {"request_id": str, "num_blocks": int} fills that many blocks, keeps them under a
 lease until the reader's notification arrives (or the lease expires, if the reader vanished),
-and answers where to read them: handshake address, engine id, block ids and a checksum.
+and answers where to read them: handshake address, engine id, block ids, a checksum and when the
+lease ends (wall clock). A malformed request is 400; a request id whose blocks are held, 409 (the
+reader's notice names the request: two under one id could free each other's blocks).
 
 Run: python examples/async_server/prefill.py --http-port 8100 --handshake-port 5600
 """
@@ -12,12 +14,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import time
 import zlib
 from collections.abc import AsyncIterator
 
 import numpy as np
 from aiohttp import web
-from common import BLOCK_LEN, NUM_BLOCKS, BlockPool, checksum, new_kv_cache
+from common import BLOCK_LEN, NUM_BLOCKS, BlockPool, checksum, new_kv_cache, parse_request
 
 from nixl_async import EngineConfig, NotificationTimeout, TransferEngine
 
@@ -30,6 +33,7 @@ class PrefillState:
         self.engine, self.kv, self.leases, self.lease_s = engine, kv, leases, lease_s
         self.pool = BlockPool(NUM_BLOCKS)
         self.holding: set[asyncio.Task[None]] = set()
+        self.held: set[str] = set()  # request ids whose blocks are lent
         self.expired = 0
         self.released = 0
 
@@ -43,6 +47,7 @@ class PrefillState:
             log.warning("lease of %s expired: the reader never confirmed", request_id)
         finally:
             self.pool.give(block_ids)
+            self.held.discard(request_id)
 
 
 STATE = web.AppKey("state", PrefillState)
@@ -50,11 +55,17 @@ STATE = web.AppKey("state", PrefillState)
 
 async def prefill(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    body = await request.json()
-    request_id, num_blocks = str(body["request_id"]), int(body["num_blocks"])
-    block_ids = state.pool.take(num_blocks)
+    asked = parse_request(await request.read())
+    if isinstance(asked, str):
+        return web.json_response({"error": asked}, status=400)
+    request_id = asked.request_id
+    if request_id in state.held:
+        return web.json_response({"error": f"the blocks of {request_id!r} are still lent"}, status=409)
+    block_ids = state.pool.take(asked.num_blocks)
     if block_ids is None:
         return web.json_response({"error": "out of KV blocks, retry later"}, status=503)
+    state.held.add(request_id)
+    lease_expires_at = time.time() + state.lease_s
     rng = np.random.default_rng(zlib.crc32(request_id.encode()))
     for region in state.kv:  # "compute" the KV cache of this prompt
         for b in block_ids:
@@ -71,6 +82,7 @@ async def prefill(request: web.Request) -> web.Response:
             "block_ids": block_ids,
             "checksum": checksum(state.kv, block_ids),
             "lease_s": state.lease_s,
+            "lease_expires_at": lease_expires_at,
         }
     )
 

@@ -179,3 +179,39 @@ async def test_requests_survive_a_prefill_crash_and_restart(ports):
         prefill.stop()
         decode.stop()
     assert decode.proc.returncode in (0, -signal.SIGINT), decode.proc.stderr.read().decode()[-2000:]
+
+
+async def test_bad_requests_are_refused_and_hold_nothing(ports):
+    """Malformed bodies, missing fields and block counts that could never be served are 400 on both
+    services (before: 500s, an empty lease for -3 blocks, and "retry later" for 1000); a second request
+    under an id whose blocks are lent is 409 (before: taken, and one reader's notice freed the other's
+    blocks while it might still read them)."""
+    prefill_url = f"http://127.0.0.1:{ports['prefill_http']}"
+    decode_url = f"http://127.0.0.1:{ports['decode_http']}"
+    prefill = Service("prefill.py", "--http-port", str(ports["prefill_http"]), "--handshake-port",
+                      str(ports["handshake"]), "--lease-s", "30")  # fmt: skip
+    decode = Service("decode.py", "--http-port", str(ports["decode_http"]), "--prefill-url", prefill_url)
+    try:
+        await asyncio.gather(prefill.wait_ready(prefill_url), decode.wait_ready(decode_url))
+        bad = [b"not json", b'{"num_blocks": 2}', b'{"request_id": "r", "num_blocks": -3}',
+               b'{"request_id": "r", "num_blocks": 1000}', b'{"request_id": "", "num_blocks": 2}',
+               b'{"request_id": "r", "num_blocks": 2, "deadline_s": 0}']  # fmt: skip
+        async with aiohttp.ClientSession() as http:
+            for url in (prefill_url + "/prefill", decode_url + "/generate"):
+                for body in bad:
+                    async with http.post(url, data=body, headers={"Content-Type": "application/json"}) as resp:
+                        assert resp.status == 400, (url, body, resp.status)
+            assert (await _health(http, prefill_url))["free_blocks"] == 64
+            assert (await _health(http, decode_url))["free_blocks"] == 64
+            async with http.post(prefill_url + "/prefill", json={"request_id": "dup", "num_blocks": 8}) as resp:
+                assert resp.status == 200
+            async with http.post(prefill_url + "/prefill", json={"request_id": "dup", "num_blocks": 8}) as resp:
+                assert resp.status == 409
+            status, body, _ = await _generate(http, decode_url, "dup", 2, 5.0)  # prefill's 409, passed on
+            assert status == 400 and body["error"] == "Refused"
+            assert (await _health(http, prefill_url))["free_blocks"] == 56
+            status, body, _ = await _generate(http, decode_url, "fine", 2, 5.0)
+            assert status == 200 and body["ok"], body
+    finally:
+        prefill.stop()
+        decode.stop()
