@@ -418,10 +418,12 @@ class TransferDriver:
 
     @staticmethod
     def _hot_from(transfer: Transfer) -> float:
-        """When the poller should start checking `transfer` on every turn (-_NEVER: now, it wants a post)."""
+        """When the poller should start checking `transfer` on every turn (-_NEVER: now, it wants a post;
+        _NEVER: not any more, it is long overdue)."""
         if not transfer.first_post_at or transfer.core.can_post_now:
             return -_NEVER
-        return transfer.link.wire.spin_from(transfer.first_post_at, transfer.nbytes, _HOT_MARGIN_S)
+        start, stop = transfer.link.wire.spin_window(transfer.first_post_at, transfer.nbytes, _HOT_MARGIN_S)
+        return start if time.perf_counter() < stop else _NEVER
 
     def _send_busy_hint(self, peer: Peer | None) -> None:
         """Keep `peer` progressing its worker while transfers with it may be in flight (see `LinkRates`)."""

@@ -120,14 +120,21 @@ class WireRate:
             else:
                 self.bytes_per_s = rate if rate < self.bytes_per_s else (self.bytes_per_s + rate) / 2
 
-    def spin_from(self, first_post_at: float, nbytes: int, margin_s: float) -> float:
-        """When to start checking hot on a transfer posted at `first_post_at` (same clock).
+    STUCK_AFTER_S = 0.005  # past twice its expected time and this much, a transfer is not spun on any more
+
+    def spin_window(self, first_post_at: float, nbytes: int, margin_s: float) -> tuple[float, float]:
+        """When to start and when to stop checking hot on a transfer posted at `first_post_at` (same clock).
 
         Hot checks start `margin_s` plus a fifth of the expected time before the expected end,
         so that a transfer somewhat faster than expected is still seen at once (transfers
-        sharing the wire take longer than expected: the poller then only spins early).
+        sharing the wire take longer than expected: the poller then only spins early). They stop
+        once it is overdue by its expected time plus `STUCK_AFTER_S`: a transfer that stalls (a
+        paused peer, a cut link) is checked at the busy interval instead of burning a core until
+        its deadline; one merely slower than expected is seen up to an interval late, and its
+        completion corrects the rate.
         """
-        return first_post_at + 0.8 * nbytes / self.bytes_per_s - margin_s
+        expected = nbytes / self.bytes_per_s
+        return first_post_at + 0.8 * expected - margin_s, first_post_at + 2 * expected + self.STUCK_AFTER_S
 
 
 class LinkRates:

@@ -78,8 +78,10 @@ def test_wire_rate_drops_at_once_and_rises_halfway():
     assert rate.bytes_per_s == pytest.approx(1e9)
     rate.observe(300_000_000, 0.1)  # 3 GB/s: faster, believed halfway
     assert rate.bytes_per_s == pytest.approx(2e9)
-    # 200 MB at 2 GB/s is expected to take 100 ms: hot checks start at 80 ms less the margin
-    assert rate.spin_from(5.0, 200_000_000, 0.0005) == pytest.approx(5.0 + 0.08 - 0.0005)
+    # 200 MB at 2 GB/s is expected to take 100 ms: hot checks start at 80 ms less the margin, and stop once
+    # it is overdue by as long again and 5 ms (stalled: checked at the busy interval, not spun on)
+    start, stop = rate.spin_window(5.0, 200_000_000, 0.0005)
+    assert start == pytest.approx(5.0 + 0.08 - 0.0005) and stop == pytest.approx(5.0 + 0.2 + 0.005)
 
 
 def test_the_first_measured_wire_rate_replaces_the_guess_even_when_faster():
