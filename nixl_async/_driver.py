@@ -606,6 +606,8 @@ class TransferDriver:
 
     def _complete(self, transfer: Transfer) -> None:
         assert self.loop is not None
+        if not transfer.done_seen_at:  # a WRITE that landed and notified though it was ended meanwhile
+            transfer.done_seen_at = time.perf_counter()
         if transfer.first_post_at:
             transfer.link.wire.observe(transfer.nbytes, transfer.done_seen_at - transfer.first_post_at)
         now = self.loop.time()

@@ -25,7 +25,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from .exceptions import TransferCancelled, TransferError, TransferFailed, TransferFenced, TransferTimeout
+from .exceptions import LeaseExpired, TransferCancelled, TransferError, TransferFailed, TransferFenced, TransferTimeout
 
 __all__ = ["Complete", "Fenced", "Finish", "Quiet", "Release", "SliceCore", "TransferCore", "TransferState"]
 
@@ -233,7 +233,7 @@ class SliceCore:
 class TransferCore(SliceCore):
     """One transfer's slices and state. Every method returns the actions to carry out, in order."""
 
-    __slots__ = ("_running", "_unreleased", "chain_last", "max_running")
+    __slots__ = ("_running", "_unreleased", "chain_last", "max_running", "notifies")
 
     def __init__(
         self,
@@ -251,6 +251,7 @@ class TransferCore(SliceCore):
             raise ValueError("a transfer needs a slice count >= 0 and at least one slice in flight")
         super().__init__(num_slices, grace_s=grace_s, op=op, peer=peer, transfer_id=transfer_id)
         self.max_running = max_running
+        self.notifies = chain_last
         self.chain_last = chain_last and num_slices > 1
         # Bit masks (bit i = slice i), not sets or tuples: with 10 k transfers in flight every
         # container the garbage collector tracks makes its full collections slower; ints are not tracked.
@@ -329,6 +330,19 @@ class TransferCore(SliceCore):
     def to_release(self) -> list[int]:
         ended = self._unreleased & ~self._running
         return _bits(ended) if ended else []
+
+    def _settled_if_quiet(self) -> list[Action]:
+        # Ended while its last slice, carrying the notification, was already out: if every slice ended
+        # DONE the target has its bytes and was told so. The transfer then completed, whatever ended it
+        # meanwhile (a cancel, a deadline): reporting that error would leave the two sides disagreeing.
+        # (A lease that ran out stays an error: the target may have handed those blocks on.)
+        landed = self.notifies and self._next == self.num_slices and not self._errored
+        if not landed or self._held() or isinstance(self._error, LeaseExpired):
+            return super()._settled_if_quiet()
+        was_fenced = self.state is TransferState.FENCED
+        self.state = TransferState.DONE
+        self._release_by = float("inf")
+        return [Quiet()] if was_fenced else [Finish(None)]
 
 
 def _bits(mask: int) -> list[int]:

@@ -261,7 +261,8 @@ class Transfer:
         """Cancel the transfer: nothing more is posted, its handles are released once NIXL lets go.
 
         Returns at once (False if it had already ended); await the transfer (or `wait_quiet`) to
-        know when its memory is quiet.
+        know when its memory is quiet. A WRITE whose last slice, carrying its notification, is
+        already out completes all the same if every slice lands (the target was told it did).
         """
         if self.state is not TransferState.POSTING:
             return False

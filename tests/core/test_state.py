@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nixl_async._state import Complete, Fenced, Finish, Quiet, Release, TransferCore, TransferState
-from nixl_async.exceptions import TransferCancelled, TransferFailed, TransferFenced, TransferTimeout
+from nixl_async.exceptions import LeaseExpired, TransferCancelled, TransferFailed, TransferFenced, TransferTimeout
 
 
 def core(n=3, running=2, grace=1.0, chain_last=False):
@@ -127,6 +127,34 @@ def test_chained_notification_goes_alone_last():
     assert c.to_post(10) == [2]
 
 
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_write_whose_notifying_slice_is_out_completes_if_it_lands_whatever_ended_it(n):
+    """Cancelled (or past its deadline) with the last slice, carrying the notification, already posted:
+    the target is told the data landed once every slice ends DONE, so the caller is told it completed.
+    Before, the caller heard `TransferCancelled` while the target had the bytes and the notice."""
+    c = TransferCore(n, max_running=n, grace_s=1.0, chain_last=True, op="WRITE", peer="p", transfer_id=7)
+    for i in range(n - 1):  # the others first, then the notifying one alone
+        post_all(c, "DONE")
+        assert c.released(i) == []
+    assert c.to_post(10) == [n - 1] and c.posted(n - 1, "PROC") == []
+    assert c.end(TransferCancelled("stop"), now=0.0) == []
+    assert c.checked(n - 1, "DONE") == [Release(n - 1)]
+    assert c.released(n - 1) == [Finish(None)]
+    assert c.state is TransferState.DONE and c.quiet and c.slices_errored == 0
+    # ... not if a slice ended in error, nor before the notifying slice went out, nor past a lease
+    for fault in ("err", "unposted", "lease"):
+        c = TransferCore(2, max_running=2, grace_s=1.0, chain_last=True, op="WRITE", peer="p", transfer_id=7)
+        post_all(c, "PROC")  # slice 0 only: the notifying one waits for it
+        error = LeaseExpired("late") if fault == "lease" else TransferCancelled("stop")
+        if fault != "unposted":
+            assert c.checked(0, "DONE") == [Release(0)] and c.released(0) == []
+            assert c.to_post(10) == [1] and c.posted(1, "PROC") == []
+        assert c.end(error, now=0.0) == []
+        last = 0 if fault == "unposted" else 1
+        assert c.checked(last, "ERR" if fault == "err" else "DONE") == [Release(last)]
+        assert c.released(last) == [Finish(error)], fault
+
+
 def test_succeed_before_all_slices_is_a_bug():
     c = core(n=2)
     with pytest.raises(RuntimeError):
@@ -151,11 +179,12 @@ EVENTS = st.lists(
 
 
 @settings(max_examples=400, deadline=None)
-@given(n=st.integers(1, 5), running=st.integers(1, 3), events=EVENTS)
-def test_any_event_order_keeps_the_contract(n, running, events):
+@given(n=st.integers(1, 5), running=st.integers(1, 3), events=EVENTS, notifies=st.booleans())
+def test_any_event_order_keeps_the_contract(n, running, events, notifies):
     """One outcome for the caller; told only when quiet (or fenced); Quiet only after Fenced;
-    a running slice is never released; nothing is posted after an end."""
-    c = core(n=n, running=running, grace=1.0)
+    a running slice is never released; nothing is posted after an end. `notifies`: a WRITE whose
+    last slice carries its notification."""
+    c = core(n=n, running=running, grace=1.0, chain_last=notifies)
     holders: set[int] = set()  # slices with a handle in "NIXL"
     running_now: set[int] = set()
     pending_release: list[int] = []

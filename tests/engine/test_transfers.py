@@ -445,6 +445,36 @@ async def test_cancel_releases_the_in_flight_handle(nixl_engine, nixl_peer_facto
     await nixl_engine.read(peer, [0], [1])
 
 
+@pytest.mark.parametrize("ending", ["cancel", "deadline"])
+async def test_a_write_that_landed_and_notified_is_done_though_it_was_ended_meanwhile(
+    nixl_engine, nixl_peer_factory, ending
+):
+    """A one-slice WRITE with a notification, the target paused (SIGSTOP) so it stays in flight, is
+    cancelled or passes its deadline; the target resumes, the bytes land and it is notified. The caller
+    now gets the result (before: `TransferCancelled` / `TransferTimeout`, while the target was told done)."""
+    proc, peer = await _tcp_peer(nixl_engine, nixl_peer_factory, 8, 1 << 20)
+    await nixl_engine.write(peer, [0], [0], notify=b"wire-up")
+    proc.pause()
+    try:
+        timeout = 0.1 if ending == "deadline" else None
+        transfer = await nixl_engine.start_write(peer, [1, 2], [1, 2], notify=b"landed", timeout=timeout)
+        assert transfer.num_slices == 1
+        for _ in range(200):  # (the poller posts it)
+            if transfer.core.has_running:
+                break
+            await asyncio.sleep(0.001)
+        assert transfer.core.has_running, "the WRITE never went out"
+        if ending == "cancel":
+            assert transfer.cancel()
+        await asyncio.sleep(0.3)
+        assert not transfer.done()
+    finally:
+        proc.resume()
+    result = await asyncio.wait_for(transfer, 10)
+    assert result.notified and result.nbytes == 2 << 20 and transfer.slices_errored == 0
+    assert await proc.request(WaitNotifications(message=b"landed", count=1, timeout=5))
+
+
 async def test_settle_returns_only_once_nixl_holds_no_handle_of_the_transfers(nixl_engine, nixl_peer_factory):
     """What a failed request needs before its memory is reused: siblings cancelled *and* released."""
     block_len, blocks = 1 << 20, 64
