@@ -79,6 +79,28 @@ def _no_blocks(block_ids: Any) -> bool:
     return not block_ids or all(isinstance(group, list | tuple) and not group for group in block_ids)
 
 
+def _count(value: Any, low: int, high: int | None = None) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value and (high is None or value <= high)
+
+
+def _mistyped(params: dict[str, Any], groups: int) -> list[str]:
+    """Fields present but of a kind the workers cannot use (a client's kv_transfer_params come as JSON:
+    a flat block list or a string TP size would stop the decode worker's step)."""
+    bad = [f"{key} (not a string)" for key in ("remote_engine_id", "remote_request_id", "remote_host")
+           if params.get(key) is not None and not isinstance(params[key], str)]  # fmt: skip
+    if params.get("tp_size") is not None and not _count(params["tp_size"], 1):
+        bad.append("tp_size (not a positive integer)")
+    if params.get("remote_port") is not None and not _count(params["remote_port"], 1, 65535):
+        bad.append("remote_port (not a port number)")
+    blocks = params.get("remote_block_ids")
+    if not _no_blocks(blocks) and not (
+        isinstance(blocks, list | tuple) and len(blocks) == groups
+        and all(isinstance(ids, list | tuple) and all(_count(b, 0) for b in ids) for ids in blocks)
+    ):  # fmt: skip
+        bad.append(f"remote_block_ids (not {groups} list(s) of block ids, one per KV cache group)")
+    return bad
+
+
 class AdapterScheduler(_MarksIdleSteps, _WorkersServeHandshakes, NixlPullConnectorScheduler):
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, engine_id, kv_cache_config)
@@ -90,7 +112,8 @@ class AdapterScheduler(_MarksIdleSteps, _WorkersServeHandshakes, NixlPullConnect
         if params.get("do_remote_prefill") and (lacking := self._unreadable(params)):
             # vLLM 0.32 would park it waiting for KV no job ever loads (or stop its engine on an
             # assert, for empty block lists): compute it here instead.
-            log.warning("request %s: its kv_transfer_params lack %s: prefilling it here", request.request_id, lacking)
+            log.warning("request %s: its kv_transfer_params lack (or mistype) %s: prefilling it here",
+                        request.request_id, lacking)  # fmt: skip
             params["do_remote_prefill"] = False
         if params.get("do_remote_decode") and params.get("remote_block_ids"):
             # A turn-2 readback (a NixlConnector decode with bidirectional_kv_xfer names the blocks it
@@ -124,6 +147,7 @@ class AdapterScheduler(_MarksIdleSteps, _WorkersServeHandshakes, NixlPullConnect
         lacking += [key for key in ("remote_host", "remote_port") if key not in params]  # null: found through etcd
         if _no_blocks(params.get("remote_block_ids")):
             lacking.append("remote_block_ids")
+        lacking += _mistyped(params, len(self.kv_cache_config.transfer_group_ids))
         if not lacking and self.settings.etcd is None and None in (params["remote_host"], params["remote_port"]):
             lacking.append("remote_host/remote_port (or an etcd_endpoint to find the producer by id)")
         return ", ".join(lacking)

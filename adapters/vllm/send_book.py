@@ -31,9 +31,10 @@ __all__ = ["SendBook", "parse_notification"]
 def parse_notification(message: bytes) -> tuple[str, int] | None:
     """``b"req-1:2"`` -> ``("req-1", 2)``; None when malformed."""
     request_id, sep, readers = message.decode(errors="replace").rpartition(":")
-    if not sep or not request_id or not readers.isdigit() or int(readers) <= 0:
+    # (ASCII digits only: str.isdigit() takes "²" and "①", which int() refuses; and a handful of them)
+    if not sep or not request_id or not (readers.isascii() and readers.isdigit()) or not 0 < len(readers) <= 6:
         return None
-    return request_id, int(readers)
+    return (request_id, int(readers)) if int(readers) > 0 else None
 
 
 class SendBook:

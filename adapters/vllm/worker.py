@@ -356,7 +356,7 @@ class ConnectorWorker:
         """Renew the leases of requests still waiting to read from `engine_id` (on the loop)."""
         try:
             ranks = remote_ranks(local_tp=self.tp_size, local_rank=self.tp_rank, remote_tp=int(info.tp_size))
-        except LayoutError as exc:  # its reads will fail with the same error; never fail vLLM's step
+        except (LayoutError, TypeError, ValueError) as exc:  # its reads fail the same way; never fail vLLM's step
             log.warning("no lease renewal with %s: %s", engine_id, exc)
             return
         port = int(info.port) if info.port else 0  # unset when producers are found through etcd

@@ -195,6 +195,14 @@ def test_producers_found_through_etcd_get_their_leases_renewed():
         ({"remote_block_ids": [[], []]}, "remote_block_ids"),
         ({"remote_engine_id": None}, "remote_engine_id"),
         ({"remote_host": None, "remote_port": None}, "etcd_endpoint"),
+        # a client's JSON of the wrong kind, which stopped the decode worker's step (before: read as valid)
+        ({"remote_block_ids": [1, 2, 3]}, "remote_block_ids (not 1 list(s)"),  # flat, not one list per group
+        ({"remote_block_ids": ([1, 2], [3])}, "remote_block_ids (not 1 list(s)"),  # a group too many
+        ({"remote_block_ids": (["1"],)}, "remote_block_ids (not 1 list(s)"),
+        ({"tp_size": "two"}, "tp_size (not a positive integer)"),
+        ({"tp_size": 0}, "tp_size (not a positive integer)"),
+        ({"remote_port": "http"}, "remote_port (not a port number)"),
+        ({"remote_request_id": 7}, "remote_request_id (not a string)"),
     ],
 )
 def test_a_request_to_pull_that_cannot_be_read_is_prefilled_here(changes, lacking, caplog):

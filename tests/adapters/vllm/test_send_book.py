@@ -1,5 +1,7 @@
 """Producer bookkeeping (pure logic): fan-in counting, early notifications, leases, strays."""
 
+import pytest
+
 from nixl_async_vllm.send_book import SendBook, parse_notification
 
 
@@ -50,6 +52,16 @@ def test_aborted_request_is_dropped():
 def test_parse_notification_keeps_colons_in_request_ids():
     assert parse_notification(b"cmpl-1:a:b:3") == ("cmpl-1:a:b", 3)
     assert parse_notification(b"no-count") is None
+
+
+@pytest.mark.parametrize("message", ["r1:\u00b2", "r1:\u2460", "r1:" + "9" * 5000, "r1:0", "r1:-1", ":1", "r1:"])
+def test_a_malformed_notification_is_refused_not_raised(message):
+    """Digits str.isdigit() takes but int() refuses ("²", "①"), or too many for int(): before, the
+    ValueError left the producer's get_finished and stopped vLLM's step. A peer may send anything."""
+    assert parse_notification(message.encode()) is None
+    book = SendBook()
+    book.hold("r1", deadline=10.0)
+    assert not book.notified(message.encode())
 
 
 def test_a_renewal_only_moves_a_held_lease_later_and_says_until_when():
