@@ -209,7 +209,7 @@ class TransferDriver:
                 if transfer.core.state is TransferState.POSTING:
                     posting = True
                     if hot_from > -_NEVER:
-                        hot_from = min(hot_from, self._hot_from(transfer))
+                        hot_from = min(hot_from, self._hot_from(transfer, inline_until))
         except BaseException:
             # Give back the room admitted for rows that never became transfers (those that did
             # give theirs back when they end, as usual).
@@ -404,7 +404,7 @@ class TransferDriver:
                 if renew_hints and transfer.link.busy_hint_due(started):  # a long transfer: renew it
                     self._send_busy_hint(self._table.of_agent(transfer.remote_agent))
                 if hot_from > -_NEVER:
-                    hot_from = min(hot_from, self._hot_from(transfer))
+                    hot_from = min(hot_from, self._hot_from(transfer, swept))
             # A post can be a multi-ms copy, and 10k state checks add up: bound the stall. (After
             # the last transfer the poller yields anyway: a second yield costs a loop iteration.)
             if (activity or not n % 256) and n < last and time.perf_counter() - swept > _SWEEP_BUDGET_S:
@@ -417,13 +417,13 @@ class TransferDriver:
         return activity
 
     @staticmethod
-    def _hot_from(transfer: Transfer) -> float:
+    def _hot_from(transfer: Transfer, now: float) -> float:
         """When the poller should start checking `transfer` on every turn (-_NEVER: now, it wants a post;
-        _NEVER: not any more, it is long overdue)."""
+        _NEVER: not any more, it is long overdue at `now`, a recent `perf_counter`)."""
         if not transfer.first_post_at or transfer.core.can_post_now:
             return -_NEVER
         start, stop = transfer.link.wire.spin_window(transfer.first_post_at, transfer.nbytes, _HOT_MARGIN_S)
-        return start if time.perf_counter() < stop else _NEVER
+        return start if now < stop else _NEVER
 
     def _send_busy_hint(self, peer: Peer | None) -> None:
         """Keep `peer` progressing its worker while transfers with it may be in flight (see `LinkRates`)."""
@@ -606,9 +606,7 @@ class TransferDriver:
 
     def _complete(self, transfer: Transfer) -> None:
         assert self.loop is not None
-        if not transfer.done_seen_at:  # a WRITE that landed and notified though it was ended meanwhile
-            transfer.done_seen_at = time.perf_counter()
-        if transfer.first_post_at:
+        if transfer.first_post_at and transfer.core.error is None:  # (one ended meanwhile measures a stall)
             transfer.link.wire.observe(transfer.nbytes, transfer.done_seen_at - transfer.first_post_at)
         now = self.loop.time()
         elapsed = now - transfer.submitted_at

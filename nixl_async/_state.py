@@ -233,7 +233,7 @@ class SliceCore:
 class TransferCore(SliceCore):
     """One transfer's slices and state. Every method returns the actions to carry out, in order."""
 
-    __slots__ = ("_running", "_unreleased", "chain_last", "max_running", "notifies")
+    __slots__ = ("_landed", "_running", "_unreleased", "chain_last", "max_running", "notifies")
 
     def __init__(
         self,
@@ -253,6 +253,7 @@ class TransferCore(SliceCore):
         self.max_running = max_running
         self.notifies = chain_last
         self.chain_last = chain_last and num_slices > 1
+        self._landed = False  # ended, yet every slice landed, the notifying one included (see _settled_if_quiet)
         # Bit masks (bit i = slice i), not sets or tuples: with 10 k transfers in flight every
         # container the garbage collector tracks makes its full collections slower; ints are not tracked.
         self._running = 0  # posted, not yet seen DONE/ERR
@@ -336,13 +337,32 @@ class TransferCore(SliceCore):
         # DONE the target has its bytes and was told so. The transfer then completed, whatever ended it
         # meanwhile (a cancel, a deadline): reporting that error would leave the two sides disagreeing.
         # (A lease that ran out stays an error: the target may have handed those blocks on.)
-        landed = self.notifies and self._next == self.num_slices and not self._errored
-        if not landed or self._held() or isinstance(self._error, LeaseExpired):
+        # The engine then checks it as any completion (`Complete`: a lease that ran out meanwhile refuses it).
+        # A caller already told it is fenced keeps that outcome.
+        landed = self.notifies and self._next == self.num_slices > 0 and not self._errored
+        if not landed or self._held() or self.state is not TransferState.RELEASING:
             return super()._settled_if_quiet()
-        was_fenced = self.state is TransferState.FENCED
+        if isinstance(self._error, LeaseExpired):  # (what ended it: its data came too late)
+            return super()._settled_if_quiet()
+        self._landed = True
+        return [Complete()]
+
+    def succeed(self) -> list[Action]:
+        if not self._landed:
+            return super().succeed()
+        self._landed = False
         self.state = TransferState.DONE
         self._release_by = float("inf")
-        return [Quiet()] if was_fenced else [Finish(None)]
+        return [Finish(None)]
+
+    def end(self, error: TransferError, now: float | None) -> list[Action]:
+        if not self._landed:
+            return super().end(error, now)
+        self._landed = False  # the engine refuses what landed (past a lease): the caller hears `error`
+        self._error = error
+        self.state = _ERROR_STATES.get(type(error), TransferState.FAILED)
+        self._release_by = float("inf")
+        return [Finish(error)]
 
 
 def _bits(mask: int) -> list[int]:

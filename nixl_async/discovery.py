@@ -317,9 +317,9 @@ class EtcdDirectory:
                 except Exception as exc:
                     self._warn(f"renewing our etcd lease at {self.endpoint} failed ({exc!r}): retrying")
                     renew_at = time.monotonic() + _RETRY_S
-                if renew_at <= now:  # the lease or our key is gone: put again, then renew right after
-                    put_at = min(put_at, now)
-                    renew_at = put_at
+                if renew_at <= now:  # the lease or our key is gone: put again (now, or at a failed put's retry)
+                    put_at = now if put_at == float("inf") else put_at
+                    renew_at = put_at  # and renew right after it
 
     async def _renew(self, interval: float) -> float:
         """Renew our lease; when to renew next (now or earlier: put the record again first)."""

@@ -527,12 +527,14 @@ class SyncEngine:
     def close(self) -> None:
         """Cancel outstanding work (`call`s still running too), close the engine (releasing every
         handle), stop the thread. A close while another thread closes returns once that one is done."""
-        if self._closed:
+        if not self._closed:
+            self._off_the_loop("close()")
+        with self._lock:  # one close runs; the others wait for it
+            first, self._closed = not self._closed, True
+        if not first:
             if threading.get_ident() != self._loop_thread:
                 self._shut.wait()
             return
-        self._off_the_loop("close()")
-        self._closed = True
         try:
             with self._lock:
                 pending = list(self._inflight.items())

@@ -289,7 +289,8 @@ class Transfer:
         return self._is_quiet
 
     async def wait(self, timeout: float | None = None) -> TransferResult:
-        """Wait for completion; on `timeout` the transfer is ended and `TransferTimeout` raised.
+        """Wait for completion; on `timeout` the transfer is ended and `TransferTimeout` raised (a WRITE
+        whose notifying last slice is already out completes all the same if it lands: see `cancel`).
 
         As with awaiting, the error is raised once the memory is quiet (or as `TransferFenced`).
         """
@@ -401,7 +402,8 @@ class TransferBatch(Transfer):
 
 
 async def wait_all(transfers: Iterable[Transfer]) -> list[TransferResult]:
-    """Await every transfer: their results in order, or else the first error (in their order) once all ended.
+    """Await every transfer: their results in order, or else an error once all ended (of the failed ones
+    it first sees, the earliest in their order).
 
     ``asyncio.gather`` over their futures returns at the first error, or when its task is
     cancelled, while the other transfers still move bytes into memory the caller now takes for

@@ -454,9 +454,16 @@ async def push_or_tell(
     try:
         return await push(engine, geometry, blocks, reg, started=started)
     except BaseException as exc:
-        if not isinstance(exc, TransferFenced | DecodeRestarted):  # (fenced: NIXL may still write into its blocks)
+        # (fenced: NIXL may still write into its blocks; notified: its last WRITE landed though the push
+        # was stopped meanwhile, and decode was told so: a failure notice now would contradict it)
+        if not isinstance(exc, TransferFenced | DecodeRestarted) and not _notified(started):
             await _despite_cancels(tell_push_failed(engine, geometry.tp_rank, reg, landed=_landed(engine, started)))
         raise
+
+
+def _notified(started: list[Transfer]) -> bool:
+    """Whether a WRITE in `started` carrying decode's notification completed (decode heard it landed)."""
+    return any(t.notify is not None and t.done() and t.exception() is None for t in started)
 
 
 def _landed(engine: TransferEngine, started: list[Transfer]) -> bool:

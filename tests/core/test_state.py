@@ -139,8 +139,28 @@ def test_a_write_whose_notifying_slice_is_out_completes_if_it_lands_whatever_end
     assert c.to_post(10) == [n - 1] and c.posted(n - 1, "PROC") == []
     assert c.end(TransferCancelled("stop"), now=0.0) == []
     assert c.checked(n - 1, "DONE") == [Release(n - 1)]
-    assert c.released(n - 1) == [Finish(None)]
+    assert c.released(n - 1) == [Complete()]  # the engine checks it as any completion...
+    assert c.succeed() == [Finish(None)]
     assert c.state is TransferState.DONE and c.quiet and c.slices_errored == 0
+    # ... and refuses it past a lease that ran out meanwhile
+    c = TransferCore(1, max_running=1, grace_s=1.0, chain_last=True, op="WRITE", peer="p", transfer_id=7)
+    post_all(c)
+    c.end(TransferCancelled("stop"), now=0.0)
+    c.checked(0, "DONE")
+    assert c.released(0) == [Complete()]
+    late = LeaseExpired("late")
+    assert c.end(late, now=1.0) == [Finish(late)] and c.state is not TransferState.DONE and c.error is late
+    # A caller told it is fenced keeps that outcome when it lands later
+    c = TransferCore(1, max_running=1, grace_s=1.0, chain_last=True, op="WRITE", peer="p", transfer_id=7)
+    post_all(c)
+    c.end(TransferCancelled("stop"), now=0.0)
+    assert isinstance(c.tick(2.0)[0], Fenced)
+    c.checked(0, "DONE")
+    assert c.released(0) == [Quiet()] and c.state is TransferState.CANCELLED
+    # A notification alone (no slice: a full prefix hit) whose sending failed is no WRITE that landed
+    c = TransferCore(0, max_running=1, grace_s=1.0, chain_last=True, op="WRITE", peer="p", transfer_id=7)
+    failed = TransferFailed("notify failed")
+    assert c.end(failed, now=0.0) == [Finish(failed)] and c.state is TransferState.FAILED
     # ... not if a slice ended in error, nor before the notifying slice went out, nor past a lease
     for fault in ("err", "unposted", "lease"):
         c = TransferCore(2, max_running=2, grace_s=1.0, chain_last=True, op="WRITE", peer="p", transfer_id=7)

@@ -693,7 +693,7 @@ async def test_a_read_submitted_while_a_sweep_yields_counts_in_that_sweeps_next_
         await first
         during = in_sweep, len(sweeps)  # (the running sweep's index)
         nxt = await nixl_engine.start_read(peer, [2], [2])
-        return during, nxt, driver._hot_from(nxt)
+        return during, nxt, driver._hot_from(nxt, time.perf_counter())
 
     follow = asyncio.ensure_future(next_after_first())
     assert large.num_slices == 1, "the large read must be one slice (else its own slice to post keeps the poller hot)"

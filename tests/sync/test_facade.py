@@ -415,6 +415,7 @@ def test_close_cancels_a_call_still_running_and_a_second_close_waits_for_it():
     """A `call()` of a coroutine that would run 30 s held `close()` for all of it (and the interpreter's
     exit); a `close()` from another thread meanwhile returned at once, before the engine had closed."""
     engine = SyncEngine(EngineConfig(engine_id="closing-calls"))
+    engine.register("kv", [np.zeros(BLOCK, np.uint8)], block_len=BLOCK)  # a handle until the engine closes
     outcome: dict[str, object] = {}
 
     def long_call():
@@ -426,13 +427,19 @@ def test_close_cancels_a_call_still_running_and_a_second_close_waits_for_it():
     caller = threading.Thread(target=long_call)
     caller.start()
     time.sleep(0.2)
-    closers = [threading.Thread(target=engine.close) for _ in range(2)]
+    returned: list[bool] = []  # for each close(), whether the engine had closed when it returned
+
+    def close():
+        engine.close()
+        returned.append(engine.engine.live_handles() == {})
+
+    closers = [threading.Thread(target=close) for _ in range(2)]
     started = time.monotonic()
     for closer in closers:
         closer.start()
-    closers[1].join(10)
+    for closer in closers:
+        closer.join(10)
     assert time.monotonic() - started < 5, "close() waited for the running call"
-    assert engine._shut.is_set(), "a second close() returned before the engine had closed"
-    closers[0].join(10)
+    assert returned == [True, True], "a close() returned before the engine had closed"
     caller.join(10)
     assert isinstance(outcome.get("call"), EngineClosedError)

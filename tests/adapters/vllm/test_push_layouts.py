@@ -557,6 +557,33 @@ async def test_a_cancelled_push_tells_decode_only_once_nixl_let_go_of_its_write(
         assert await decode.request(WaitNotifications(message=told, count=1, timeout=10)) == [engine.engine_id]
 
 
+async def test_a_push_stopped_after_its_notifying_write_went_out_tells_decode_no_failure(monkeypatch, decode_pool):
+    """The one WRITE, carrying decode's notice, is out with decode paused (SIGSTOP) when the push is
+    cancelled; decode resumes and the WRITE lands: decode hears that it landed, and no failure notice
+    after it (before: the WRITE ended cancelled and decode was also told the push failed)."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    (decode,) = await decode_pool.take(ONE, 1, tcp=True)
+    async with _prefill(ONE, min_post_bytes=64 << 20) as prefill, _inspector(ONE) as inspector:  # one slice
+        ((rank, registration),) = (await _plan(ONE, inspector, prefill, [decode], "req-stopped"))[0]
+        engine, geometry = prefill.engines[0], prefill.geometries[0]
+        pushing = asyncio.create_task(push_or_tell(engine, geometry, (ONE.prefill_ids,), registration))
+        while not engine.live_handles().get("xfers"):  # the WRITE is posted
+            await asyncio.sleep(0)
+        decode.pause()
+        try:
+            pushing.cancel()
+            await asyncio.sleep(0.3)
+        finally:
+            decode.resume()
+        with pytest.raises(asyncio.CancelledError):
+            await pushing
+        landed = push_notification("req-stopped", rank)
+        assert await decode.request(WaitNotifications(message=landed, count=1, timeout=10)) == [engine.engine_id]
+        failed = push_failure_notification("req-stopped", rank, registration.write_by, landed=True)
+        with pytest.raises(PeerCommandError, match="NotificationTimeout"):
+            await decode.request(WaitNotifications(message=failed, count=1, timeout=1.0))
+
+
 # -- refused before anything is sent or written --------------------------------------------------
 async def _receive_refused(case: Case, prefill: Prefill, backend: str | None = None) -> None:
     """Run `receive_pushed` for decode rank 0 against `prefill`, which must get no registration."""
