@@ -336,9 +336,8 @@ class TransferCore(SliceCore):
         # Ended while its last slice, carrying the notification, was already out: if every slice ended
         # DONE the target has its bytes and was told so. The transfer then completed, whatever ended it
         # meanwhile (a cancel, a deadline): reporting that error would leave the two sides disagreeing.
-        # (A lease that ran out stays an error: the target may have handed those blocks on.)
-        # The engine then checks it as any completion (`Complete`: a lease that ran out meanwhile refuses it).
-        # A caller already told it is fenced keeps that outcome.
+        # The engine checks it as any completion (`Complete`): past a lease it is refused, as when a
+        # lease that ran out ended it. A caller already told it is fenced keeps that outcome.
         landed = self.notifies and self._next == self.num_slices > 0 and not self._errored
         if not landed or self._held() or self.state is not TransferState.RELEASING:
             return super()._settled_if_quiet()
