@@ -53,14 +53,19 @@ def answer_renewal(book: SendBook, payload: bytes, extension_s: float) -> bytes:
 class LearnedLeases:
     """Reader side: the latest expiry each producer acknowledged, per (engine, request). Loop thread only."""
 
+    FORGOTTEN_KEPT = 4096  # requests forgotten lately: a round asked before they ended must not bring them back
+
     def __init__(self) -> None:
         self._expiry: dict[tuple[str, str], float] = {}
+        self._forgotten: dict[tuple[str, str], None] = {}  # insertion-ordered, the oldest dropped first
 
     def learn(self, engine_id: str, request_ids: list[str], replies: list[dict[str, float]]) -> None:
         """Record one heartbeat round: every producer rank's reply (a request is held until the earliest)."""
         for request_id in request_ids:
             acknowledged = min(reply.get(request_id, GONE) for reply in replies)
             key = (engine_id, request_id)
+            if key in self._forgotten:
+                continue  # it ended while the round was out (kept, it would stay until that engine's next round)
             known = self._expiry.get(key)
             if known == GONE:
                 continue  # released is final; a slower, older reply cannot bring it back
@@ -79,7 +84,11 @@ class LearnedLeases:
         return max(learned, announced)
 
     def forget(self, engine_id: str, request_id: str) -> None:
-        self._expiry.pop((engine_id, request_id), None)
+        key = (engine_id, request_id)
+        self._expiry.pop(key, None)
+        self._forgotten[key] = None
+        if len(self._forgotten) > self.FORGOTTEN_KEPT:
+            del self._forgotten[next(iter(self._forgotten))]
 
     def __len__(self) -> int:
         return len(self._expiry)

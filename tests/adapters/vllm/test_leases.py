@@ -96,6 +96,20 @@ def test_learned_leases_only_grow_until_gone_and_forget_what_is_no_longer_asked(
     assert len(leases) == 0
 
 
+def test_a_round_asked_before_its_request_ended_does_not_bring_it_back():
+    """The read ended (forgotten) while a renewal round naming it was out; the round's replies came after.
+    Before, they added it again, and it stayed for as long as nothing renewed that producer again (a
+    restarted prefill has a new engine id: for good)."""
+    leases = LearnedLeases()
+    leases.learn("p", ["a"], [{"a": 100.0}])
+    leases.forget("p", "a")
+    leases.learn("p", ["a"], [{"a": 130.0}])
+    assert len(leases) == 0 and leases.expiry("p", "a", 50.0) == 50.0
+    for i in range(LearnedLeases.FORGOTTEN_KEPT + 10):  # what it remembers of them is bounded
+        leases.forget("q", str(i))
+    assert len(leases._forgotten) == LearnedLeases.FORGOTTEN_KEPT
+
+
 async def test_a_long_queue_is_renewed_in_several_calls(cluster):
     """Thousands of waiting requests exceed one call's size limit: every one of them is still renewed."""
     books, _producers, reader, addresses = cluster
