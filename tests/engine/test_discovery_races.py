@@ -2,8 +2,10 @@
 that goes and comes back, a put etcd refuses, a caller's own timeout."""
 
 import asyncio
+import contextlib
 import socket
 import time
+from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
@@ -12,7 +14,7 @@ from nixl_async import DiscoveryUnavailable, EngineConfig, EtcdConfig, PeerNotPu
 from nixl_async._etcd_http import EtcdError, EtcdHttp
 from nixl_async.discovery import RecordOrder
 from nixl_async.testing import Register, verify_blocks
-from nixl_async.testing.etcd import etcd_or_skip
+from nixl_async.testing.etcd import EtcdServer, etcd_or_skip
 
 from .test_discovery import BLOCK, NAMESPACE, _etcd_config, _etcd_value, _key, _record, _regions, _until
 
@@ -141,21 +143,28 @@ async def test_a_record_that_comes_back_as_it_was_is_published_again(etcd, nixl_
         await reader.close()
 
 
-async def test_a_put_etcd_keeps_refusing_does_not_stop_the_lease_renewals():
-    """A new record over etcd's request size limit: its put fails every time. Before, each retry came
-    before the renewal, so the lease ran out and the live engine's record left etcd."""
+@contextlib.asynccontextmanager
+async def _record_grown_too_big(lease_ttl_s: int) -> AsyncIterator[tuple[EtcdServer, discovery.EtcdDirectory]]:
+    """An etcd refusing requests over 4 KiB, and a directory that published a small record, then one too big."""
     with etcd_or_skip(options=["--max-request-bytes=4096"]) as small:
-        directory = discovery.EtcdDirectory(EtcdConfig(small.endpoint, namespace=NAMESPACE, lease_ttl_s=2),
+        directory = discovery.EtcdDirectory(EtcdConfig(small.endpoint, namespace=NAMESPACE, lease_ttl_s=lease_ttl_s),
                                             timeout=2.0)  # fmt: skip
         try:
             await directory.publish(_record("big", "1"))
             directory.republish(_record("big", "2" * 8000))
-            for _ in range(8):  # two lease TTLs
-                await asyncio.sleep(0.5)
-                assert await _etcd_value(small, "big") is not None, "a live engine's record left etcd"
-            assert directory._keeper is not None and not directory._keeper.done()
+            yield small, directory
         finally:
             await directory.close()
+
+
+async def test_a_put_etcd_keeps_refusing_does_not_stop_the_lease_renewals():
+    """A new record over etcd's request size limit: its put fails every time. Before, each retry came
+    before the renewal, so the lease ran out and the live engine's record left etcd."""
+    async with _record_grown_too_big(lease_ttl_s=2) as (small, directory):
+        for _ in range(8):  # two lease TTLs
+            await asyncio.sleep(0.5)
+            assert await _etcd_value(small, "big") is not None, "a live engine's record left etcd"
+        assert directory._keeper is not None and not directory._keeper.done()
 
 
 async def test_a_lost_lease_and_a_refused_put_are_retried_every_second_not_spun_on(monkeypatch):
@@ -170,18 +179,11 @@ async def test_a_lost_lease_and_a_refused_put_are_retried_every_second_not_spun_
         return await real_put(self, key, value, lease)
 
     monkeypatch.setattr(EtcdHttp, "put", counted_put)
-    with etcd_or_skip(options=["--max-request-bytes=4096"]) as small:
-        directory = discovery.EtcdDirectory(EtcdConfig(small.endpoint, namespace=NAMESPACE, lease_ttl_s=3),
-                                            timeout=2.0)  # fmt: skip
-        try:
-            await directory.publish(_record("big", "1"))
-            directory.republish(_record("big", "2" * 8000))
-            await directory._client.revoke(directory._lease_id)  # the lease lapses meanwhile
-            calls.clear()
-            await asyncio.sleep(3.0)
-            assert 1 <= len(calls) <= 8, f"{len(calls)} puts in 3 s"
-        finally:
-            await directory.close()
+    async with _record_grown_too_big(lease_ttl_s=3) as (_, directory):
+        await directory._client.revoke(directory._lease_id)  # the lease lapses meanwhile
+        calls.clear()
+        await asyncio.sleep(3.0)
+        assert 1 <= len(calls) <= 8, f"{len(calls)} puts in 3 s"
 
 
 async def test_a_callers_timeout_longer_than_the_handshake_timeout_is_kept_for_etcd():

@@ -8,6 +8,8 @@ polling (progressing UCX) for a second, and compare.
 """
 
 import asyncio
+import gc
+import weakref
 import zlib
 
 import numpy as np
@@ -24,7 +26,7 @@ from nixl_async import (
     TransferTimeout,
     wait_all,
 )
-from nixl_async.testing import Checksums
+from nixl_async.testing import Checksums, TransferCommand
 
 BLOCK = 1 << 20
 BLOCKS = 96
@@ -348,3 +350,30 @@ async def test_a_transfer_the_close_leaves_fenced_tells_its_waiters_so_at_once(m
         assert await asyncio.wait_for(error.quiet(None), 2) is False
     finally:
         tcp_peer.resume()
+
+
+@pytest.mark.parametrize("op", ["READ", "WRITE"])
+async def test_memory_deregistered_under_a_peers_transfer_stays_alive(tcp_engine, nixl_peer_factory, op):
+    """Memory deregistered 50 ms into a peer's READ or WRITE of all 192 MiB of it: the peer is still served
+    from that address (UCX over TCP checks no memory keys), and so is one holding our older metadata.
+    The engine keeps the objects referenced until it closes; before, deregistering dropped them, the
+    array was freed under the peer's read and our process crashed (a segfault draining notifications)."""
+    blocks = 192
+    await tcp_engine.serve()
+    peer = nixl_peer_factory(num_regions=1, num_blocks=blocks, block_len=BLOCK, seed=3, tcp=True)
+    memory = np.full(blocks * BLOCK, 0x11, np.uint8)
+    alive = weakref.ref(memory)
+    tcp_engine.register("kv", [memory], block_len=BLOCK)
+    del memory  # the engine holds the only reference
+    host, port = tcp_engine.address
+    ids = list(range(blocks))
+    await peer.request(TransferCommand(op=op, host=host, port=port, local_blocks=[0], remote_blocks=[0], timeout=10))
+    moving = asyncio.ensure_future(peer.request(TransferCommand(op=op, host=host, port=port, local_blocks=ids,
+                                                                remote_blocks=ids, timeout=20)))  # fmt: skip
+    await asyncio.sleep(0.05)
+    tcp_engine.deregister("kv")
+    gc.collect()
+    assert alive() is not None, "deregistered memory a peer may still reach was freed"
+    await asyncio.gather(moving, return_exceptions=True)  # served to the end, or a typed failure on its side
+    await asyncio.sleep(0.5)  # our poller keeps progressing UCX meanwhile
+    assert alive() is not None
