@@ -163,7 +163,8 @@ class TransferDriver:
         collected = COLLECTOR.get()
         # Small transfers are posted here, for as long as one sweep's budget lasts; the poller posts
         # the rest of a large batch, yielding as it goes, so a batch never stalls the loop for long.
-        inline_until = time.perf_counter() + _SWEEP_BUDGET_S
+        clock = time.perf_counter()
+        inline_until = clock + _SWEEP_BUDGET_S
         rows = iter(rows)
         unheld: DescIds | None = None  # a row's admitted room not yet held by its transfer
         try:
@@ -209,7 +210,7 @@ class TransferDriver:
                 if transfer.core.state is TransferState.POSTING:
                     posting = True
                     if hot_from > -_NEVER:
-                        hot_from = min(hot_from, self._hot_from(transfer, inline_until))
+                        hot_from = min(hot_from, self._hot_from(transfer, clock))
         except BaseException:
             # Give back the room admitted for rows that never became transfers (those that did
             # give theirs back when they end, as usual).
