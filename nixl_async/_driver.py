@@ -37,7 +37,7 @@ from .layout import DescIds, IdArray
 from .stats import EngineStats
 from .transfer import Transfer, TransferBatch, TransferFuture, TransferResult, descriptors_per_slice
 
-__all__ = ["COLLECTOR", "TransferCollection", "TransferDriver"]
+__all__ = ["COLLECTOR", "TransferCollection", "TransferDriver", "earliest"]
 
 log = logging.getLogger("nixl_async.engine")
 
@@ -66,6 +66,13 @@ class TransferCollection(list[Transfer]):
 COLLECTOR: contextvars.ContextVar[TransferCollection | None] = contextvars.ContextVar(
     "nixl_async_collector", default=None
 )
+
+
+def earliest(deadline: float | None, lease_deadline: float | None) -> float | None:
+    """A transfer's effective deadline: the caller's own or the producer's lease, whichever comes first."""
+    if lease_deadline is None or (deadline is not None and deadline <= lease_deadline):
+        return deadline
+    return lease_deadline
 
 
 class TransferDriver:
@@ -156,7 +163,8 @@ class TransferDriver:
         copy_rate = self.copy_rates.of(route)
         per_slice = descriptors_per_slice(piece_len, slice_bytes(config, copy_rate, peer.link),
                                           config.max_post_descriptors)  # fmt: skip
-        self._expect(peer, now, deadline)
+        first = earliest(deadline, lease_deadline)
+        self._expect(peer, now, first)
         started: list[Transfer] = []
         posting, notify_only = False, 0
         hot_from = _NEVER  # of the transfers posted here (-_NEVER: one still wants a post)
@@ -187,7 +195,7 @@ class TransferDriver:
                     per_slice=per_slice,
                     notify=notify,
                     nbytes=len(lidx) * piece_len,
-                    deadline=deadline,
+                    deadline=first,
                     submitted_at=now,
                     future=TransferFuture(loop=loop, transfer_id=transfer_id, on_cancel=self._awaiter_cancelled_cb),
                     cancel_cb=self._end_cb,
@@ -196,7 +204,7 @@ class TransferDriver:
                     slices_in_flight=config.slices_in_flight,
                     release_grace_s=config.release_grace_s,
                 )
-                transfer.lease_deadline = lease_deadline
+                transfer.lease_deadline, transfer.timeout_deadline = lease_deadline, deadline
                 self.active[transfer_id] = transfer  # from here on `_retire` gives the admitted room back
                 unheld = None
                 started.append(transfer)
@@ -249,7 +257,8 @@ class TransferDriver:
         agent, loop, config = self.agent, self.loop, self._config
         assert agent is not None and loop is not None
         now = loop.time()
-        self._expect(peer, now, deadline)
+        first = earliest(deadline, lease_deadline)
+        self._expect(peer, now, first)
         transfer_id = next(self._ids)
         batch = TransferBatch(
             rows_local=rows[0],
@@ -263,7 +272,7 @@ class TransferDriver:
             remote_dlist=remote_dlist,
             notify=None,
             nbytes=nbytes,
-            deadline=deadline,
+            deadline=first,
             submitted_at=now,
             future=TransferFuture(loop=loop, transfer_id=transfer_id, on_cancel=self._awaiter_cancelled_cb),
             cancel_cb=self._end_cb,
@@ -271,7 +280,7 @@ class TransferDriver:
             copy_rate=self.copy_rates.of(route),
             release_grace_s=config.release_grace_s,
         )
-        batch.lease_deadline = lease_deadline
+        batch.lease_deadline, batch.timeout_deadline = lease_deadline, deadline
         self.active[transfer_id] = batch  # from here on `_retire` gives the admitted room back
         if (collected := COLLECTOR.get()) is not None:
             collected.append(batch)
@@ -442,8 +451,28 @@ class TransferDriver:
         )
 
     def _timed_out(self, transfer: Transfer) -> None:
+        assert self.loop is not None
+        if transfer.lease_deadline is not None and self.loop.time() >= transfer.lease_deadline:
+            self.end(transfer, LeaseExpired(f"the lease from {transfer.peer} ran out during the {transfer.op}",
+                                            transfer_id=transfer.id, peer=transfer.peer))  # fmt: skip
+            return
         self.end(transfer, TransferTimeout(f"{transfer.op} with {transfer.peer} missed its deadline",
                                            transfer_id=transfer.id, peer=transfer.peer))  # fmt: skip
+
+    def renew_lease(self, transfer: Transfer, lease_deadline: float) -> bool:
+        """The producer moved `transfer`'s lease to `lease_deadline` (loop time); its deadline follows,
+        never past the caller's own. Ended at once if that is past. False: no lease, or already ended."""
+        assert self.loop is not None
+        if (transfer.lease_deadline is None or transfer.core.state is not TransferState.POSTING
+                or self.active.get(transfer.id) is not transfer):  # fmt: skip
+            return False
+        transfer.lease_deadline = lease_deadline
+        transfer.deadline = earliest(transfer.timeout_deadline, lease_deadline)
+        if self.loop.time() >= lease_deadline:
+            self._timed_out(transfer)
+        elif transfer.deadline is not None and transfer.deadline < self._next_deadline:
+            self._next_deadline = transfer.deadline
+        return True
 
     def pump(self, agent: OwnedAgent, transfer: Transfer, max_posts: int, swept: float = 0.0,
              until: float = _NEVER) -> bool:  # fmt: skip

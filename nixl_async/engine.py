@@ -32,7 +32,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from typing import Any, Self
 
 import msgspec
@@ -45,7 +45,7 @@ from ._admission import Admission
 from ._agent import NIXL_ERRORS, OwnedAgent
 from ._connections import Connections
 from ._dialer import Dialer, handshake_limit, segment_mismatch
-from ._driver import COLLECTOR, TransferCollection, TransferDriver
+from ._driver import COLLECTOR, TransferCollection, TransferDriver, earliest
 from ._memory import MemoryRegistry, ViewLike, layout_of_memory
 from ._notify_guard import REFUSAL_REASONS
 from ._notify_transport import WIREUP_BRISK_S, NotificationTransport
@@ -630,6 +630,29 @@ class TransferEngine:
             return False
         return True
 
+    def renew_lease(self, transfers: Iterable[Transfer], lease_expires_at: float) -> int:
+        """The producer's lease on running `transfers` now ends at `lease_expires_at` (its `time.time()`,
+        as given at submit): a read longer than the first lease need not fail while the lease is renewed.
+
+        Each deadline follows its lease but never passes the transfer's own `timeout`. An expiry
+        already past (the producer let the blocks go) ends them with `LeaseExpired`, reported once
+        NIXL holds none of their handles, as any error. Transfers submitted without a lease, and
+        ended ones, are left alone. Returns how many were moved. Call it on the engine's loop.
+        """
+        self._require_agent()
+        if asyncio._get_running_loop() is not self._loop:
+            raise WrongThreadError("renew_lease() runs on the engine's loop (its transfers' deadlines live there)")
+        if lease_expires_at != lease_expires_at:
+            raise ValueError("lease_expires_at must be a number of seconds, not NaN")
+        assert self._loop is not None
+        now, wall = self._loop.time(), time.time()
+        moved = 0
+        for transfer in transfers:
+            peer = self._peers.table.of_agent(transfer.remote_agent)
+            if peer is not None:  # (a forgotten peer's transfers failed with it)
+                moved += self._driver.renew_lease(transfer, now + lease_expires_at - (wall + peer.clock_offset_s))
+        return moved
+
     @contextlib.contextmanager
     def collect_transfers(self) -> Iterator[list[Transfer]]:
         """Collect every transfer submitted inside this block, by this task or tasks it starts.
@@ -751,7 +774,8 @@ class TransferEngine:
             raise ValueError(f"row {lengths.index(0)} of the batch has no blocks (every row needs some)")
         piece_len = local_view.piece_len
         deadline, lease_deadline = self._deadlines(peer, timeout, lease_expires_at)
-        local_dlist, remote_dlist = await self._admit(peer, [n * piece_len for n in lengths], deadline, local_view,
+        local_dlist, remote_dlist = await self._admit(peer, [n * piece_len for n in lengths],
+                                                      earliest(deadline, lease_deadline), local_view,
                                                       remote_view)  # fmt: skip
         descriptors = sum(lengths)
         return self._driver.submit_batch(op, peer, local_dlist, remote_dlist, (lidx, ridx), descriptors,
@@ -791,7 +815,8 @@ class TransferEngine:
         if self._admission.try_acquire(nbytes):  # room now: no coroutine to wait in
             local_dlist, remote_dlist = self._admitted(peer, (nbytes,), local_view, remote_view)
         else:
-            local_dlist, remote_dlist = await self._admit(peer, (nbytes,), deadline, local_view, remote_view)
+            local_dlist, remote_dlist = await self._admit(peer, (nbytes,), earliest(deadline, lease_deadline),
+                                                          local_view, remote_view)  # fmt: skip
         return self._driver.submit(op, peer, (local_dlist, lidx), (remote_dlist, ridx), local_view.piece_len, notify,
                                    deadline, lease_deadline, _route(local_view, remote_view))  # fmt: skip
 
@@ -831,7 +856,8 @@ class TransferEngine:
         if not sizes:  # nothing to read or write: notifications only
             return [self._driver.notify_only(op, peer, m) for m in notes]
         deadline, lease_deadline = self._deadlines(peer, timeout, lease_expires_at)
-        local_dlist, remote_dlist = await self._admit(peer, sizes, deadline, local_view, remote_view)
+        local_dlist, remote_dlist = await self._admit(peer, sizes, earliest(deadline, lease_deadline), local_view,
+                                                      remote_view)  # fmt: skip
         rows = zip(lidx, ridx, notes, strict=True)
         return self._driver.submit_many(op, peer, local_dlist, remote_dlist, piece_len, rows, deadline,
                                         lease_deadline, _route(local_view, remote_view))  # fmt: skip
@@ -849,7 +875,8 @@ class TransferEngine:
 
     def _deadlines(self, peer: Peer, timeout: float | None, lease_expires_at: float | None
                    ) -> tuple[float | None, float | None]:  # fmt: skip
-        """A submit's (deadline, lease deadline) in loop time; `LeaseExpired` if the lease already ran out."""
+        """A submit's (deadline, lease deadline) in loop time, apart (a renewal moves only the lease:
+        `renew_lease`); `LeaseExpired` if the lease already ran out."""
         assert self._loop is not None
         now = self._loop.time()
         for name, value in (("timeout", timeout), ("lease_expires_at", lease_expires_at)):
@@ -868,8 +895,7 @@ class TransferEngine:
                 f"the lease from {peer.engine_id} expired {-remaining:.3f}s ago: its blocks may hold other data",
                 peer=peer.engine_id,
             )
-        timeout = remaining if timeout is None else min(timeout, remaining)
-        return now + timeout, now + remaining
+        return (None if timeout is None else now + timeout), now + remaining
 
     async def _admit(self, peer: Peer, sizes: Sequence[int], deadline: float | None, local_view: BlockView,
                      remote_view: BlockView) -> tuple[Any, Any]:  # fmt: skip

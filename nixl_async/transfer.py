@@ -127,6 +127,7 @@ class Transfer:
         "remote_dlist",
         "remote_ids",
         "submitted_at",
+        "timeout_deadline",
     )
 
     def __init__(
@@ -173,6 +174,7 @@ class Transfer:
         self.piece_len = nbytes // self.descriptors if self.descriptors else 0
         self.deadline = deadline
         self.lease_deadline: float | None = None  # loop time past which the producer may reuse its blocks
+        self.timeout_deadline = deadline  # the caller's own: a renewed lease moves `deadline` up to it
         self.submitted_at = submitted_at
         self.post_seconds = 0.0
         self.first_post_at = 0.0  # perf_counter at the first post (0: not posted yet)

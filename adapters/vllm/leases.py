@@ -10,24 +10,27 @@ blocks are gone (the read is refused as `LeaseExpired` instead of reading reused
 
 Producer: `answer_renewal` (runs on the engine's loop, as the topic's call handler).
 Reader: `heartbeat` (a coroutine on the engine's loop) records replies in `LearnedLeases`,
-which `expiry` consults when a read starts.
+which `expiry` consults when a read starts; a request being read has a `RequestLease`, which a
+renewal moves along with the deadlines of its reads in flight (as vLLM's connector, which keeps
+renewing until the read ends: a read longer than the first lease is not failed).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
 
 import msgspec
 
-from nixl_async import HandshakeError, TransferEngine
+from nixl_async import HandshakeError, Transfer, TransferEngine
 
 from .send_book import SendBook
 from .settings import connect_rank
 
-__all__ = ["LEASE_TOPIC", "LearnedLeases", "answer_renewal", "heartbeat"]
+__all__ = ["LEASE_TOPIC", "LearnedLeases", "RequestLease", "answer_renewal", "heartbeat"]
 
 log = logging.getLogger(f"vllm.{__name__}")
 
@@ -50,6 +53,21 @@ def answer_renewal(book: SendBook, payload: bytes, extension_s: float) -> bytes:
     return _encode({request_id: wall + (deadline - now) for request_id, deadline in held.items()})
 
 
+@dataclasses.dataclass(eq=False)
+class RequestLease:
+    """One request being read: until when its producer holds the blocks (its wall clock, the latest
+    word), and the reads in flight on them, which a renewal reaches (`TransferEngine.renew_lease`)."""
+
+    expires_at: float | None
+    margin_s: float  # a read must be done this long before the producer's lease ends
+    reads: list[Transfer] = dataclasses.field(default_factory=list)
+
+    @property
+    def read_by(self) -> float | None:
+        """The `lease_expires_at` a read gets: the lease less the margin."""
+        return None if self.expires_at is None else self.expires_at - self.margin_s
+
+
 class LearnedLeases:
     """Reader side: the latest expiry each producer acknowledged, per (engine, request). Loop thread only."""
 
@@ -58,9 +76,20 @@ class LearnedLeases:
     def __init__(self) -> None:
         self._expiry: dict[tuple[str, str], float] = {}
         self._forgotten: dict[tuple[str, str], None] = {}  # insertion-ordered, the oldest dropped first
+        self._reading: dict[tuple[str, str], RequestLease] = {}
 
-    def learn(self, engine_id: str, request_ids: list[str], replies: list[dict[str, float]]) -> None:
-        """Record one heartbeat round: every producer rank's reply (a request is held until the earliest)."""
+    def reading(self, engine_id: str, request_id: str, announced: float | None, margin_s: float) -> RequestLease:
+        """A read of the request starts: its lease as known now, kept up to date until `forget`."""
+        lease = RequestLease(self.expiry(engine_id, request_id, announced), margin_s)
+        self._reading[(engine_id, request_id)] = lease
+        return lease
+
+    def learn(self, engine_id: str, request_ids: list[str], replies: list[dict[str, float]]) -> list[RequestLease]:
+        """Record one heartbeat round: every producer rank's reply (a request is held until the earliest).
+
+        Returns the leases of requests being read that moved: their reads in flight are to follow.
+        """
+        moved = []
         for request_id in request_ids:
             acknowledged = min(reply.get(request_id, GONE) for reply in replies)
             key = (engine_id, request_id)
@@ -70,9 +99,15 @@ class LearnedLeases:
             if known == GONE:
                 continue  # released is final; a slower, older reply cannot bring it back
             self._expiry[key] = GONE if acknowledged == GONE else max(acknowledged, known or GONE)
+            if (lease := self._reading.get(key)) is not None:
+                expires_at = self.expiry(engine_id, request_id, lease.expires_at)
+                if expires_at != lease.expires_at:
+                    lease.expires_at = expires_at
+                    moved.append(lease)
         asked = set(request_ids)
         for key in [k for k in self._expiry if k[0] == engine_id and k[1] not in asked]:
             del self._expiry[key]  # no longer heartbeated: read, or aborted
+        return moved
 
     def expiry(self, engine_id: str, request_id: str, announced: float | None) -> float | None:
         """When the producer's blocks expire: the latest word, the announced lease if none came."""
@@ -86,6 +121,7 @@ class LearnedLeases:
     def forget(self, engine_id: str, request_id: str) -> None:
         key = (engine_id, request_id)
         self._expiry.pop(key, None)
+        self._reading.pop(key, None)
         self._forgotten[key] = None
         if len(self._forgotten) > self.FORGOTTEN_KEPT:
             del self._forgotten[next(iter(self._forgotten))]
@@ -107,7 +143,8 @@ async def heartbeat(
 
     A round counts only if every rank answered; otherwise nothing is learned (the reader keeps
     the last acknowledged expiry, which is safe) and `on_failure` hears why. Long queues go in
-    several calls of at most `IDS_PER_CALL` ids.
+    several calls of at most `IDS_PER_CALL` ids. Reads in flight follow their request's new lease
+    (a producer that answers it no longer holds a request ends them: `LeaseExpired`).
     """
     chunks = [request_ids[i : i + IDS_PER_CALL] for i in range(0, len(request_ids), IDS_PER_CALL)]
 
@@ -128,4 +165,6 @@ async def heartbeat(
             on_failure(error)
         tasks = []
     if tasks:
-        leases.learn(engine_id, request_ids, [task.result() for task in tasks])
+        for lease in leases.learn(engine_id, request_ids, [task.result() for task in tasks]):
+            if lease.reads and (read_by := lease.read_by) is not None:
+                engine.renew_lease(lease.reads, read_by)

@@ -17,7 +17,6 @@ lease through acknowledged calls (`leases`).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import queue
 import time
@@ -47,7 +46,7 @@ from nixl_async import (
 from . import cpu_quirks
 from .block_pairs import GroupBlocks, in_kernel_pages, kernel_pages, pair_blocks, window_pages_of_prompt
 from .kv_layout import CacheLayout, describe_cache, no_head_window, packing_name
-from .leases import LEASE_TOPIC, LearnedLeases, answer_renewal, heartbeat
+from .leases import LEASE_TOPIC, LearnedLeases, RequestLease, answer_renewal, heartbeat
 from .push_book import PUSH_FAILED_PREFIX, PUSH_PREFIX
 from .send_book import SendBook
 from .settings import AdapterSettings, connect_rank, rank_engine_id
@@ -431,11 +430,10 @@ class ConnectorWorker:
     async def _receive(self, engine: TransferEngine, job: RecvJob) -> None:
         if self.geometry is None:
             raise LayoutError("register_kv_caches() has not run")
-        expires_at = self._leases.expiry(job.remote_engine_id, job.remote_request_id, job.expires_at)
-        job = dataclasses.replace(job, expires_at=expires_at)
+        lease = self._leases.reading(job.remote_engine_id, job.remote_request_id, job.expires_at,
+                                     self._lease_margin_s)  # fmt: skip
         try:
-            results = await receive(engine, self.geometry, job, lease_margin_s=self._lease_margin_s,
-                                    notice_failed=self._notice_failed)  # fmt: skip
+            results = await receive(engine, self.geometry, job, lease=lease, notice_failed=self._notice_failed)
             for result in results:
                 self._results.put(result)
         finally:
@@ -668,6 +666,7 @@ async def receive(
     *,
     lease_margin_s: float = LEASE_MARGIN_S,
     notice_failed: Callable[[NotificationFailed], None] | None = None,
+    lease: RequestLease | None = None,
 ) -> list[TransferResult]:
     """Pull one request on the engine's loop: handshake, plan from the producer's layout, read, notify.
 
@@ -680,8 +679,12 @@ async def receive(
     twice), so it frees them at once instead of at its lease's end; unless that lease has ended
     (it freed them). A notice that cannot be sent fails nothing (the data is here; that rank
     frees its blocks when its lease ends, as with vLLM's connector): it is logged and given to
-    `notice_failed`.
+    `notice_failed`. `lease` (default: ``job.expires_at`` less `lease_margin_s`, never renewed)
+    is the request's lease as the worker's heartbeats renew it: reads start within its latest
+    word and are kept in it for renewals to reach.
     """
+    if lease is None:
+        lease = RequestLease(job.expires_at, lease_margin_s)
     notify = f"{job.remote_request_id}:{expected_consumers(remote_tp=job.remote_tp, local_tp=geometry.tp_size)}"
     message = notify.encode()
 
@@ -712,7 +715,7 @@ async def receive(
 
     ranks = remote_ranks(local_tp=geometry.tp_size, local_rank=geometry.tp_rank, remote_tp=job.remote_tp)
     results: list[TransferResult] = []
-    started: list[Transfer] = []
+    started = lease.reads  # (renewals reach them there)
     carries_notice: dict[str, Transfer] = {}  # producer rank -> its one READ, which notifies it once landed
 
     async def one_rank(step: RankRead, peer: Peer) -> None:
@@ -725,7 +728,7 @@ async def receive(
         mine = []
         for p in parts:
             transfer = await engine.start_read(peer, p.local_blocks, p.remote_blocks, local=p.local, remote=p.remote,
-                                               notify=piggyback, lease_expires_at=lease)  # fmt: skip
+                                               notify=piggyback, lease_expires_at=lease.read_by)  # fmt: skip
             started.append(transfer)
             mine.append(transfer)
         if piggyback is None:
@@ -749,7 +752,7 @@ async def receive(
             log.error("request %s: NIXL still holds reads into its blocks after cancelling them", job.request_id)
             if not all(await asyncio.gather(*(t.wait_quiet() for t in started))):
                 return  # the engine closed with NIXL holding some: they stay fenced
-        if isinstance(error, LeaseExpired) or (job.expires_at is not None and time.time() >= job.expires_at):
+        if isinstance(error, LeaseExpired) or (lease.expires_at is not None and time.time() >= lease.expires_at):
             return  # (the producer freed them when the lease ended: a notice now would count as a stray one)
         for engine_id, transfer in carries_notice.items():
             if transfer.done() and isinstance(transfer.exception(), NotificationFailed | None):
@@ -784,7 +787,6 @@ async def receive(
             local, remote = pair_blocks(blocks, ratio, paged=paged)
             local_blocks += local
             remote_blocks += remote
-        lease = None if job.expires_at is None else job.expires_at - lease_margin_s
         if len(plan.steps) == 1:
             step = plan.steps[0]
             peer = await connect_job_rank(engine, job, step.remote_rank)

@@ -8,8 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from nixl_async import EngineConfig, TransferEngine
-from nixl_async.testing import PeerCommandError, Stats, TransferCommand, fill_pattern
+from nixl_async import EngineConfig, LeaseExpired, TransferEngine, TransferState, TransferTimeout, WrongThreadError
+from nixl_async.testing import PeerCommandError, Stats, TransferCommand, fill_pattern, pattern_block
 
 BLOCK = 4096
 
@@ -76,3 +76,96 @@ async def test_a_lease_the_close_ends_logs_nothing_never_retrieved(caplog):
     gc.collect()
     await asyncio.sleep(0.05)
     assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
+
+
+# -- a lease renewed while its read is in flight (UCX over TCP: the read really is in flight) ----------
+TCP_BLOCK = 1 << 20
+TCP_BLOCKS = 32
+
+
+@pytest.fixture
+async def tcp_reader(monkeypatch, nixl_peer_factory):
+    """(reader engine, its regions, the connected peer, the peer's process); the peer's blocks hold seed 5."""
+    monkeypatch.setenv("UCX_TLS", "tcp")  # read when the agent's UCX worker is created
+    proc = nixl_peer_factory(num_regions=1, num_blocks=TCP_BLOCKS, block_len=TCP_BLOCK, seed=5, tcp=True)
+    engine = await TransferEngine(EngineConfig(engine_id="lease-reader")).start()
+    regions = [np.zeros(TCP_BLOCKS * TCP_BLOCK, np.uint8)]
+    engine.register("kv", regions, block_len=TCP_BLOCK)
+    peer = await engine.connect(*proc.address)
+    try:
+        yield engine, regions, peer, proc
+    finally:
+        proc.resume()
+        await engine.close()
+
+
+async def _held_in_flight(engine, peer, proc, **kwargs):
+    """A read of every block, in flight, with the peer stopped (SIGSTOP) so it stays so."""
+    ids = list(range(TCP_BLOCKS))
+    transfer = await engine.start_read(peer, ids, ids, **kwargs)
+    for _ in range(2000):
+        if transfer.core.has_running:
+            proc.pause()
+            return transfer
+        await asyncio.sleep(0.0005)
+    pytest.fail("the read never had a slice in flight: is UCX really using TCP?")
+
+
+async def test_a_lease_running_out_mid_read_is_reported_as_such(tcp_reader):
+    """Before, a lease that ran out while the read was in flight ended it as `TransferTimeout`."""
+    engine, _regions, peer, proc = tcp_reader
+    transfer = await _held_in_flight(engine, peer, proc, lease_expires_at=time.time() + 0.3)
+    await asyncio.sleep(0.4)
+    proc.resume()
+    with pytest.raises(LeaseExpired):
+        await transfer
+
+
+async def test_a_renewed_lease_lets_the_read_in_flight_finish(tcp_reader):
+    engine, regions, peer, proc = tcp_reader
+    transfer = await _held_in_flight(engine, peer, proc, lease_expires_at=time.time() + 0.3)
+    assert engine.renew_lease([transfer], time.time() + 30) == 1
+    await asyncio.sleep(0.5)  # past the first lease, the peer still stopped
+    proc.resume()
+    result = await transfer
+    assert result.nbytes == TCP_BLOCKS * TCP_BLOCK
+    assert np.array_equal(regions[0][:TCP_BLOCK], pattern_block(5, 0, 0, TCP_BLOCK))
+    assert engine.renew_lease([transfer], time.time() + 60) == 0, "an ended transfer is left alone"
+
+
+async def test_a_renewal_never_runs_past_the_transfers_own_timeout(tcp_reader):
+    engine, _regions, peer, proc = tcp_reader
+    transfer = await _held_in_flight(engine, peer, proc, timeout=0.4, lease_expires_at=time.time() + 0.2)
+    engine.renew_lease([transfer], time.time() + 30)
+    started = time.monotonic()
+    await asyncio.sleep(0.5)
+    proc.resume()
+    with pytest.raises(TransferTimeout):
+        await transfer
+    assert time.monotonic() - started < 2.0
+
+
+async def test_a_lease_the_producer_let_go_ends_the_read(tcp_reader):
+    """A renewal saying the blocks are gone (expired already) ends the read as `LeaseExpired`,
+    reported once NIXL holds none of its handles; nothing lands after that."""
+    engine, regions, peer, proc = tcp_reader
+    transfer = await _held_in_flight(engine, peer, proc, lease_expires_at=time.time() + 30)
+    assert engine.renew_lease([transfer], 0.0) == 1
+    assert transfer.state is not TransferState.POSTING
+    proc.resume()
+    with pytest.raises(LeaseExpired):
+        await transfer
+    snapshot = regions[0].copy()
+    await asyncio.sleep(0.5)
+    assert np.array_equal(snapshot, regions[0]), "bytes landed after the read was reported ended"
+
+
+async def test_renew_lease_refuses_nan_and_other_threads(tcp_reader):
+    engine, _regions, peer, _proc = tcp_reader
+    transfer = await engine.start_read(peer, [0], [0], lease_expires_at=time.time() + 30)
+    with pytest.raises(ValueError, match="NaN"):
+        engine.renew_lease([transfer], float("nan"))
+    with pytest.raises(WrongThreadError):
+        await asyncio.to_thread(engine.renew_lease, [transfer], time.time() + 60)
+    await transfer
+    assert engine.renew_lease([transfer], time.time() + 60) == 0

@@ -6,12 +6,15 @@ runs `heartbeat` as the worker does. (The whole path in vLLM: `test_pd_end_to_en
 
 from __future__ import annotations
 
+import asyncio
 import time
 
+import numpy as np
 import pytest
 
-from nixl_async import EngineConfig, TransferEngine
-from nixl_async_vllm.leases import GONE, LEASE_TOPIC, LearnedLeases, answer_renewal, heartbeat
+from nixl_async import EngineConfig, LeaseExpired, Transfer, TransferEngine
+from nixl_async.testing import pattern_block
+from nixl_async_vllm.leases import GONE, LEASE_TOPIC, LearnedLeases, RequestLease, answer_renewal, heartbeat
 from nixl_async_vllm.send_book import SendBook
 
 EXTENSION_S = 2.0
@@ -122,3 +125,71 @@ async def test_a_long_queue_is_renewed_in_several_calls(cluster):
     await heartbeat(reader, leases, "prefill", addresses, ids, on_failure=failures.append)
     assert failures == []
     assert all(leases.expiry("prefill", request_id, None) > time.time() + 1 for request_id in ids)
+
+
+BLOCK = 1 << 20
+BLOCKS = 32
+
+
+@pytest.fixture
+async def read_in_flight(monkeypatch, nixl_peer_factory):
+    """Make `(reader over UCX/TCP, its regions, peer process, start)`; `start(lease)` starts a read of every
+    block into a `RequestLease`'s reads, as the worker's `receive` does, and stops the peer (SIGSTOP)
+    once it is in flight, so it stays so."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    proc = nixl_peer_factory(num_regions=1, num_blocks=BLOCKS, block_len=BLOCK, seed=3, tcp=True)
+    reader = await TransferEngine(EngineConfig(engine_id="decode-tcp/tp0", handshake_timeout_s=1.0)).start()
+    regions = [np.zeros(BLOCKS * BLOCK, np.uint8)]
+    reader.register("kv", regions, block_len=BLOCK)
+    peer = await reader.connect(*proc.address)
+
+    async def start(lease: RequestLease) -> Transfer:
+        ids = list(range(BLOCKS))
+        transfer = await reader.start_read(peer, ids, ids, lease_expires_at=lease.read_by)
+        lease.reads.append(transfer)
+        for _ in range(2000):
+            if transfer.core.has_running:
+                proc.pause()
+                return transfer
+            await asyncio.sleep(0.0005)
+        pytest.fail("the read never had a slice in flight: is UCX really using TCP?")
+
+    try:
+        yield reader, regions, proc, start
+    finally:
+        proc.resume()
+        await reader.close()
+
+
+async def test_a_renewal_keeps_the_read_in_flight_going_past_the_first_lease(cluster, read_in_flight):
+    """vLLM's connector renews until the read ends. Before, a read took the lease it started with and
+    failed past it, however often the producer renewed (a KV load longer than ~2/3 of a lease)."""
+    books, _producers, _reader, addresses = cluster
+    reader, regions, proc, start = read_in_flight
+    for book in books:
+        book.hold("r", time.perf_counter() + 0.4)
+    leases = LearnedLeases()
+    lease = leases.reading("prefill", "r", time.time() + 0.4, margin_s=0.1)
+    transfer = await start(lease)
+    await heartbeat(reader, leases, "prefill", addresses, ["r"])
+    assert lease.expires_at is not None and lease.expires_at > time.time() + 1
+    await asyncio.sleep(0.6)  # past the announced lease, the peer still stopped
+    proc.resume()
+    assert (await transfer).nbytes == BLOCKS * BLOCK
+    assert np.array_equal(regions[0][-BLOCK:], pattern_block(3, 0, BLOCKS - 1, BLOCK))
+
+
+async def test_a_producer_that_let_the_blocks_go_ends_the_read_in_flight(cluster, read_in_flight):
+    _books, _producers, _reader, addresses = cluster  # (the books hold nothing: every request is gone)
+    reader, regions, proc, start = read_in_flight
+    leases = LearnedLeases()
+    lease = leases.reading("prefill", "r", time.time() + 30, margin_s=0.1)
+    transfer = await start(lease)
+    await heartbeat(reader, leases, "prefill", addresses, ["r"])
+    assert lease.expires_at == GONE
+    proc.resume()
+    with pytest.raises(LeaseExpired):
+        await transfer
+    snapshot = regions[0].copy()
+    await asyncio.sleep(0.3)
+    assert np.array_equal(snapshot, regions[0]), "bytes landed after the read was reported ended"
