@@ -102,20 +102,24 @@ class Connections:
         busy = old is not None and old.agent_name in self._driver.busy_agents()
         decision = reconcile(old, reply, busy=busy)
         previous = None if claimed else self.table.at(address)
-        if previous is not None and previous.engine_id != reply.engine_id:
-            self.forget(previous)  # another engine now answers at this address: that one is gone
+        if previous is not None and previous.engine_id == reply.engine_id:
+            previous = None
+        # (another engine answering at this address means that one is gone: it is forgotten once
+        # the reply proved usable, and so is an engine replaced by a new agent)
         if old is not None and decision in (Reconcile.KEEP, Reconcile.REFRESH_LAYOUTS):
             if decision is Reconcile.REFRESH_LAYOUTS:
                 in_use = {id(t.remote_dlist) for t in self._driver.live()}
                 self._orphan_dlists += self._memory.drop_remote(agent, old.agent_name, keep=in_use)
             old.refresh(reply, clock_offset_s=offset, now=now)
+            if previous is not None:
+                self.forget(previous)
             if claimed:
                 old.address = address
             else:
                 self.table.add(old, address)
             return old
-        if old is not None:  # RELOAD or REPLACE: its transfers end; its remote agent goes once quiet
-            self.forget(old)
+        if old is not None and decision is Reconcile.RELOAD:  # (NIXL loads no agent name twice)
+            self.forget(old)  # its transfers end; its remote agent goes once quiet
         retiring = self.retiring.get(reply.agent_name)
         if retiring is not None:
             # NIXL still has that agent loaded for transfers that are releasing: wait for them
@@ -123,8 +127,11 @@ class Connections:
             await self._retired(retiring, self._config.release_grace_s + 0.5)
         assert self._driver.loop is not None
         peer = Peer(reply, address, now=self._driver.loop.time())
-        peer.agent_name = self._load_agent(agent, reply, where)
+        peer.agent_name = self._load_agent(agent, reply, where)  # refused: `old` and `previous` stay as they were
         peer.clock_offset_s = offset
+        for gone in (old, previous):
+            if gone is not None and gone in self.table:  # REPLACE: a new agent for that engine id
+                self.forget(gone)
         self.table.add(peer, ("", 0) if claimed else address)
         return peer
 

@@ -184,6 +184,10 @@ class Dialer:
             )
             answered_at = time.time()
             offset = reply.wall_clock - (asked_at + answered_at) / 2 if reply.wall_clock else 0.0
+            if expected_engine_id is not None and reply.engine_id != expected_engine_id:
+                # (a server that ignores the request's expected id): nothing of what it says is adopted
+                raise EngineIdMismatch(f"{host}:{port} is engine {reply.engine_id!r}, expected {expected_engine_id!r}",
+                                       address=f"{host}:{port}")  # fmt: skip
             self.check_peer(reply, f"{host}:{port}")
             peer = await self._peers.adopt(reply, (host, port), offset, self._loop.time())
         except BaseException:

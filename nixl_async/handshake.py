@@ -4,7 +4,9 @@ client coroutine that asks.
 The server runs as one coroutine on the engine's loop. Replies are prepared bytes (the engine
 rebuilds them when its registrations change), so serving a query is one decode and one send:
 many concurrent queries cost nothing, and a malformed or oversized one gets an `ErrorReply`
-and the server carries on. ZMQ's own frame limit (`max_frame_bytes`) drops abusive senders.
+and the server carries on. ZMQ's own frame limit (`max_frame_bytes`) drops senders of oversized
+frames; a message of many frames left unfinished is held whole by ZMQ (no option bounds it), so
+the port must be reachable only from trusted hosts (README, "Security").
 
 The client opens a DEALER per handshake and bounds the whole exchange by one timeout: ZMQ
 cannot tell "nobody listens" from "slow", so the timeout is what keeps a dead peer from

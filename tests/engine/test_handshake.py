@@ -169,6 +169,43 @@ async def test_an_engine_answering_with_another_engines_agent_is_refused(nixl_en
         assert np.array_equal(ours[0][4096 : 3 * 4096], np.arange(8 * 4096, dtype=np.uint8)[4096 : 3 * 4096])
 
 
+@pytest.mark.parametrize(
+    ("claims", "metadata", "expected", "error"),
+    [
+        ("real", "third's", "wanted", EngineIdMismatch),  # a server ignoring the expected id we sent
+        ("third", "third's", "wanted", EngineIdMismatch),  # (answering as itself)
+        ("real", "garbage", None, HandshakeRejected),  # a restart of "real" NIXL cannot load
+    ],
+)
+async def test_a_reply_we_cannot_take_leaves_the_peers_we_hold_alone(nixl_engine, claims, metadata, expected, error):
+    """Before, the reply was adopted before its engine id was checked against the expected one, and
+    an engine it replaced was forgotten before its metadata was loaded: our healthy peer "real" was
+    dropped (its reads cancelled) or handed to the other engine's agent, or "third" stayed loaded
+    although the connect failed."""
+    ours = [np.zeros(8 * 4096, np.uint8)]
+    nixl_engine.register("kv", ours, num_blocks=8)
+    async with TransferEngine(EngineConfig(engine_id="real")) as real, \
+            TransferEngine(EngineConfig(engine_id="third")) as third:  # fmt: skip
+        real.register("kv", [np.arange(8 * 4096, dtype=np.uint8)], num_blocks=8)
+        third.register("kv", [np.ones(8 * 4096, np.uint8)], num_blocks=8)
+        peer = await nixl_engine.connect(*await real.serve())
+        theirs = third._metadata()
+        answer = messages.MetadataReply(
+            version=1, engine_id=claims, agent_name=theirs.agent_name, compat_hash=theirs.compat_hash,
+            agent_metadata=theirs.agent_metadata if metadata == "third's" else b"\x00garbage", layouts=theirs.layouts,
+        )  # fmt: skip
+        server = FakeServer(messages.encode(answer))
+        try:
+            with pytest.raises(error):
+                await nixl_engine.connect("127.0.0.1", server.port, expected_engine_id=expected, timeout=2)
+        finally:
+            await server.close()
+        assert [p.engine_id for p in nixl_engine.peers] == ["real"] and peer.connected
+        assert nixl_engine.peer("real") is peer and nixl_engine.live_handles()["remote_agents"] == 1
+        await nixl_engine.read(peer, [1, 2], [1, 2], timeout=5)
+        assert np.array_equal(ours[0][4096 : 3 * 4096], np.arange(8 * 4096, dtype=np.uint8)[4096 : 3 * 4096])
+
+
 async def test_future_protocol_version_is_refused(nixl_engine):
     reply = messages.MetadataReply(
         version=99, engine_id="x", agent_name="x", agent_metadata=b"", compat_hash="", layouts=[]
