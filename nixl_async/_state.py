@@ -120,6 +120,10 @@ class SliceCore:
         return self._done
 
     @property
+    def slices_posted(self) -> int:
+        return self._next
+
+    @property
     def slices_errored(self) -> int:
         """Slices NIXL ended in an error state (or whose post failed), whatever the transfer's state.
 

@@ -223,7 +223,14 @@ class Transfer:
 
     @property
     def slices_done(self) -> int:
+        """Slices that arrived while the transfer ran (those ending DONE after an error are not counted)."""
         return self.core.slices_done
+
+    @property
+    def slices_posted(self) -> int:
+        """Slices handed to NIXL so far (quiet, with `slices_errored` 0 and every slice posted, a WRITE's
+        notification, riding its last slice, reached the target however the transfer was reported)."""
+        return self.core.slices_posted
 
     @property
     def quiet(self) -> bool:

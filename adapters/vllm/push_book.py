@@ -121,6 +121,12 @@ class PushRegistration(msgspec.Struct, frozen=True, kw_only=True):
     # (`push_failure_notification(landed=True)`); False: an older decode, which waits for the plain notice.
     landed_notice: bool = False
 
+    def __post_init__(self) -> None:
+        # (msgspec makes this a `ValidationError`, a `ValueError`: the registration is refused) A NaN or
+        # infinite `write_by` would be held for ever: never written by, never expired.
+        if not math.isfinite(self.write_by):
+            raise ValueError(f"write_by must be a finite wall-clock time, got {self.write_by!r}")
+
 
 encode_registration = msgspec.msgpack.Encoder().encode
 decode_registration = msgspec.msgpack.Decoder(PushRegistration).decode

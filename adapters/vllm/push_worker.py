@@ -256,8 +256,8 @@ class PushConnectorWorker(ConnectorWorker):
         """
         for feed in self._feeds.pop(request_id, []):
             with self._push_lock:
-                if feed.push_id in self._cancelled:
-                    continue
+                if feed.push_id in self._cancelled or feed.push_id not in self._push_ids:
+                    continue  # (stopping already, or ended and reported: nothing to cancel, nothing to remember)
                 self._cancelled.add(feed.push_id)  # (a lease's end or a withdrawal does not cancel it again)
             self.sync.cancel(feed.push_id)
         self._release(request_id)
@@ -462,8 +462,14 @@ async def push_or_tell(
 
 
 def _notified(started: list[Transfer]) -> bool:
-    """Whether a WRITE in `started` carrying decode's notification completed (decode heard it landed)."""
-    return any(t.notify is not None and t.done() and t.exception() is None for t in started)
+    """Whether a WRITE in `started` carrying decode's notification went through (decode heard it landed):
+    it completed, or every slice, the notifying last one too, ended DONE though it is reported as
+    failed (its lease ran out just before NIXL finished it)."""
+    return any(t.notify is not None and t.done() and (t.exception() is None or _all_landed(t)) for t in started)
+
+
+def _all_landed(transfer: Transfer) -> bool:
+    return transfer.quiet and transfer.slices_errored == 0 and transfer.slices_posted == transfer.num_slices
 
 
 def _landed(engine: TransferEngine, started: list[Transfer]) -> bool:
@@ -644,7 +650,9 @@ async def push_progressively(
         return [*results, await push(engine, geometry, item.blocks, reg, started=started)]
     except BaseException as exc:
         # (fenced, or another decode at that address: say nothing; decode waits for its deadline)
-        if not isinstance(exc, TransferFenced | DecodeRestarted) and await _settled(engine, started):
+        # (nor after the whole request's notifying WRITE landed: decode was told it arrived)
+        if (not isinstance(exc, TransferFenced | DecodeRestarted) and await _settled(engine, started)
+                and not _notified(started)):  # fmt: skip
             await _despite_cancels(tell_push_failed(engine, geometry.tp_rank, reg, landed=_landed(engine, started)))
         raise
     finally:

@@ -200,13 +200,19 @@ class AdapterScheduler(_MarksIdleSteps, _WorkersServeHandshakes, NixlPullConnect
         end would read every block one off, and one pairing from its prefix hit would find a block
         too many (vLLM's own reader trims from the end, one off too).
         """
-        groups = self.kv_cache_config.kv_cache_groups
-        cut = [list(ids)[: -(-tokens // group.kv_cache_spec.block_size)]
-               if isinstance(group.kv_cache_spec, AttentionSpec) else list(ids)
-               for ids, group in zip(block_ids, groups, strict=True)]  # fmt: skip
-        if all(len(mine) == len(ids) for mine, ids in zip(cut, block_ids, strict=True)):
-            return None
-        return self.get_exchange_clipped_blocks(tuple(cut))
+        cut = prompt_blocks(self.kv_cache_config.kv_cache_groups, tokens, block_ids)
+        return None if cut is None else self.get_exchange_clipped_blocks(cut)
+
+
+def prompt_blocks(groups: Any, tokens: int, block_ids: Any) -> tuple[list[int], ...] | None:
+    """Each attention group's blocks holding the first `tokens` (state groups as they are); None if that
+    is every block (no lookahead slot past them)."""
+    cut = [list(ids)[: -(-tokens // group.kv_cache_spec.block_size)]
+           if isinstance(group.kv_cache_spec, AttentionSpec) else list(ids)
+           for ids, group in zip(block_ids, groups, strict=True)]  # fmt: skip
+    if all(len(mine) == len(ids) for mine, ids in zip(cut, block_ids, strict=True)):
+        return None
+    return tuple(cut)
 
 
 class AdapterPushScheduler(_MarksIdleSteps, _WorkersServeHandshakes, NixlPushConnectorScheduler):
@@ -248,7 +254,13 @@ class AdapterPushScheduler(_MarksIdleSteps, _WorkersServeHandshakes, NixlPushCon
         if request.request_id in self._awaiting_push:  # finished (aborted) before its push arrived
             self._awaiting_push.discard(request.request_id)
             self._to_withdraw.append(request.request_id)
-        delay, params = super().request_finished(request, block_ids)
+        pushed = block_ids
+        if (request.kv_transfer_params or {}).get("do_remote_decode"):
+            # Speculative decoding's lookahead slots past the prompt are not pushed (as a pull offers
+            # none, `_computed_blocks`): decode pairs a window group from its end, one block off.
+            tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
+            pushed = prompt_blocks(self.kv_cache_config.kv_cache_groups, tokens, block_ids) or block_ids
+        delay, params = super().request_finished(request, pushed)
         if followed and not delay and any(len(group) for group in block_ids):
             # Aborted while computed: vLLM would free its blocks now, and a progressive push may still
             # be reading them (its WRITEs end only once cancelled and settled). The workers report it

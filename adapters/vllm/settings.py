@@ -28,7 +28,8 @@ NixlConnector; our own knobs live in ``kv_connector_extra_config``:
   (prefill writes nothing after it).
 - ``push_progressive`` (default false; push mode only): prefill WRITEs each layer's KV of a request
   decode already registered as soon as the layer is computed, and commits the request at its end
-  (decode never sees a partial one). DRAM caches of attention-only models (one KV cache group).
+  (decode never sees a partial one). DRAM caches of attention-only models (one KV cache group),
+  over the UCX backend alone.
 - ``idle_step_wait_s`` (default 0.002; 0 turns it off): a vLLM step that schedules nothing while
   transfers are under way waits up to this long for one to end (or for a reader's notification)
   instead of returning at once, and has NIXL progressed every 0.25 ms meanwhile (`worker.idle_step_wait`).
@@ -304,6 +305,13 @@ class AdapterSettings:
         port = envs.VLLM_NIXL_SIDE_CHANNEL_PORT + parallel.data_parallel_index * tp
         secret = _secret(extra)
         backends = _backends(extra)
+        progressive = _flag(extra, "push_progressive", False)
+        if progressive and backends != ("UCX",):
+            # Its commit is a notification sent once the layers' WRITEs are DONE: only UCX reports a
+            # WRITE done once its bytes are in decode's memory.
+            raise UnsupportedSetting(
+                f"kv_connector_extra_config['push_progressive'] needs the UCX backend alone, not backends {backends}"
+            )
         ttl = extra.get("engine_ttl", 3600.0)
         if isinstance(ttl, bool) or not isinstance(ttl, int | float):
             raise ValueError(f"kv_connector_extra_config['engine_ttl'] must be a number of seconds, got {ttl!r}")
@@ -326,7 +334,7 @@ class AdapterSettings:
             ),
             etcd=_etcd(extra),
             push_registration_timeout_s=_registration_timeout(extra),
-            push_progressive=_flag(extra, "push_progressive", False),
+            push_progressive=progressive,
             idle_step_wait_s=_idle_wait(extra),
         )
 

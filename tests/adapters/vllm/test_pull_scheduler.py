@@ -140,6 +140,38 @@ def test_a_prefill_offers_the_blocks_of_its_computed_tokens_not_its_lookahead_sl
     assert window._computed_blocks(100, ([0, 0, 0, 0, 5, 6, 7, 8],)) == ([5, 6, 7],)
 
 
+def test_a_prefill_pushes_the_blocks_of_its_computed_tokens_not_its_lookahead_slots():
+    """Push mode: vLLM's push scheduler hands the workers every block, and keeps a window group's tail,
+    lookahead slot included. Before, decode's window blocks each got the next prefill block's KV (the
+    last one an empty slot's), and a progressive push was never whole (rewritten in full every time)."""
+    from vllm.config import KVTransferConfig
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request, RequestStatus
+
+    from nixl_async_vllm.scheduler import AdapterPushScheduler
+
+    transfer = KVTransferConfig(kv_connector="NixlAsyncPushConnector", kv_role="kv_producer",
+                                kv_connector_extra_config={})  # fmt: skip
+    parallel = SimpleNamespace(tensor_parallel_size=1, decode_context_parallel_size=1, prefill_context_parallel_size=1,
+                               pipeline_parallel_size=1, data_parallel_index=0)  # fmt: skip
+    config = SimpleNamespace(kv_transfer_config=transfer, parallel_config=parallel,
+                             cache_config=SimpleNamespace(block_size=BS), num_prefill_lookahead_tokens=0,
+                             scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=False))  # fmt: skip
+    full = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float16)
+    window = SlidingWindowSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float16, sliding_window=32)
+    groups = [KVCacheGroupSpec(["l0"], full), KVCacheGroupSpec(["l1"], window)]
+    kv_cache = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
+    sched = AdapterPushScheduler(config, "prefill", kv_cache)
+    sampling = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+    request = Request(request_id="r", prompt_token_ids=list(range(100)), pooling_params=None, sampling_params=sampling)
+    request.num_computed_tokens = 100  # 7 blocks of 16; the lookahead took an 8th in each group
+    request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    delay, params = sched.request_finished(request, ([1, 2, 3, 4, 5, 6, 7, 8], [0, 0, 0, 0, 15, 16, 17, 18]))
+    assert delay and params is not None
+    assert sched._newly_finished_push_blocks["r"] == ([1, 2, 3, 4, 5, 6, 7], [15, 16, 17])
+    assert params["remote_block_ids"] == ([1, 2, 3, 4, 5, 6, 7], [15, 16, 17])
+
+
 def _configured(extra: dict[str, Any]) -> AdapterScheduler:
     """An AdapterScheduler made by its own constructor, on the parts of vLLM's config it reads."""
     from vllm.config import KVTransferConfig

@@ -320,3 +320,28 @@ def test_a_request_aborted_under_its_progressive_push_is_reported_sent_once_the_
     worker._own_finished(FinishedRequests(done=set(), failed={push_id: stopped}, fenced={}))
     assert REQUEST in worker._finished_sending()
     assert REQUEST not in worker._finished_sending()
+
+
+def test_an_abort_after_the_progressive_push_ended_cancels_and_keeps_nothing():
+    """Before, the ended push's id was cancelled and remembered as cancelled for good (one id per such abort)."""
+    prefill, registration = _Prefill(), _registration()
+    worker = prefill.worker
+    worker.sync.poke = worker.sync.call_soon = worker.sync.spawn = lambda *args: None
+    worker._notifications, worker._record, worker._withdrawals = queue.SimpleQueue(), lambda *args: None, {}
+    worker._book.register(registration, time.time())
+    (claimed,) = worker._book.claim(REQUEST)
+    push_id = worker._claim_push_id(REQUEST, claimed)
+    worker._feeds = {REQUEST: [ProgressiveFeed(push_id, 1)]}
+    assert worker._begin(push_id)
+    worker._own_finished(FinishedRequests(done={push_id}, failed={}, fenced={}))  # it ended, reported
+    worker._abandon(REQUEST)  # then vLLM aborted the request
+    assert prefill.cancelled == [] and worker._cancelled == set()
+
+
+def test_a_registration_whose_write_by_is_not_a_finite_time_is_refused():
+    """NaN or infinite, it was held for ever: never written by, never expired."""
+    for write_by in (float("nan"), float("inf")):
+        fields = msgspec.structs.asdict(_registration()) | {"write_by": write_by}  # (as another process sends it)
+        payload = msgspec.msgpack.encode(fields)
+        with pytest.raises(ValueError, match="write_by"):
+            decode_registration(payload)

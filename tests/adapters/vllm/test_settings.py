@@ -209,6 +209,10 @@ def test_push_mode_takes_progressive_push_as_a_flag():
     assert AdapterSettings.from_vllm(_config({"push_progressive": True}, **push)).push_progressive
     with pytest.raises(ValueError, match=r"push_progressive.*true or false"):
         AdapterSettings.from_vllm(_config({"push_progressive": "yes"}, **push))
+    # Its commit relies on UCX reporting a WRITE done only once decode has its bytes (before: taken with any)
+    with pytest.raises(UnsupportedSetting, match=r"push_progressive.*UCX backend alone"):
+        AdapterSettings.from_vllm(_config({"push_progressive": True, "backends": ["LIBFABRIC"]}, **push))
+    assert AdapterSettings.from_vllm(_config({"backends": ["LIBFABRIC"]}, **push)).backends == ("LIBFABRIC",)
 
 
 def test_idle_step_wait_is_bounded_and_can_be_turned_off():
