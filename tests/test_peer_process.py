@@ -60,3 +60,16 @@ async def test_idle_poll_keeps_an_idle_peer_progressing(nixl_peer_factory):
 
     brisk_polls, idle_polls = await asyncio.gather(polls_in_a_second(brisk), polls_in_a_second(backing_off))
     assert brisk_polls >= 150 and idle_polls <= 60, (brisk_polls, idle_polls)  # ~2-3 ms apart; 50 ms apart
+
+
+async def test_a_peer_logging_after_it_is_ready_keeps_serving(nixl_engine, nixl_peer_factory):
+    """The parent reads the peer's stdout only up to its ready line; UCX logs to stdout. Before, once the
+    pipe's 64 KiB filled the peer blocked inside a log call: reads fenced, commands timed out."""
+    nixl_engine.register("kv", [np.zeros(8 * BLOCK, np.uint8)], block_len=BLOCK)
+    proc = nixl_peer_factory(num_regions=1, num_blocks=8, block_len=BLOCK, seed=4, tcp=True,
+                             env={"UCX_LOG_LEVEL": "debug"})  # fmt: skip
+    peer = await nixl_engine.connect(*proc.address)
+    for _ in range(20):
+        await nixl_engine.read(peer, [1, 2], [3, 4], timeout=10)
+    assert (await proc.request(Stats(), timeout=10))["counters"]["polls"] > 0
+    assert "UCX" in proc.stderr(), "the peer's log goes to its stderr file"

@@ -63,3 +63,66 @@ async def test_config(nixl_engine):
     )
     result = pytester.runpytest_subprocess("-o", "asyncio_mode=auto", "-q", "--strict-markers")
     result.assert_outcomes(passed=1)
+
+
+def test_a_test_failing_with_its_peer_paused_mid_read_reports_only_its_own_failure(pytester):
+    """The engine fixture closes after the peer factory when a test names the factory first: against a
+    peer still stopped, the read stayed in NIXL and the test also got a leak error (and the agent stayed)."""
+    pytester.makepyfile(
+        test_paused="""
+import asyncio
+
+import numpy as np
+
+BLOCK, BLOCKS = 1 << 20, 32
+
+
+async def test_fails_while_paused(monkeypatch, nixl_peer_factory, nixl_engine):
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    peer_proc = nixl_peer_factory(num_regions=1, num_blocks=BLOCKS, block_len=BLOCK, tcp=True)
+    nixl_engine.register("kv", [np.zeros(BLOCKS * BLOCK, np.uint8)], block_len=BLOCK)
+    peer = await nixl_engine.connect(*peer_proc.address)
+    transfer = await nixl_engine.start_read(peer, list(range(BLOCKS)), list(range(BLOCKS)))
+    while not transfer.core.has_running:
+        await asyncio.sleep(0.0005)
+    peer_proc.pause()
+    assert False, "the test's own failure"
+"""
+    )
+    result = pytester.runpytest_subprocess("-o", "asyncio_mode=auto", "-q", "-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    result.stdout.no_fnmatch_line("*NIXL handles still live*")
+
+
+def test_a_peer_whose_parent_was_killed_exits(tmp_path):
+    """A test run killed from outside (CI's timeout, the OOM killer) left its peers running for good."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "from nixl_async.testing.peer_process import PeerProcess, PeerSpec\n"
+        "peer = PeerProcess(PeerSpec(engine_id='orphan')).start()\n"
+        "print(peer.pid, flush=True)\n"
+        "import time; time.sleep(60)\n"
+    )
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{child}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return  # exited, not reaped yet (by whoever adopted it)
+        except FileNotFoundError:
+            return
+        time.sleep(0.1)
+    os.kill(child, signal.SIGKILL)
+    raise AssertionError("the peer outlived its parent by 10 s")

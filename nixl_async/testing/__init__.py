@@ -185,6 +185,11 @@ if pytest is not None:  # the plugin proper
             try:
                 yield engine
             finally:
+                from .peer_process import PeerProcess
+
+                # (a test that failed with a peer paused mid-read: its engine would close against a
+                # stopped peer, fencing the read and adding a leak error to the test's own)
+                PeerProcess.resume_all()
                 await engine.close()
             assert_no_live_handles(engine)
 

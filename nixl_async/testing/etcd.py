@@ -22,11 +22,15 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any, Self
 
-__all__ = ["EtcdServer", "EtcdUnavailable", "etcd_or_skip", "etcd_required"]
+__all__ = ["EtcdServer", "EtcdStartError", "EtcdUnavailable", "etcd_or_skip", "etcd_required"]
 
 
 class EtcdUnavailable(RuntimeError):
     """No etcd binary here, or it would not start."""
+
+
+class EtcdStartError(EtcdUnavailable):
+    """The etcd binary is here but did not start (a test run with it fails, it does not skip)."""
 
 
 def _b64(data: bytes) -> str:
@@ -86,12 +90,17 @@ class EtcdServer:
         deadline = time.monotonic() + timeout
         while not self._healthy():
             if self.process.poll() is not None:
-                raise EtcdUnavailable(f"etcd exited with {self.process.returncode}: see {self.data_dir}/etcd.log")
+                raise EtcdStartError(f"etcd exited with {self.process.returncode}: {self._log_tail()}")
             if time.monotonic() > deadline:
                 self.kill()
-                raise EtcdUnavailable(f"etcd did not become healthy within {timeout}s")
+                raise EtcdStartError(f"etcd did not become healthy within {timeout}s: {self._log_tail()}")
             time.sleep(0.05)
         return self
+
+    def _log_tail(self) -> str:
+        self._log.flush()
+        with open(self._log.name, "rb") as log:
+            return log.read()[-1500:].decode(errors="replace")
 
     def _healthy(self) -> bool:
         import urllib.request
@@ -163,14 +172,26 @@ class EtcdServer:
 
 @contextlib.contextmanager
 def etcd_or_skip(host: str = "127.0.0.1", options: Sequence[str] = ()) -> Iterator[EtcdServer]:
-    """A started `EtcdServer` for a test: skips where etcd cannot run, unless `etcd_required()`."""
+    """A started `EtcdServer` for a test: skips where there is no etcd binary, unless `etcd_required()`.
+
+    A binary that does not start fails the test (after one more try on fresh ports: two servers
+    may have drawn the same free port), its data directory removed.
+    """
     import pytest
 
-    try:
-        server = EtcdServer(host, options).start()
-    except EtcdUnavailable as exc:
-        if etcd_required():
-            pytest.fail(f"{exc} (NIXL_ASYNC_REQUIRE_ETCD=1: this run must test with etcd)")
-        pytest.skip(str(exc))
+    for attempt in range(2):
+        try:
+            server = EtcdServer(host, options)
+        except EtcdUnavailable as exc:
+            if etcd_required():
+                pytest.fail(f"{exc} (NIXL_ASYNC_REQUIRE_ETCD=1: this run must test with etcd)")
+            pytest.skip(str(exc))
+        try:
+            server.start()
+            break
+        except EtcdStartError:
+            server.close()
+            if attempt:
+                raise
     with server:
         yield server

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 import zlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Self
@@ -55,6 +56,8 @@ __all__ = [
 
 _MODULE = "nixl_async.testing.peer_process"  # what the child runs (``python -m``)
 _READY = "NIXL_ASYNC_PEER_READY"
+_ORPHAN_CHECK_S = 0.5
+_PAUSED: weakref.WeakSet[PeerProcess] = weakref.WeakSet()  # stopped by `pause`, not resumed since
 _READ_CHUNK = 1 << 16
 
 
@@ -243,6 +246,10 @@ class _PeerServer:
             control_port = control.bind_to_random_port(f"tcp://{spec.host}")
             ready = {"engine_id": spec.engine_id, "host": host, "port": port, "control_port": control_port}
             print(_READY, json.dumps(ready), flush=True)
+            # The parent reads stdout only up to the ready line: what UCX logs from here on goes to the
+            # stderr file, or a full pipe would block this process inside a log call.
+            os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+            orphaned = asyncio.ensure_future(self._exit_when_orphaned(os.getppid()))
             tasks: set[asyncio.Task[None]] = set()
             receiver = asyncio.ensure_future(control.recv_multipart())
             stopper = asyncio.ensure_future(self.done.wait())
@@ -255,11 +262,18 @@ class _PeerServer:
                     task.add_done_callback(tasks.discard)
                     receiver = asyncio.ensure_future(control.recv_multipart())
             receiver.cancel()
+            orphaned.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             control.close(0)
             ctx.destroy(0)
         finally:
             await self.engine.close()
+
+    async def _exit_when_orphaned(self, parent: int) -> None:
+        """Exit once the parent is gone (a test run killed from outside): nothing else would stop us."""
+        while os.getppid() == parent:
+            await asyncio.sleep(_ORPHAN_CHECK_S)
+        self.done.set()
 
     def fill(self, seed: int | None) -> None:
         if seed is None:
@@ -537,10 +551,20 @@ class PeerProcess:
         """SIGSTOP: the peer stops answering but its sockets stay open."""
         assert self.proc is not None
         self.proc.send_signal(signal.SIGSTOP)
+        _PAUSED.add(self)
 
     def resume(self) -> None:
         assert self.proc is not None
         self.proc.send_signal(signal.SIGCONT)
+        _PAUSED.discard(self)
+
+    @staticmethod
+    def resume_all() -> None:
+        """Resume every peer still paused (before an engine that may be reading from one closes)."""
+        for peer in list(_PAUSED):
+            if peer.proc is not None and peer.proc.poll() is None:
+                peer.resume()
+        _PAUSED.clear()
 
     # -- stopping -------------------------------------------------------------------------
     def stop(self, timeout: float = 10.0) -> int | None:
