@@ -284,6 +284,7 @@ class TransferEngine:
         admission = self._admission
         extra = {
             "notifications_dropped": self._notifications.dropped,
+            "subscriptions_lost": self._notifications.lost_subscriptions,
             "backpressure_waits": admission.waits,
             "backpressure_timeouts": admission.timeouts,
             "inflight_transfers": admission.count,

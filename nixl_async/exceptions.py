@@ -200,5 +200,10 @@ class NotificationTimeout(NixlAsyncError, TimeoutError):
     """Fewer notifications than expected arrived before the deadline."""
 
 
+class NotificationsLost(NixlAsyncError):
+    """A subscription (`TransferEngine.notifications()`) fell so far behind that it was ended: the
+    notifications it held unread reached the unclaimed limits. Those before it were all delivered."""
+
+
 class PeerUnknownError(NixlAsyncError, KeyError):
     """No connected peer has that engine id."""

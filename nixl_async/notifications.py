@@ -6,7 +6,8 @@ message before or after it arrives, and may need the same message from several s
 
 - a delivered message first feeds the oldest waiter for that message;
 - otherwise it is kept, unclaimed, until a waiter takes it (bounded: the oldest is dropped);
-- every delivery is also copied to each live subscription (the async iterator).
+- every delivery is also copied to each live subscription (the async iterator), which holds at
+  most as much unread as the unclaimed mailbox: one further behind is ended (`NotificationsLost`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 
 import msgspec
 
-from .exceptions import NotificationTimeout
+from .exceptions import NotificationsLost, NotificationTimeout
 
 __all__ = ["Lease", "Notification", "NotificationBox"]
 
@@ -32,6 +33,18 @@ class Notification(msgspec.Struct, frozen=True):
 
     sender: str
     message: bytes
+
+
+_LOST = Notification("", b"")  # (by identity) a subscription's last item when it fell too far behind
+
+
+class _Feed(asyncio.Queue[Notification | None]):
+    """One subscription's unread notifications, counted in bytes too."""
+
+    def __init__(self, claim: bool) -> None:
+        super().__init__()
+        self.claim = claim
+        self.nbytes = 0
 
 
 class _Waiter:
@@ -53,10 +66,11 @@ class NotificationBox:
         self._unclaimed_total = 0
         self._unclaimed_bytes = 0  # of the distinct messages kept
         self._waiters: dict[bytes, deque[_Waiter]] = {}
-        self._subscribers: set[asyncio.Queue[Notification | None]] = set()
+        self._subscribers: set[_Feed] = set()
         self._claiming = 0  # subscriptions that take every notification nobody waits for
         self._closed: BaseException | None = None  # what a wait hears once the box is closed
         self.dropped = 0  # unclaimed notifications pushed out by newer ones
+        self.lost_subscriptions = 0  # subscriptions ended for falling too far behind
 
     @property
     def has_waiters(self) -> bool:
@@ -67,8 +81,14 @@ class NotificationBox:
         return self._unclaimed_total
 
     def deliver(self, sender: str, message: bytes) -> None:
-        for queue in tuple(self._subscribers):  # (a subscription dropped unread leaves from its finalizer)
-            queue.put_nowait(Notification(sender, message))
+        for feed in tuple(self._subscribers):  # (a subscription dropped unread leaves from its finalizer)
+            if feed.qsize() >= self._max_unclaimed or feed.nbytes + len(message) > self._max_unclaimed_bytes:
+                self._unsubscribe(feed)  # (what it holds is still read; then it ends)
+                feed.put_nowait(_LOST)
+                self.lost_subscriptions += 1
+                continue
+            feed.nbytes += len(message)
+            feed.put_nowait(Notification(sender, message))
         self._route(sender, message, keep=not self._claiming)
 
     def _route(self, sender: str, message: bytes, *, keep: bool) -> None:
@@ -166,9 +186,10 @@ class NotificationBox:
         """
         return _Subscription(self, claim)
 
-    def _unsubscribe(self, queue: asyncio.Queue[Notification | None], claim: bool) -> None:
-        self._subscribers.discard(queue)
-        self._claiming -= claim
+    def _unsubscribe(self, feed: _Feed) -> None:
+        if feed in self._subscribers:
+            self._subscribers.remove(feed)
+            self._claiming -= feed.claim
 
     def close(self, exc: BaseException) -> None:
         """Fail every waiter, and every wait from now on, and end every subscription (the engine is closing)."""
@@ -190,9 +211,8 @@ class _Subscription:
     def __init__(self, box: NotificationBox, claim: bool) -> None:
         self._box: NotificationBox | None = None
         self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[Notification | None] = asyncio.Queue()
+        self._queue = _Feed(claim)
         self._box = box
-        self._claim = claim
         box._subscribers.add(self._queue)
         box._claiming += claim
 
@@ -210,6 +230,10 @@ class _Subscription:
         if item is None:
             self._end()
             raise StopAsyncIteration
+        if item is _LOST:
+            self._end()
+            raise NotificationsLost("this subscription fell too far behind (the unclaimed limits) and was ended")
+        self._queue.nbytes -= len(item.message)
         return item
 
     async def aclose(self) -> None:
@@ -218,7 +242,7 @@ class _Subscription:
     def _end(self) -> None:
         box, self._box = self._box, None
         if box is not None:
-            box._unsubscribe(self._queue, self._claim)
+            box._unsubscribe(self._queue)
             self._queue.put_nowait(None)  # a task reading it meanwhile ends too
 
     def __del__(self) -> None:
@@ -226,11 +250,11 @@ class _Subscription:
         if box is None:
             return
         if asyncio._get_running_loop() is self._loop:
-            box._unsubscribe(self._queue, self._claim)
+            box._unsubscribe(self._queue)
             return
         with contextlib.suppress(RuntimeError):  # (a closed loop: so is the box)
             # On the loop: the garbage collector may run this on any thread.
-            self._loop.call_soon_threadsafe(box._unsubscribe, self._queue, self._claim)
+            self._loop.call_soon_threadsafe(box._unsubscribe, self._queue)
 
 
 class Lease:

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from nixl_async.exceptions import NotificationTimeout
+from nixl_async.exceptions import NotificationsLost, NotificationTimeout
 from nixl_async.notifications import Notification, NotificationBox
 
 
@@ -151,6 +151,31 @@ async def test_subscription_sees_every_delivery_and_ends_on_close():
     box.close(RuntimeError("closed"))
     await asyncio.wait_for(task, 1)
     assert seen == [Notification("a", b"1"), Notification("b", b"2")]
+
+
+@pytest.mark.parametrize("claim", [False, True])
+async def test_a_subscription_too_far_behind_reads_what_it_holds_then_is_told_it_lost_the_rest(claim):
+    """Before, a subscription nobody read (or one slower than a flood) held every notification since it
+    began: unbounded, where the unclaimed mailbox is bounded in count and bytes."""
+    box = NotificationBox(3, max_unclaimed_bytes=1 << 20)
+    behind, keeping_up = box.subscribe(claim=claim), box.subscribe()
+    for i in range(5):
+        box.deliver("p", b"m%d" % i)
+        assert (await anext(keeping_up)).message == b"m%d" % i
+    assert [(await anext(behind)).message for _ in range(3)] == [b"m0", b"m1", b"m2"]
+    with pytest.raises(NotificationsLost):
+        await anext(behind)
+    with pytest.raises(StopAsyncIteration):
+        await anext(behind)
+    assert box.lost_subscriptions == 1 and box._claiming == 0 and len(box._subscribers) == 1
+    box.deliver("p", b"m5")  # the one keeping up goes on; claiming ended with the lost one: kept unclaimed
+    assert (await anext(keeping_up)).message == b"m5" and box.unclaimed == 3  # (claimed: m3, m4, m5)
+    big = box.subscribe()
+    box.deliver("p", b"x" * (1 << 20))  # fits
+    box.deliver("p", b"y")  # over the byte budget with the MiB unread
+    assert (await anext(big)).message == b"x" * (1 << 20)
+    with pytest.raises(NotificationsLost):
+        await anext(big)
 
 
 async def test_close_fails_waiters():
