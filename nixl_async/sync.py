@@ -40,7 +40,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from .config import EngineConfig
 from .engine import BlockIds, TransferEngine
-from .exceptions import EngineClosedError, NotificationFailed, TransferFenced, WrongThreadError
+from .exceptions import EngineClosedError, NotificationFailed, NotificationsLost, TransferFenced, WrongThreadError
 from .layout import BlockLayout, ViewSpec
 from .notifications import Notification
 from .stats import StatsSnapshot
@@ -367,9 +367,16 @@ class SyncEngine:
         feed: queue.SimpleQueue[Notification] = queue.SimpleQueue()
 
         async def pump(notifications: AsyncIterator[Notification]) -> None:
-            async for item in notifications:
-                feed.put(item)
-                self._activity.set()
+            while True:
+                try:
+                    async for item in notifications:
+                        feed.put(item)
+                        self._activity.set()
+                    return  # (the engine closed)
+                except NotificationsLost:  # more arrived in one drain than the limits: go on with what comes
+                    log.error("the notification feed fell behind and lost notifications (over "
+                              "max_unclaimed_notifications in one go); it goes on")  # fmt: skip
+                    notifications = self.engine.notifications(claim=True)
 
         def start() -> None:  # subscribed here: nothing delivered before the pump first runs is missed
             pumping = pump(self.engine.notifications(claim=True))

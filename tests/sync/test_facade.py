@@ -1,6 +1,7 @@
 """The sync facade, driven from plain threads against a real peer process."""
 
 import asyncio
+import contextlib
 import queue
 import socket
 import sys
@@ -443,3 +444,23 @@ def test_close_cancels_a_call_still_running_and_a_second_close_waits_for_it():
     assert returned == [True, True], "a close() returned before the engine had closed"
     caller.join(10)
     assert isinstance(outcome.get("call"), EngineClosedError)
+
+
+def test_the_notification_feed_goes_on_after_more_arrived_at_once_than_it_may_hold():
+    """More notifications in one drain than `max_unclaimed_notifications`: those over are lost (logged),
+    and the feed goes on with what comes next (its subscription would otherwise have ended for good)."""
+    with SyncEngine(EngineConfig(engine_id="sync-flooded", max_unclaimed_notifications=8)) as engine:
+        feed = engine.feed_notifications()
+
+        def flood() -> None:  # one drain's worth, as the poller delivers it
+            for i in range(20):
+                engine.engine._notifications.deliver("p", b"n%d" % i)
+
+        engine.call(flood)
+        engine.call(lambda: engine.engine._notifications.deliver("p", b"after"))
+        got = []
+        deadline = time.monotonic() + 5
+        while b"after" not in got and time.monotonic() < deadline:
+            with contextlib.suppress(queue.Empty):
+                got.append(feed.get(timeout=0.1).message)
+        assert got[:8] == [b"n%d" % i for i in range(8)] and got[-1] == b"after"
