@@ -45,6 +45,16 @@ def test_a_figure_from_a_run_smaller_than_its_goal_needs_is_not_judged():
     assert "runs_per_setup ≥ 3" in goal.text
 
 
+def test_the_real_vllm_goals_all_need_the_full_runs_size():
+    """`vllm_hosts`' goals were judged from `--quick`'s 2 runs of 32 prompts (its c=4 requests/s shown met)."""
+    for goal in (g for g in GOALS if g.scenario in ("vllm", "vllm_hosts")):
+        needs = dict(goal.needs)
+        assert needs.get("requests_per_point", 0) >= 100 and needs.get("runs_per_setup", 0) >= 3, goal
+    quick = result("vllm_hosts", {"adapter_over_stock_req_per_s_c4_higher_is_better": 1.01},
+                   {"runs_per_setup": 2, "requests_per_point": 32})  # fmt: skip
+    assert {r.met for r in judge([quick], GOALS)} == {"not measured"}
+
+
 def test_a_metric_is_judged_and_other_metrics_are_left_out():
     rows = judge([result("lat", {}, {"p50_us": 140.0, "p99_us": 300.0})], (METRIC,))
     assert [(r.key, r.value, r.met) for r in rows] == [("p50_us", 140.0, "no")]
