@@ -159,17 +159,20 @@ class EtcdHttp:
     async def revoke(self, lease: int) -> None:
         await self._post("/v3/lease/revoke", {"ID": lease}, _Range)
 
-    async def watch_prefix(self, prefix: bytes, start_revision: int, idle_s: float) -> AsyncIterator[Event]:
+    async def watch_prefix(self, prefix: bytes, start_revision: int, idle_s: float,
+                           connect_s: float | None = None) -> AsyncIterator[Event]:  # fmt: skip
         """Events under `prefix` from `start_revision` on, until the stream breaks.
 
-        Raises `WatchIdle` after `idle_s` without a byte, `EtcdUnreachable`, or `EtcdError` when
-        etcd cancels the watch (e.g. that revision was compacted: read everything again and watch
-        from there).
+        Raises `WatchIdle` after `idle_s` without a byte, `EtcdUnreachable` (also when a new
+        connection is not made within `connect_s`: a host dropping our packets would otherwise hold
+        the watch for the kernel's minutes of retries), or `EtcdError` when etcd cancels the watch
+        (e.g. that revision was compacted: read everything again and watch from there).
         """
         import aiohttp
 
         request = {"create_request": {"key": prefix, "range_end": prefix_end(prefix), "start_revision": start_revision}}
-        idle = aiohttp.ClientTimeout(total=None, sock_read=idle_s)  # each read: the reply's head, then each chunk
+        # each read: the reply's head, then each chunk
+        idle = aiohttp.ClientTimeout(total=None, sock_read=idle_s, sock_connect=connect_s)
         try:
             async with self._open().post("/v3/watch", data=msgspec.json.encode(request), timeout=idle) as reply:
                 if reply.status != 200:
@@ -191,6 +194,8 @@ class EtcdHttp:
                             raise EtcdError(0, f"watch cancelled: {result.cancel_reason or 'compacted'}")
                         for event in result.events:
                             yield event
+        except aiohttp.ConnectionTimeoutError as exc:  # (a TimeoutError too: not an idle stream)
+            raise EtcdUnreachable(f"{self.base}: {exc!r}") from None
         except TimeoutError:  # (aiohttp's ServerTimeoutError)
             raise WatchIdle(f"{self.base}: nothing on the watch stream for {idle_s}s") from None
         except aiohttp.ClientError as exc:

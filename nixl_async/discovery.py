@@ -207,7 +207,7 @@ class EtcdDirectory:
                                   complete=True, revision=revision)  # fmt: skip
                 else:
                     revision, resume_at = resume_at, None
-                async for event in self._client.watch_prefix(self._prefix, revision + 1, _WATCH_IDLE_S):
+                async for event in self._client.watch_prefix(self._prefix, revision + 1, _WATCH_IDLE_S, self._timeout):
                     gone = event.type == "DELETE"
                     if gone:
                         known.pop(event.kv.key, None)

@@ -598,3 +598,33 @@ async def _leases(server: EtcdServer) -> set[str]:
     finally:
         await client.close()
     return {lease["ID"] for lease in found.leases}
+
+
+async def test_a_watch_that_cannot_connect_gives_up_at_its_connect_bound():
+    """An etcd host that drops our packets (a partition, a dead host): before, the watch's connect was
+    bounded only by the kernel's SYN retries (minutes), so changes after etcd came back went unseen that long."""
+    from nixl_async._etcd_http import EtcdUnreachable
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers = []  # a full accept queue: further SYNs are dropped, as by a host that is gone
+    for _ in range(4):
+        filler = socket.socket()
+        filler.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            filler.connect(("127.0.0.1", port))
+        fillers.append(filler)
+    client = EtcdHttp(f"127.0.0.1:{port}")
+    started = time.monotonic()
+    try:
+        with pytest.raises(EtcdUnreachable):
+            async with asyncio.timeout(10):
+                async for _event in client.watch_prefix(b"nixl_async/", 1, idle_s=30.0, connect_s=0.5):
+                    pass
+        assert time.monotonic() - started < 3
+    finally:
+        await client.close()
+        for sock in (*fillers, listener):
+            sock.close()
