@@ -245,7 +245,7 @@ class HandshakeServer:
             if isinstance(request, messages.CallRequest):
                 if self._on_call is None:
                     raise Refusal("no_handler", "this engine answers no calls")
-                return identity, delimiter, messages.encode(self._on_call(request))
+                return identity, delimiter, self._signed(request, messages.encode(self._on_call(request)))
             reply = self._reply_for(request)
             if self._on_request is not None:  # answered: the asker's first transfer follows
                 self._on_request()
@@ -258,7 +258,15 @@ class HandshakeServer:
             return identity, delimiter, _error("internal", type(exc).__name__)
         session = self.guard.issue(request.engine_id)
         self.served += 1
-        return identity, delimiter, messages.encode(msgspec.structs.replace(reply, notify_session=session))
+        answer = messages.encode(msgspec.structs.replace(reply, notify_session=session))
+        return identity, delimiter, self._signed(request, answer)
+
+    def _signed(self, request: messages.Authenticated, payload: bytes) -> bytes:
+        """`payload`, wrapped in a `SignedReply` for an authenticated asker that wants one."""
+        if self._secret is None or not request.signed_reply:
+            return payload
+        mac = messages.reply_mac(self._secret, request.mac, payload)
+        return messages.encode(messages.SignedReply(payload=payload, mac=mac))
 
     def _take_notification(self, note: messages.NotifyMessage) -> None:
         if self._on_notify is None:
@@ -372,6 +380,10 @@ async def _ask(
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+    if secret is not None:
+        request = msgspec.structs.replace(request, signed_reply=True)
+    signed: messages.Authenticated | None = None
+    reply: messages.Reply
     try:
         sock.connect(f"tcp://{address}")
         try:
@@ -393,6 +405,10 @@ async def _ask(
         sock.close(0)
     if isinstance(reply, messages.AuthChallenge):
         raise ProtocolError(f"{address} challenged twice", address=address)
+    if secret is not None and not isinstance(reply, messages.ErrorReply):
+        reply = _proven(reply, secret, signed, request, address)
+    elif isinstance(reply, messages.SignedReply):
+        raise ProtocolError(f"{address} signed a reply to a request we did not sign", address=address)
     if isinstance(reply, messages.ErrorReply) and reply.code == "incompatible_peer":
         raise IncompatiblePeerError(f"{address} refused the {_kind(request)}: {reply.message}", address=address)
     if isinstance(reply, messages.ErrorReply) and reply.code == "engine_id_mismatch":
@@ -403,6 +419,30 @@ async def _ask(
     if not isinstance(reply, expect):
         raise ProtocolError(f"{address} answered a {_kind(request)} with a {type(reply).__name__}", address=address)
     return reply
+
+
+def _proven(reply: messages.Reply, secret: bytes, signed: messages.Authenticated | None,
+            request: messages.Authenticated, address: str) -> messages.Reply:  # fmt: skip
+    """The reply inside a `SignedReply` whose MAC proves the server holds `secret` and answers `signed`;
+    `HandshakeRejected` otherwise: an engine with our secret always challenges, then signs its answer
+    (one at a dead engine's address answering in its place would be handed our transfers)."""
+    kind = _kind(request)
+    if signed is None:
+        raise HandshakeRejected(f"{address} answered the {kind} without asking for our proof of the shared secret: "
+                                "it does not hold it", address=address)  # fmt: skip
+    if not isinstance(reply, messages.SignedReply):
+        raise HandshakeRejected(f"{address} answered the {kind} unsigned: it does not prove the shared secret "
+                                "(an engine from before signed replies?)", address=address)  # fmt: skip
+    if not hmac.compare_digest(reply.mac, messages.reply_mac(secret, signed.mac, reply.payload)):
+        raise HandshakeRejected(f"{address} answered the {kind} with a reply not signed with the shared secret",
+                                address=address)  # fmt: skip
+    try:
+        inner = messages.decode_reply(reply.payload)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"undecodable {kind} reply from {address}: {exc}", address=address) from None
+    if isinstance(inner, messages.SignedReply | messages.AuthChallenge):
+        raise ProtocolError(f"{address} signed a {type(inner).__name__}", address=address)
+    return inner
 
 
 def _kind(request: messages.Authenticated) -> str:

@@ -40,12 +40,14 @@ __all__ = [
     "PublishedEngine",
     "Reply",
     "Request",
+    "SignedReply",
     "compat_hash",
     "decode_published",
     "decode_reply",
     "decode_request",
     "encode",
     "notify_mac",
+    "reply_mac",
     "request_mac",
 ]
 
@@ -67,6 +69,8 @@ class MetadataRequest(msgspec.Struct, tag="metadata_request", frozen=True, kw_on
     mac: bytes = b""
     # The largest UCX/TCP segment the asker receives (absent: an older engine, UCX's default).
     tcp_segment_bytes: int = UCX_TCP_DEFAULT_SEGMENT
+    # With a shared secret: answer with a `SignedReply` (the server proves the secret too).
+    signed_reply: bool = False
 
 
 class MetadataReply(msgspec.Struct, tag="metadata", frozen=True, kw_only=True):
@@ -98,6 +102,16 @@ class AuthChallenge(msgspec.Struct, tag="auth_challenge", frozen=True, kw_only=T
     """The server wants proof of the shared secret: ask again with an HMAC over this nonce."""
 
     nonce: bytes
+
+
+class SignedReply(msgspec.Struct, tag="signed_reply", frozen=True, kw_only=True):
+    """The answer to an authenticated request that asked for it (`signed_reply`): `payload` is the
+    encoded reply, and `mac` (`reply_mac`) binds it to the secret and to that request's own MAC, so
+    only a holder of the secret can make it, for that request alone. Without it the asker proves
+    the secret to whoever answers at the address, and takes its word for the rest."""
+
+    payload: bytes
+    mac: bytes
 
 
 class NotifyMessage(msgspec.Struct, tag="notify", frozen=True, kw_only=True):
@@ -133,6 +147,7 @@ class CallRequest(msgspec.Struct, tag="call", frozen=True, kw_only=True):
     payload: bytes = b""
     nonce: bytes = b""
     mac: bytes = b""
+    signed_reply: bool = False  # as `MetadataRequest.signed_reply`
 
 
 class CallReply(msgspec.Struct, tag="call_reply", frozen=True, kw_only=True):
@@ -162,7 +177,7 @@ class PublishedEngine(msgspec.Struct, tag="published_engine", frozen=True, kw_on
     fingerprint: str = ""
 
 
-Reply = MetadataReply | CallReply | ErrorReply | AuthChallenge
+Reply = MetadataReply | CallReply | ErrorReply | AuthChallenge | SignedReply
 Request = MetadataRequest | CallRequest | NotifyMessage
 Authenticated = MetadataRequest | CallRequest
 
@@ -193,7 +208,7 @@ def decode_published(data: bytes) -> PublishedEngine:
 
 # Request fields added after authentication was: signed only when not at their default, so an older
 # engine (which drops them when it re-encodes a request, or never sends them) computes the same MAC.
-_LATER_FIELDS: dict[str, object] = {"tcp_segment_bytes": UCX_TCP_DEFAULT_SEGMENT}
+_LATER_FIELDS: dict[str, object] = {"tcp_segment_bytes": UCX_TCP_DEFAULT_SEGMENT, "signed_reply": False}
 
 
 def request_mac(secret: bytes, request: Authenticated) -> bytes:
@@ -206,6 +221,11 @@ def request_mac(secret: bytes, request: Authenticated) -> bytes:
     # the bytes of the struct's own encoding (tag first, fields in order), less the omitted fields
     signed = _encoder.encode({config.tag_field: config.tag, **fields})
     return hmac.new(secret, signed, hashlib.sha256).digest()
+
+
+def reply_mac(secret: bytes, request_mac: bytes, payload: bytes) -> bytes:
+    """HMAC-SHA256 of a `SignedReply`: the secret, the request it answers (by its MAC) and the reply's bytes."""
+    return hmac.new(secret, b"nixl_async signed reply\0" + request_mac + payload, hashlib.sha256).digest()
 
 
 def notify_mac(secret: bytes, session: bytes, seq: int, engine_id: str, message: bytes, busy_ms: int = 0) -> bytes:

@@ -108,6 +108,17 @@ class _RequestBeforeSegments(msgspec.Struct, tag="metadata_request", frozen=True
     mac: bytes = b""
 
 
+class _CallBeforeSignedReplies(msgspec.Struct, tag="call", frozen=True, kw_only=True):
+    """CallRequest as engines before `signed_reply` encoded it."""
+
+    version: int = 1
+    engine_id: str = ""
+    topic: str
+    payload: bytes = b""
+    nonce: bytes = b""
+    mac: bytes = b""
+
+
 def _older_engines_mac(secret: bytes, request: msgspec.Struct) -> bytes:
     import hashlib
     import hmac
@@ -126,5 +137,9 @@ def test_a_request_on_ucx_default_segments_signs_as_older_engines_sign():
     assert messages.request_mac(secret, messages.MetadataRequest(**fields, tcp_segment_bytes=64 << 10)) == older
     larger = messages.request_mac(secret, messages.MetadataRequest(**fields, tcp_segment_bytes=512 << 10))
     assert larger != older, "a segment size other than UCX's is covered by the MAC"
-    call = messages.CallRequest(engine_id="d", topic="t", payload=b"p", nonce=b"n" * 16)
-    assert messages.request_mac(secret, call) == _older_engines_mac(secret, call)
+    call = dict(engine_id="d", topic="t", payload=b"p", nonce=b"n" * 16)
+    older_call = _older_engines_mac(secret, _CallBeforeSignedReplies(**call))
+    assert messages.request_mac(secret, messages.CallRequest(**call)) == older_call
+    # asking for a signed reply is covered (an older server, which drops the field, refuses it: it cannot sign)
+    assert messages.request_mac(secret, messages.CallRequest(**call, signed_reply=True)) != older_call
+    assert messages.request_mac(secret, messages.MetadataRequest(**fields, signed_reply=True)) != older

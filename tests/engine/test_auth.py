@@ -70,3 +70,61 @@ async def test_a_signed_request_cannot_be_replayed(nixl_engine):
         assert isinstance(reply, messages.ErrorReply) and reply.code == "auth_failed"
     finally:
         ctx.destroy(0)
+
+
+class _Impostor:
+    """A side channel at an address where an engine with our secret served (a dead engine's port), answering
+    as `answer(request)` says: it has the real engine's last metadata, not the secret."""
+
+    def __init__(self, answer):
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.answer = answer
+        self.task = asyncio.ensure_future(self._run())
+
+    async def _run(self):
+        while True:
+            identity, payload = await self.sock.recv_multipart()
+            await self.sock.send_multipart([identity, self.answer(messages.decode_request(payload))])
+
+    async def close(self):
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+        self.ctx.destroy(0)
+
+
+@pytest.mark.parametrize("how", ["unchallenged", "unsigned", "wrong secret", "replayed"])
+async def test_a_server_that_cannot_prove_the_secret_is_refused(how):
+    """Before, only the asker proved the secret: whoever answered at the address was taken at its word
+    (its metadata loaded, our reads and writes sent to its memory)."""
+    async with TransferEngine(EngineConfig(engine_id="real", auth_secret=SECRET)) as real, \
+            TransferEngine(EngineConfig(engine_id="asker", auth_secret=SECRET)) as asker:  # fmt: skip
+        metadata = messages.encode(real._metadata())
+        earlier = messages.reply_mac(SECRET, b"m" * 32, metadata)  # a signed reply to another request
+
+        def answer(request: messages.MetadataRequest) -> bytes:
+            if how == "unchallenged" or (request.mac and how == "unsigned"):
+                return metadata
+            if not request.mac:
+                return messages.encode(messages.AuthChallenge(nonce=b"n" * 16))
+            mac = messages.reply_mac(WRONG, request.mac, metadata) if how == "wrong secret" else earlier
+            return messages.encode(messages.SignedReply(payload=metadata, mac=mac))
+
+        impostor = _Impostor(answer)
+        try:
+            with pytest.raises(HandshakeRejected, match="shared secret"):
+                await asker.connect("127.0.0.1", impostor.port, timeout=3)
+        finally:
+            await impostor.close()
+        assert asker.peers == [] and not asker.live_handles().get("remote_agents")
+        peer = await asker.connect(*await real.serve())  # the real engine proves it
+        assert peer.engine_id == "real"
+
+
+@pytest.mark.nixl_engine_config(auth_secret=SECRET)
+async def test_calls_are_answered_signed_and_checked(nixl_engine):
+    nixl_engine.handle_calls("echo", lambda _sender, payload: payload[::-1])
+    async with TransferEngine(EngineConfig(engine_id="caller", auth_secret=SECRET)) as caller:
+        peer = await caller.connect(*nixl_engine.address)
+        assert await caller.call(peer, "echo", b"abc") == b"cba"
