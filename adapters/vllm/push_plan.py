@@ -18,7 +18,7 @@ import numpy as np
 
 from nixl_async import LayoutError, Peer, ViewSpec
 
-from .block_pairs import GroupBlocks, in_kernel_pages, pair_blocks
+from .block_pairs import GroupBlocks, in_kernel_pages, pair_blocks, window_pages_of_prompt
 from .kv_layout import no_head_window
 from .progressive import LayerReady
 from .push_book import PushGroup, PushRegistration
@@ -196,7 +196,11 @@ def write_parts(geometry: KVGeometry, blocks: tuple[list[int], ...], reg: PushRe
     pairs = []
     for group, mine in zip(reg.groups, blocks, strict=True):
         pair = GroupBlocks(group.kind, list(group.blocks), list(mine), group.hit)  # as decode sees it
-        pairs.append(in_kernel_pages(pair, reg.decode_pages, geometry.pages_per_block) if paged else pair)
+        if paged:
+            pair = in_kernel_pages(pair, reg.decode_pages, geometry.pages_per_block)
+            if pair.kind == "window":  # (decode's plan refuses it the same way: no prompt length either side)
+                pair = window_pages_of_prompt(pair, None, 0, reg.decode_pages, geometry.pages_per_block)
+        pairs.append(pair)
     if ratio == 1:
         decode_ids: list[int] = []
         prefill_ids: list[int] = []

@@ -820,6 +820,8 @@ def _compat(vllm_config: Any, attention: AttentionChoice, transfer_mode: str, *,
     change what a block's bytes mean. With Mamba state layers, also the conv state's layout
     (``VLLM_SSM_CONV_STATE_LAYOUT``): state pages are copied as they are, and pages of equal size
     in the other layout hold it transposed. (vLLM's own worker requires DS, so its hash leaves it out.)
+    And the state's dtypes (``mamba_cache_dtype``, ``mamba_ssm_cache_dtype``), which vLLM's hash leaves
+    out too: a small state padded to the attention page keeps block and page sizes whatever its dtype.
     """
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import compute_nixl_compatibility_hash
 
@@ -829,4 +831,7 @@ def _compat(vllm_config: Any, attention: AttentionChoice, transfer_mode: str, *,
         from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
 
         compat["ssm_conv_state_layout"] = str(get_conv_state_layout())
+        cache = getattr(vllm_config, "cache_config", None)
+        compat["mamba_cache_dtype"] = str(getattr(cache, "mamba_cache_dtype", "auto"))
+        compat["mamba_ssm_cache_dtype"] = str(getattr(cache, "mamba_ssm_cache_dtype", "auto"))
     return compat

@@ -11,6 +11,8 @@ clips them. The oracle pairs blocks by hand from what each group's lists mean.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -289,3 +291,9 @@ def test_with_mamba_layers_the_conv_state_layout_must_agree(monkeypatch):
     get_conv_state_layout.cache_clear()  # (read again, as the process has it, by whoever asks next)
     assert seen["DS"][0] != seen["SD"][0], "a Mamba model's conv state layouts must not mix"
     assert seen["DS"][1] == seen["SD"][1], "without state layers the setting does not matter"
+    # the state's dtypes too (vLLM's hash leaves them out; a state padded to the attention page keeps its size)
+    dtypes = [SimpleNamespace(cache_config=SimpleNamespace(mamba_cache_dtype="auto", mamba_ssm_cache_dtype=ssm))
+              for ssm in ("auto", "float32")]  # fmt: skip
+    with_state = [_compat(config, attention, "pull", has_state=True) for config in dtypes]
+    assert with_state[0] != with_state[1]
+    assert _compat(dtypes[0], attention, "pull") == _compat(dtypes[1], attention, "pull")

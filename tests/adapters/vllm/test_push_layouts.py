@@ -680,3 +680,16 @@ def test_decode_blocks_of_unknown_start_are_refused():
     with pytest.raises(LayoutError, match="without its prefix hit"):
         write_parts(geometry, ([1, 2, 3],), reg)  # a prompt of 3 prefill blocks fills 9 to 12 decode blocks
     assert write_parts(geometry, ([1, 2],), reg), "5 decode blocks for 2 prefill blocks: the whole prompt"
+
+
+def test_a_window_group_in_other_pages_per_block_is_refused_as_decode_refuses_it():
+    """Prefill in 1 kernel page per block, decode in 2, a window group: paired from the end as they stand,
+    each prefill page went one page later on decode (tokens 64-127 into decode's slot for 128-191).
+    Decode's own plan refuses this (no prompt length); prefill wrote it all the same."""
+    geometry = KVGeometry(tp_size=1, tp_rank=0, block_size=64, part_len=4096, run_len=None, mla=False, kv_heads=2,
+                          pages_per_block=1, group_kinds=("window", "full"))  # fmt: skip
+    reg = PushRegistration(request_id="r", decode_request_id="r", decode_engine_id="d/tp0", decode_host="h",
+                           decode_port=1, decode_tp=1, decode_pages=2, write=True, decode_block_size=64,
+                           groups=[PushGroup("window", [20, 21], None), PushGroup("full", [30, 31], 0)])  # fmt: skip
+    with pytest.raises(LayoutError, match="sliding-window group in blocks of 2 pages"):
+        write_parts(geometry, ([11, 12], [10, 11, 12]), reg)
