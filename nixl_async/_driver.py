@@ -514,11 +514,15 @@ class TransferDriver:
         for posts in range(max_posts):
             if core.state is not TransferState.POSTING or (posts and bounded and time.perf_counter() > until):
                 break
-            if not (next_slice := core.to_post(1)):
+            if not core.can_post_now:
                 break
             if transfer.deadline is not None and self.loop is not None and self.loop.time() >= transfer.deadline:
-                self._timed_out(transfer)  # nothing is posted past it (a sweep checks deadlines after its posts)
+                # Nothing is posted past it (a sweep checks deadlines after its posts). Checked before a
+                # slice is handed out: one handed out counts as posted (`slices_posted`).
+                self._timed_out(transfer)
                 return True
+            if not (next_slice := core.to_post(1)):
+                break
             index = next_slice[0]
             # A WRITE's notification rides on its last slice (NIXL orders it after the data at
             # the target). A READ's is sent once the data has landed here: chained to the READ it

@@ -469,7 +469,9 @@ def _notified(started: list[Transfer]) -> bool:
 
 
 def _all_landed(transfer: Transfer) -> bool:
-    return transfer.quiet and transfer.slices_errored == 0 and transfer.slices_posted == transfer.num_slices
+    """Every slice, the last too, was posted and ended DONE (a notification alone, with no slice, is not)."""
+    return (transfer.num_slices > 0 and transfer.quiet and transfer.slices_errored == 0
+            and transfer.slices_posted == transfer.num_slices)  # fmt: skip
 
 
 def _landed(engine: TransferEngine, started: list[Transfer]) -> bool:

@@ -537,6 +537,7 @@ async def test_a_read_whose_deadline_passed_before_its_first_post_posts_nothing(
         await asyncio.wait_for(transfer, 10)
     assert await nixl_engine.settle([transfer], timeout=5)
     assert not local[0].any(), "a slice was posted past the deadline"
+    assert transfer.slices_posted == 0, "a slice handed out, then not posted, counted as posted"
     await nixl_engine.read(peer, range(16), range(16))  # the engine and the peer are fine
     assert local[0].any()
 

@@ -106,3 +106,27 @@ async def test_a_whole_push_whose_notifying_write_lands_just_past_write_by(decod
         await _assert_told_landed_only(decode, reg)
     finally:
         await engine.close()
+
+
+async def test_a_notification_alone_that_failed_is_not_taken_for_a_landed_push(monkeypatch):
+    """A push with nothing to write (a full prefix hit) is its notification alone. Before, that notification
+    failing was taken for a WRITE that landed (no slice errored, quiet): decode was told nothing at all."""
+    import zmq
+
+    from nixl_async import NotificationFailed
+    from nixl_async_vllm.push_worker import _notified
+
+    async with TransferEngine(EngineConfig(engine_id="prefill-alone")) as prefill, \
+            TransferEngine(EngineConfig(engine_id="decode-alone")) as decode:  # fmt: skip
+        for engine in (prefill, decode):
+            engine.register("kv", [np.zeros(4 * BLOCK, np.uint8)], block_len=BLOCK)
+        peer = await prefill.connect(*await decode.serve())
+
+        def unreachable(*_args, **_kwargs):
+            raise zmq.ZMQError(zmq.EHOSTUNREACH, "injected")
+
+        monkeypatch.setattr(prefill._driver._notify, "send", unreachable)
+        notice = await prefill.start_write(peer, [], [], notify=b"push:req-d:0")
+        with pytest.raises(NotificationFailed):
+            await notice
+        assert not _notified([notice])
