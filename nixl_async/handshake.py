@@ -380,8 +380,8 @@ async def _ask(
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
-    if secret is not None:
-        request = msgspec.structs.replace(request, signed_reply=True)
+    if secret is not None:  # (the server's nonce is its own: a recorded challenge could be sent again)
+        request = msgspec.structs.replace(request, signed_reply=True, client_nonce=secrets.token_bytes(16))
     signed: messages.Authenticated | None = None
     reply: messages.Reply
     try:
@@ -431,8 +431,8 @@ def _proven(reply: messages.Reply, secret: bytes, signed: messages.Authenticated
         raise HandshakeRejected(f"{address} answered the {kind} without asking for our proof of the shared secret: "
                                 "it does not hold it", address=address)  # fmt: skip
     if not isinstance(reply, messages.SignedReply):
-        raise HandshakeRejected(f"{address} answered the {kind} unsigned: it does not prove the shared secret "
-                                "(an engine from before signed replies?)", address=address)  # fmt: skip
+        raise HandshakeRejected(f"{address} answered the {kind} unsigned: it does not prove the shared secret",
+                                address=address)  # fmt: skip
     if not hmac.compare_digest(reply.mac, messages.reply_mac(secret, signed.mac, reply.payload)):
         raise HandshakeRejected(f"{address} answered the {kind} with a reply not signed with the shared secret",
                                 address=address)  # fmt: skip

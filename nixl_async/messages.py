@@ -69,8 +69,10 @@ class MetadataRequest(msgspec.Struct, tag="metadata_request", frozen=True, kw_on
     mac: bytes = b""
     # The largest UCX/TCP segment the asker receives (absent: an older engine, UCX's default).
     tcp_segment_bytes: int = UCX_TCP_DEFAULT_SEGMENT
-    # With a shared secret: answer with a `SignedReply` (the server proves the secret too).
+    # With a shared secret: answer with a `SignedReply` (the server proves the secret too), bound
+    # through our MAC to `client_nonce`, fresh per request (a recorded exchange cannot be replayed).
     signed_reply: bool = False
+    client_nonce: bytes = b""
 
 
 class MetadataReply(msgspec.Struct, tag="metadata", frozen=True, kw_only=True):
@@ -148,6 +150,7 @@ class CallRequest(msgspec.Struct, tag="call", frozen=True, kw_only=True):
     nonce: bytes = b""
     mac: bytes = b""
     signed_reply: bool = False  # as `MetadataRequest.signed_reply`
+    client_nonce: bytes = b""  # ... and `MetadataRequest.client_nonce`
 
 
 class CallReply(msgspec.Struct, tag="call_reply", frozen=True, kw_only=True):
@@ -208,7 +211,11 @@ def decode_published(data: bytes) -> PublishedEngine:
 
 # Request fields added after authentication was: signed only when not at their default, so an older
 # engine (which drops them when it re-encodes a request, or never sends them) computes the same MAC.
-_LATER_FIELDS: dict[str, object] = {"tcp_segment_bytes": UCX_TCP_DEFAULT_SEGMENT, "signed_reply": False}
+_LATER_FIELDS: dict[str, object] = {
+    "tcp_segment_bytes": UCX_TCP_DEFAULT_SEGMENT,
+    "signed_reply": False,
+    "client_nonce": b"",
+}
 
 
 def request_mac(secret: bytes, request: Authenticated) -> bytes:

@@ -128,3 +128,48 @@ async def test_calls_are_answered_signed_and_checked(nixl_engine):
     async with TransferEngine(EngineConfig(engine_id="caller", auth_secret=SECRET)) as caller:
         peer = await caller.connect(*nixl_engine.address)
         assert await caller.call(peer, "echo", b"abc") == b"cba"
+
+
+async def test_a_recorded_exchange_replayed_at_the_address_is_refused():
+    """An impostor at a dead engine's address that recorded one authenticated handshake replays its challenge,
+    then its signed reply. Before, the asker (same engine id, same settings) signed the same request again under
+    the recorded nonce, and the recorded reply verified: the dead engine's old metadata was taken."""
+    async with TransferEngine(EngineConfig(engine_id="real", auth_secret=SECRET)) as real:
+        host, port = await real.serve()
+        ctx = zmq.asyncio.Context()
+        front = ctx.socket(zmq.ROUTER)
+        relay_port = front.bind_to_random_port("tcp://127.0.0.1")
+        back = ctx.socket(zmq.DEALER)
+        back.connect(f"tcp://{host}:{port}")
+        recorded: list[bytes] = []
+
+        async def relay(replaying: bool):
+            while True:
+                identity, payload = await front.recv_multipart()
+                if replaying:
+                    answer = recorded[len(replayed)]
+                    replayed.append(answer)
+                else:
+                    await back.send(payload)
+                    answer = await back.recv()
+                    recorded.append(answer)
+                await front.send_multipart([identity, answer])
+
+        replayed: list[bytes] = []
+        task = asyncio.ensure_future(relay(False))
+        try:
+            async with TransferEngine(EngineConfig(engine_id="asker", auth_secret=SECRET)) as asker:
+                assert (await asker.connect("127.0.0.1", relay_port, timeout=3)).engine_id == "real"
+            assert len(recorded) == 2  # the challenge, then the signed reply
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            task = asyncio.ensure_future(relay(True))  # "real" is gone; the impostor has the recording
+            async with TransferEngine(EngineConfig(engine_id="asker", auth_secret=SECRET)) as again:
+                with pytest.raises(HandshakeRejected, match="shared secret"):
+                    await again.connect("127.0.0.1", relay_port, timeout=3)
+                assert again.peers == []
+            assert len(replayed) == 2
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            ctx.destroy(0)
