@@ -775,9 +775,8 @@ class TransferEngine:
             raise ValueError(f"row {lengths.index(0)} of the batch has no blocks (every row needs some)")
         piece_len = local_view.piece_len
         deadline, lease_deadline = self._deadlines(peer, timeout, lease_expires_at)
-        local_dlist, remote_dlist = await self._admit(peer, [n * piece_len for n in lengths],
-                                                      earliest(deadline, lease_deadline), local_view,
-                                                      remote_view)  # fmt: skip
+        local_dlist, remote_dlist = await self._admit(peer, [n * piece_len for n in lengths], deadline,
+                                                      lease_deadline, local_view, remote_view)  # fmt: skip
         descriptors = sum(lengths)
         return self._driver.submit_batch(op, peer, local_dlist, remote_dlist, (lidx, ridx), descriptors,
                                          descriptors * piece_len, deadline, lease_deadline,
@@ -816,8 +815,8 @@ class TransferEngine:
         if self._admission.try_acquire(nbytes):  # room now: no coroutine to wait in
             local_dlist, remote_dlist = self._admitted(peer, (nbytes,), local_view, remote_view)
         else:
-            local_dlist, remote_dlist = await self._admit(peer, (nbytes,), earliest(deadline, lease_deadline),
-                                                          local_view, remote_view)  # fmt: skip
+            local_dlist, remote_dlist = await self._admit(peer, (nbytes,), deadline, lease_deadline, local_view,
+                                                          remote_view)  # fmt: skip
         return self._driver.submit(op, peer, (local_dlist, lidx), (remote_dlist, ridx), local_view.piece_len, notify,
                                    deadline, lease_deadline, _route(local_view, remote_view))  # fmt: skip
 
@@ -857,7 +856,7 @@ class TransferEngine:
         if not sizes:  # nothing to read or write: notifications only
             return [self._driver.notify_only(op, peer, m) for m in notes]
         deadline, lease_deadline = self._deadlines(peer, timeout, lease_expires_at)
-        local_dlist, remote_dlist = await self._admit(peer, sizes, earliest(deadline, lease_deadline), local_view,
+        local_dlist, remote_dlist = await self._admit(peer, sizes, deadline, lease_deadline, local_view,
                                                       remote_view)  # fmt: skip
         rows = zip(lidx, ridx, notes, strict=True)
         return self._driver.submit_many(op, peer, local_dlist, remote_dlist, piece_len, rows, deadline,
@@ -898,13 +897,20 @@ class TransferEngine:
             )
         return (None if timeout is None else now + timeout), now + remaining
 
-    async def _admit(self, peer: Peer, sizes: Sequence[int], deadline: float | None, local_view: BlockView,
-                     remote_view: BlockView) -> tuple[Any, Any]:  # fmt: skip
+    async def _admit(self, peer: Peer, sizes: Sequence[int], deadline: float | None, lease_deadline: float | None,
+                     local_view: BlockView, remote_view: BlockView) -> tuple[Any, Any]:  # fmt: skip
         """Wait for room for transfers of `sizes` bytes, all of them together (nothing is posted before);
-        then their (local, remote) prepared descriptor lists. Each transfer gives its room back as it ends."""
+        then their (local, remote) prepared descriptor lists. Each transfer gives its room back as it ends.
+
+        The wait ends at the deadline or the lease, whichever comes first (a renewal reaches a transfer
+        only once it is submitted); past the lease it is `LeaseExpired`, as a late submit is."""
         try:
-            await self._admission.acquire(sum(sizes), deadline, count=len(sizes))
+            await self._admission.acquire(sum(sizes), earliest(deadline, lease_deadline), count=len(sizes))
         except TimeoutError:
+            if lease_deadline is not None and earliest(deadline, lease_deadline) == lease_deadline:
+                self.stats.counters["lease_refusals"] += 1
+                raise LeaseExpired(f"the lease from {peer.engine_id} ran out while waiting for room to submit: "
+                                   "nothing posted", peer=peer.engine_id) from None  # fmt: skip
             raise TransferTimeout("deadline passed while waiting for room to submit", peer=peer.engine_id) from None
         return self._admitted(peer, sizes, local_view, remote_view, waited=True)
 

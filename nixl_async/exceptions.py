@@ -192,7 +192,10 @@ class TransferFenced(TransferError):
 class LeaseExpired(TransferError):
     """The producer's lease on those blocks has run out (they may hold other data now).
 
-    Raised before anything is posted: a late read is refused, never served stale bytes.
+    A submit past the lease (or one still waiting for room when it ends) is refused with nothing
+    posted; a transfer under way when it ends is stopped, and one whose data came after it is not
+    trusted: either is reported, as any error, once NIXL holds none of its handles. Not a
+    `TimeoutError` (a renewed lease, `TransferEngine.renew_lease`, moves it).
     """
 
 

@@ -169,3 +169,21 @@ async def test_renew_lease_refuses_nan_and_other_threads(tcp_reader):
         await asyncio.to_thread(engine.renew_lease, [transfer], time.time() + 60)
     await transfer
     assert engine.renew_lease([transfer], time.time() + 60) == 0
+
+
+async def test_a_lease_running_out_while_waiting_for_room_is_reported_as_such(monkeypatch, nixl_peer_factory):
+    """Before, a submit waiting for room past its lease failed as `TransferTimeout` (a `TimeoutError`)."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    proc = nixl_peer_factory(num_regions=1, num_blocks=TCP_BLOCKS, block_len=TCP_BLOCK, seed=5, tcp=True)
+    async with TransferEngine(EngineConfig(engine_id="lease-waiter", max_inflight_transfers=1)) as engine:
+        engine.register("kv", [np.zeros(TCP_BLOCKS * TCP_BLOCK, np.uint8)], block_len=TCP_BLOCK)
+        peer = await engine.connect(*proc.address)
+        holding = await _held_in_flight(engine, peer, proc)  # takes the only room, and keeps it
+        try:
+            with pytest.raises(LeaseExpired, match="waiting for room"):
+                await engine.start_read(peer, [0], [0], lease_expires_at=time.time() + 0.2, timeout=10)
+            with pytest.raises(TransferTimeout):  # its own timeout first: a timeout, as before
+                await engine.start_read(peer, [0], [0], lease_expires_at=time.time() + 10, timeout=0.2)
+        finally:
+            proc.resume()
+        await holding
