@@ -82,7 +82,8 @@ class NotificationBox:
 
     def deliver(self, sender: str, message: bytes) -> None:
         for feed in tuple(self._subscribers):  # (a subscription dropped unread leaves from its finalizer)
-            if feed.qsize() >= self._max_unclaimed or feed.nbytes + len(message) > self._max_unclaimed_bytes:
+            behind = feed.qsize()  # (one message over the byte budget alone is still delivered)
+            if behind >= self._max_unclaimed or (behind and feed.nbytes + len(message) > self._max_unclaimed_bytes):
                 self._unsubscribe(feed)  # (what it holds is still read; then it ends)
                 feed.put_nowait(_LOST)
                 self.lost_subscriptions += 1
@@ -212,6 +213,9 @@ class _Subscription:
         self._box: NotificationBox | None = None
         self._loop = asyncio.get_running_loop()
         self._queue = _Feed(claim)
+        if box._closed is not None:  # (the engine closed: nothing will come)
+            self._queue.put_nowait(None)
+            return
         self._box = box
         box._subscribers.add(self._queue)
         box._claiming += claim

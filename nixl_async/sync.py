@@ -376,7 +376,10 @@ class SyncEngine:
                 except NotificationsLost:  # more arrived in one drain than the limits: go on with what comes
                     log.error("the notification feed fell behind and lost notifications (over "
                               "max_unclaimed_notifications in one go); it goes on")  # fmt: skip
-                    notifications = self.engine.notifications(claim=True)
+                    try:
+                        notifications = self.engine.notifications(claim=True)
+                    except EngineClosedError:
+                        return
 
         def start() -> None:  # subscribed here: nothing delivered before the pump first runs is missed
             pumping = pump(self.engine.notifications(claim=True))

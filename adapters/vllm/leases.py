@@ -82,6 +82,7 @@ class LearnedLeases:
         """A read of the request starts: its lease as known now, kept up to date until `forget`."""
         lease = RequestLease(self.expiry(engine_id, request_id, announced), margin_s)
         self._reading[(engine_id, request_id)] = lease
+        self._forgotten.pop((engine_id, request_id), None)  # (read again: renewals of it count again)
         return lease
 
     def learn(self, engine_id: str, request_ids: list[str], replies: list[dict[str, float]]) -> list[RequestLease]:

@@ -188,13 +188,15 @@ class PeerCommandError(RuntimeError):
 
 # -- the child ----------------------------------------------------------------------------
 class _PeerServer:
-    def __init__(self, spec: PeerSpec) -> None:
+    def __init__(self, spec: PeerSpec, ready_fd: int) -> None:
         self.spec = spec
+        self.ready_fd = ready_fd  # the parent's pipe, for the ready line alone
         self.engine: TransferEngine  # the current incarnation, from `open_engine`
         region_len = spec.num_blocks * spec.block_len
         self.regions = [np.zeros(region_len, dtype=np.uint8) for _ in range(spec.num_regions)]
         self.extra_regions: list[np.ndarray] = []  # layouts added by `Register`
         self.done = asyncio.Event()
+        self.parent = os.getppid()  # (at start: a parent gone before we serve is noticed too)
 
     async def open_engine(self, spec: PeerSpec) -> tuple[TransferEngine, str, int]:
         """A started engine as `spec` says, with our regions registered, serving on spec.port."""
@@ -245,11 +247,9 @@ class _PeerServer:
             control.setsockopt(zmq.LINGER, 0)
             control_port = control.bind_to_random_port(f"tcp://{spec.host}")
             ready = {"engine_id": spec.engine_id, "host": host, "port": port, "control_port": control_port}
-            print(_READY, json.dumps(ready), flush=True)
-            # The parent reads stdout only up to the ready line: what UCX logs from here on goes to the
-            # stderr file, or a full pipe would block this process inside a log call.
-            os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
-            orphaned = asyncio.ensure_future(self._exit_when_orphaned(os.getppid()))
+            os.write(self.ready_fd, f"{_READY} {json.dumps(ready)}\n".encode())
+            os.close(self.ready_fd)
+            orphaned = asyncio.ensure_future(self._exit_when_orphaned(self.parent))
             tasks: set[asyncio.Task[None]] = set()
             receiver = asyncio.ensure_future(control.recv_multipart())
             stopper = asyncio.ensure_future(self.done.wait())
@@ -339,7 +339,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         runner: Any = uvloop.run
     except ImportError:  # pragma: no cover
         runner = asyncio.run
-    runner(_PeerServer(spec).run())
+    # The parent reads its pipe only up to the ready line; UCX logs to stdout (C's buffered stdio, whose
+    # partial lines could split the ready line, and which would block this process in a log call once
+    # the pipe filled). So the pipe carries the ready line alone, and stdout goes to the stderr file.
+    ready_fd = os.dup(sys.stdout.fileno())
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    runner(_PeerServer(spec, ready_fd).run())
 
 
 # -- the parent's handle ------------------------------------------------------------------
@@ -468,8 +473,10 @@ class PeerProcess:
         raise self._exited()
 
     def stderr(self) -> str:
-        self._stderr.seek(0)
-        return self._stderr.read().decode(errors="replace")[-4000:]
+        # (pread: the child writes through the same open file; moving its offset would make it write over the log)
+        fd = self._stderr.fileno()
+        size = os.fstat(fd).st_size
+        return os.pread(fd, 16000, max(0, size - 16000)).decode(errors="replace")[-4000:]
 
     # -- commands -------------------------------------------------------------------------
     async def request(self, cmd: Any, timeout: float = 60.0) -> Any:

@@ -190,3 +190,14 @@ async def test_close_fails_waiters():
 async def test_count_must_be_positive():
     with pytest.raises(ValueError):
         await NotificationBox(1).wait(b"m", count=0)
+
+
+async def test_a_caught_up_subscription_takes_a_message_over_the_byte_budget_and_a_late_one_ends_at_once():
+    box = NotificationBox(8, max_unclaimed_bytes=1 << 10)
+    subscription = box.subscribe()
+    box.deliver("p", b"x" * (4 << 10))  # alone over the budget: nothing unread before it, so it is delivered
+    assert (await anext(subscription)).message == b"x" * (4 << 10) and box.lost_subscriptions == 0
+    box.close(RuntimeError("closed"))
+    late = box.subscribe()  # after the close (a feed resubscribing as the engine closes): ends, never waits
+    with pytest.raises(StopAsyncIteration):
+        await asyncio.wait_for(anext(late), 1)

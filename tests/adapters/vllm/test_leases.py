@@ -193,3 +193,12 @@ async def test_a_producer_that_let_the_blocks_go_ends_the_read_in_flight(cluster
     snapshot = regions[0].copy()
     await asyncio.sleep(0.3)
     assert np.array_equal(snapshot, regions[0]), "bytes landed after the read was reported ended"
+
+
+def test_a_request_read_again_after_it_was_forgotten_takes_renewals_again():
+    leases = LearnedLeases()
+    leases.learn("p", ["a"], [{"a": 100.0}])
+    leases.forget("p", "a")  # its read ended
+    lease = leases.reading("p", "a", 50.0, margin_s=1.0)  # ...and it is read again
+    assert [moved.expires_at for moved in leases.learn("p", ["a"], [{"a": 130.0}])] == [130.0]
+    assert lease.expires_at == 130.0
