@@ -108,6 +108,9 @@ def plot_goals(rows: list[goals.Row], directory: Path) -> None:
 
 def main(args: argparse.Namespace) -> int:
     if args.list:
+        if args.scenarios:
+            print("--list lists every scenario: name none with it", file=sys.stderr)
+            return 2
         for name, (_, quick) in SCENARIOS.items():
             print(f"{name}{'' if quick else '  (not in the default set)'}")
         return 0
@@ -115,7 +118,12 @@ def main(args: argparse.Namespace) -> int:
         if args.scenarios or args.all or args.json:
             print("--judge measures nothing: name no scenario, --all or --json with it", file=sys.stderr)
             return 2
-        rows = goals.judge(goals.load(args.judge))
+        try:
+            loaded = goals.load(args.judge)
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # (not a file of `--json` lines)
+            print(f"--judge {args.judge}: cannot read a run's JSON lines from it ({exc})", file=sys.stderr)
+            return 2
+        rows = goals.judge(loaded)
         print(f"== goals ({goals.tally(rows)}) ==\n{goals.markdown(rows)}")
         if args.plots:
             plot_goals(rows, Path(args.plots))

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -25,6 +27,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--list", action="store_true", help="list the scenarios and exit")
 
     args = parser.parse_args(argv)
+    for path in (args.json,):  # written after minutes of work: a path that cannot be is refused now
+        if path and not _writable(path):
+            parser.error(f"--json {path}: cannot write there (no such folder, or no permission)")
     if args.command == "demo":
         from ._demo import main as demo_main
 
@@ -32,6 +37,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     from nixl_async_benchmarks.runner import main as bench_main
 
     return bench_main(args)
+
+
+def _writable(path: str) -> bool:
+    """Whether a file can be written at `path` (its folder exists and takes it), leaving nothing behind."""
+    target = Path(path)
+    if target.is_dir():
+        return False
+    if target.exists():
+        return os.access(target, os.W_OK)
+    folder = target.parent
+    return folder.is_dir() and os.access(folder, os.W_OK)
 
 
 if __name__ == "__main__":

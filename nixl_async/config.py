@@ -65,13 +65,27 @@ class PollConfig:
     follow_busy_hints: bool = True
 
     def __post_init__(self) -> None:
+        # Finite seconds: an infinite busy interval never checks a transfer again (its deadline and a
+        # cancel's release are seen only at checks), a NaN one compares false everywhere.
         for name in ("busy_interval_s", "linger_s", "backoff_start_s", "idle_interval_s", "waiting_interval_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"PollConfig.{name} must be >= 0")
+            value = getattr(self, name)
+            if not _finite_seconds(value) or value < 0:
+                raise ValueError(f"PollConfig.{name} must be a finite number of seconds >= 0, got {value!r}")
+        for name in ("spin", "follow_busy_hints"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"PollConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if self.backoff_start_s > self.idle_interval_s:
             raise ValueError("PollConfig.backoff_start_s must not exceed idle_interval_s")
         if self.backoff_start_s == 0 < self.idle_interval_s:
             raise ValueError("PollConfig.backoff_start_s must be > 0 to back off to idle_interval_s (0 doubles to 0)")
+        # (zeros elsewhere are asked-for spinning: idle_interval_s=0 never idles, as busy_interval_s=0 never waits)
+
+
+def _finite_seconds(value: object) -> bool:
+    """A real number, not a bool, and finite (an int is)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return False
+    return isinstance(value, numbers.Integral) or math.isfinite(value)
 
 
 def ucx_link_settings(timeout_s: float) -> dict[str, str]:
@@ -335,8 +349,12 @@ class EngineConfig:
             "max_unclaimed_notification_bytes",
         )
         for name in positive:
-            if not getattr(self, name) > 0:  # (NaN too)
-                raise ValueError(f"EngineConfig.{name} must be > 0")
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+                raise ValueError(f"EngineConfig.{name} must be a whole number > 0, got {value!r}")
+            object.__setattr__(self, name, int(value))  # (numpy's ints: ZMQ's options take Python ints)
+        if not isinstance(self.poll, PollConfig):
+            raise ValueError(f"EngineConfig.poll must be a PollConfig, got {self.poll!r}")
         # Seconds: finite numbers (a NaN deadline is never reached and never missed; None is "no limit").
         for name, low, strict, optional in (("transfer_timeout_s", 0, True, True), ("peer_ttl_s", 0, True, True),
                                             ("handshake_timeout_s", 0, True, False), ("post_target_s", 0, True, False),

@@ -342,7 +342,10 @@ class TransferEngine:
         if busy:
             fenced = sum(t.state is TransferState.FENCED for t in busy)
             raise LayoutError(f"layout {name!r} has {len(busy)} transfers in flight ({fenced} fenced): kept registered")
+        layout = self._memory.layouts.get(name)
         self._memory.deregister(agent, name)
+        if layout is not None:  # (what is registered now, as the counter's name says)
+            self.stats.counters["registered_bytes"] -= layout.total_bytes
         self._changed()
 
     def layout(self, name: str | None = None) -> BlockLayout:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import numbers
 import operator
 import time
 from collections import OrderedDict, deque
@@ -136,8 +137,11 @@ class NotificationBox:
         """
         if not isinstance(message, bytes):
             raise TypeError(f"a notification is bytes, not {type(message).__name__} (encode it)")
-        if count <= 0:
-            raise ValueError(f"count must be > 0, got {count}")
+        # (a count of 1.5 or NaN is never met: the wait would take every matching message, for ever)
+        if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count <= 0:
+            raise ValueError(f"count must be a whole number > 0, got {count!r}")
+        if timeout is not None and timeout != timeout:
+            raise ValueError("timeout must be a number of seconds or None, not NaN")
         if self._closed is not None:  # (a lease's task may start only after the close)
             raise type(self._closed)(*self._closed.args)
         taken: list[str] = []
@@ -261,6 +265,11 @@ class _Subscription:
             self._loop.call_soon_threadsafe(box._unsubscribe, self._queue)
 
 
+def _cancelling() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 class Lease:
     """Blocks lent to remote readers until they all notify `message`, or `expires_at` passes.
 
@@ -302,7 +311,13 @@ class Lease:
         self._task.cancel()
 
     async def wait(self) -> bool:
-        return await asyncio.shield(self._task)
+        """True once every reader notified; False when the lease expired first, or was cancelled."""
+        try:
+            return await asyncio.shield(self._task)
+        except asyncio.CancelledError:
+            if self._task.cancelled() and not _cancelling():
+                return False  # (`cancel()` stopped the lease; the awaiting task itself was not cancelled)
+            raise
 
     def __await__(self) -> Generator[Any, None, bool]:
         return self.wait().__await__()

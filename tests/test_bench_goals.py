@@ -173,3 +173,21 @@ def test_judge_refuses_what_it_would_ignore(capsys):
                            plots=None)  # fmt: skip
     assert runner.main(args) == 2
     assert "--judge measures nothing" in capsys.readouterr().err
+
+
+def test_the_command_refuses_unusable_paths_and_names_before_any_work(tmp_path, capsys):
+    """Before, `demo --json` to a missing folder ran the whole demo, then raised; `bench --judge` of a missing or
+    non-JSON file raised a traceback; `bench --list nosuch` listed everything and exited 0."""
+    from nixl_async.cli import main
+
+    for argv in (["demo", "--quick", "--json", str(tmp_path / "no" / "out.json")],
+                 ["bench", "latency", "--json", str(tmp_path)]):  # fmt: skip
+        with pytest.raises(SystemExit) as refused:
+            main(argv)
+        assert refused.value.code == 2 and "cannot write there" in capsys.readouterr().err
+    garbage = tmp_path / "garbage.jsonl"
+    garbage.write_text("not json\n")
+    for judged in (str(tmp_path / "missing.jsonl"), str(garbage)):
+        assert main(["bench", "--judge", judged]) == 2
+        assert "cannot read a run's JSON lines" in capsys.readouterr().err
+    assert main(["bench", "--list", "nosuch"]) == 2

@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from nixl_async.exceptions import NotificationsLost, NotificationTimeout
-from nixl_async.notifications import Notification, NotificationBox
+from nixl_async.notifications import Lease, Notification, NotificationBox
 
 
 async def test_message_before_wait_is_kept():
@@ -201,3 +201,20 @@ async def test_a_caught_up_subscription_takes_a_message_over_the_byte_budget_and
     late = box.subscribe()  # after the close (a feed resubscribing as the engine closes): ends, never waits
     with pytest.raises(StopAsyncIteration):
         await asyncio.wait_for(anext(late), 1)
+
+
+@pytest.mark.parametrize("count", [1.5, float("nan"), True, "2"])
+async def test_a_count_that_is_not_a_whole_number_is_refused(count):
+    """Before, 1.5 or NaN was never met: the wait took every matching message, for ever (no timeout)."""
+    box = NotificationBox(10)
+    with pytest.raises(ValueError, match="whole number"):
+        await box.wait(b"m", count)
+    with pytest.raises(ValueError, match="NaN"):
+        await box.wait(b"m", 1, timeout=float("nan"))
+
+
+async def test_a_cancelled_lease_awaited_says_false():
+    """Before, awaiting it raised `CancelledError` in a task nobody cancelled (a TaskGroup then stopped)."""
+    lease = Lease(NotificationBox(10), b"req", readers=1, ttl_s=30)
+    lease.cancel()
+    assert await asyncio.wait_for(lease.wait(), 1) is False

@@ -272,3 +272,27 @@ def test_an_idle_back_off_from_zero_is_refused():
     with pytest.raises(ValueError, match="backoff_start_s must be > 0"):
         PollConfig(backoff_start_s=0.0, idle_interval_s=0.05)
     PollConfig(backoff_start_s=0.0, idle_interval_s=0.0)  # never idle: nothing to back off to
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"busy_interval_s": float("inf"), "spin": False}, {"busy_interval_s": float("nan")}, {"linger_s": float("inf")},
+     {"idle_interval_s": float("nan")}, {"waiting_interval_s": True}, {"spin": "False"}, {"follow_busy_hints": 1},
+     {"busy_interval_s": "1"}],
+)  # fmt: skip
+def test_poll_settings_that_would_hang_or_spin_are_refused_by_name(fields):
+    """Before, an infinite busy interval never checked a transfer again (its deadline, a cancel's release: a
+    hang for good), an infinite linger spun an idle engine for ever, and "False" turned spinning on."""
+    with pytest.raises(ValueError, match=f"PollConfig.{next(iter(fields))}"):
+        PollConfig(**fields)
+
+
+@pytest.mark.parametrize("value", [True, 1.5, float("inf"), "4", 0, -1])
+def test_whole_number_limits_are_refused_unless_whole_and_positive(value):
+    """Before, 1.5 made every transfer fail in the poller (slice indices), 4e6 frames made ZMQ raise a raw
+    TypeError naming no setting, and True passed as 1."""
+    for name in ("max_post_descriptors", "max_frame_bytes", "max_inflight_transfers"):
+        with pytest.raises(ValueError, match=f"EngineConfig.{name} must be a whole number"):
+            EngineConfig(**{name: value})
+    with pytest.raises(ValueError, match=r"EngineConfig\.poll must be a PollConfig"):
+        EngineConfig(poll={"spin": False})

@@ -877,3 +877,12 @@ async def test_an_engine_told_to_ignore_busy_hints_counts_them_but_stays_idle():
             engine._on_busy_hint(1.0)
             assert engine.stats.counters["busy_hints_received"] == 1
             assert (engine._pacer._brisk_until > loop.time() + 0.5) is follow
+
+
+async def test_registered_bytes_counts_what_is_registered_now(nixl_engine):
+    """Before, deregister() subtracted nothing: three rounds of 1 MiB left the counter at 3 MiB, nothing registered."""
+    for _ in range(3):
+        nixl_engine.register("scratch", [np.zeros(1 << 20, np.uint8)], block_len=4096)
+        assert nixl_engine.snapshot().counters["registered_bytes"] == 1 << 20
+        nixl_engine.deregister("scratch")
+    assert nixl_engine.snapshot().counters["registered_bytes"] == 0
