@@ -16,8 +16,10 @@ import pytest
 if os.environ.get("NIXL_ASYNC_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm", reason="vLLM not installed (bash scripts/setup-vllm.sh)")
 
+import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import NixlPushConnectorScheduler
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
 from nixl_async_vllm.progressive import PrefillFollower, PrefillStep
 from nixl_async_vllm.scheduler import AdapterPushScheduler
@@ -38,6 +40,9 @@ def scheduler(monkeypatch) -> AdapterPushScheduler:
     monkeypatch.setattr(NixlPushConnectorScheduler, "request_finished", lambda self, request, blocks: (True, {}))
     monkeypatch.setattr(NixlPushConnectorScheduler, "update_connector_output", lambda self, output: None)
     sched = object.__new__(AdapterPushScheduler)
+    spec = FullAttentionSpec(block_size=128, num_kv_heads=1, head_size=8, dtype=torch.float16)
+    sched.kv_cache_config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
+                                          kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])  # fmt: skip
     sched.settings = SimpleNamespace(push_progressive=True)
     sched._reqs_need_recv = {}
     sched._computing = PrefillFollower()
@@ -55,7 +60,8 @@ def _block(block_id: int, cached: bool = False) -> KVCacheBlock:
 
 
 def _request(request_id: str, **params: Any) -> SimpleNamespace:
-    return SimpleNamespace(request_id=request_id, kv_transfer_params=params, num_prompt_tokens=PROMPT)
+    return SimpleNamespace(request_id=request_id, kv_transfer_params=params, num_prompt_tokens=PROMPT,
+                           num_computed_tokens=PROMPT)  # fmt: skip
 
 
 def _output(new=(), cached=(), scheduled=None, resumed=()) -> SimpleNamespace:
