@@ -108,8 +108,8 @@ def plot_goals(rows: list[goals.Row], directory: Path) -> None:
 
 def main(args: argparse.Namespace) -> int:
     if args.list:
-        if args.scenarios:
-            print("--list lists every scenario: name none with it", file=sys.stderr)
+        if args.scenarios or args.all or args.judge or args.json:
+            print("--list lists every scenario: give it nothing else", file=sys.stderr)
             return 2
         for name, (_, quick) in SCENARIOS.items():
             print(f"{name}{'' if quick else '  (not in the default set)'}")
@@ -119,11 +119,10 @@ def main(args: argparse.Namespace) -> int:
             print("--judge measures nothing: name no scenario, --all or --json with it", file=sys.stderr)
             return 2
         try:
-            loaded = goals.load(args.judge)
-        except (OSError, ValueError, KeyError, TypeError) as exc:  # (not a file of `--json` lines)
-            print(f"--judge {args.judge}: cannot read a run's JSON lines from it ({exc})", file=sys.stderr)
+            rows = goals.judge(goals.load(args.judge))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # (not a file of `--json` lines)
+            print(f"--judge {args.judge}: cannot read a run's JSON lines from it ({exc!r})", file=sys.stderr)
             return 2
-        rows = goals.judge(loaded)
         print(f"== goals ({goals.tally(rows)}) ==\n{goals.markdown(rows)}")
         if args.plots:
             plot_goals(rows, Path(args.plots))

@@ -27,9 +27,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--list", action="store_true", help="list the scenarios and exit")
 
     args = parser.parse_args(argv)
-    for path in (args.json,):  # written after minutes of work: a path that cannot be is refused now
-        if path and not _writable(path):
-            parser.error(f"--json {path}: cannot write there (no such folder, or no permission)")
+    measuring = args.command == "demo" or not (args.list or args.judge)  # (those write no --json: theirs to refuse)
+    if measuring and args.json and not _writable(args.json):  # written after minutes of work: refused now
+        parser.error(f"--json {args.json}: cannot write there (no such folder, or no permission)")
     if args.command == "demo":
         from ._demo import main as demo_main
 

@@ -252,6 +252,7 @@ class TransferEngine:
             self._peers.release_all()  # (logs what NIXL refuses to unload)
             try:
                 self._memory.release_all(agent)
+                self.stats.counters["registered_bytes"] = 0  # (kept where NIXL still holds it: it is)
             except NIXL_ERRORS as exc:  # the close goes on; what NIXL may still hold is never freed
                 log.error("closing: NIXL refused to release our memory (%s): keeping the agent and its memory alive",
                           exc)  # fmt: skip

@@ -140,8 +140,9 @@ class NotificationBox:
         # (a count of 1.5 or NaN is never met: the wait would take every matching message, for ever)
         if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count <= 0:
             raise ValueError(f"count must be a whole number > 0, got {count!r}")
-        if timeout is not None and timeout != timeout:
-            raise ValueError("timeout must be a number of seconds or None, not NaN")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)
+                                    or timeout != timeout):  # fmt: skip
+            raise ValueError(f"timeout must be a number of seconds or None, got {timeout!r}")
         if self._closed is not None:  # (a lease's task may start only after the close)
             raise type(self._closed)(*self._closed.args)
         taken: list[str] = []
@@ -265,9 +266,10 @@ class _Subscription:
             self._loop.call_soon_threadsafe(box._unsubscribe, self._queue)
 
 
-def _cancelling() -> bool:
+def _cancelling() -> int:
+    """How many cancellations of the running task are pending (0 outside a task)."""
     task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
+    return task.cancelling() if task is not None else 0
 
 
 class Lease:
@@ -312,10 +314,11 @@ class Lease:
 
     async def wait(self) -> bool:
         """True once every reader notified; False when the lease expired first, or was cancelled."""
+        before = _cancelling()
         try:
             return await asyncio.shield(self._task)
         except asyncio.CancelledError:
-            if self._task.cancelled() and not _cancelling():
+            if self._task.cancelled() and _cancelling() <= before:
                 return False  # (`cancel()` stopped the lease; the awaiting task itself was not cancelled)
             raise
 

@@ -191,3 +191,8 @@ def test_the_command_refuses_unusable_paths_and_names_before_any_work(tmp_path, 
         assert main(["bench", "--judge", judged]) == 2
         assert "cannot read a run's JSON lines" in capsys.readouterr().err
     assert main(["bench", "--list", "nosuch"]) == 2
+    assert main(["bench", "--list", "--json", str(tmp_path / "no" / "x.json")]) == 2  # --list's own refusal
+    assert "give it nothing else" in capsys.readouterr().err
+    shapes = tmp_path / "shapes.jsonl"
+    shapes.write_text('{"scenario": "busy", "metrics": [], "ratios": [1]}\n')
+    assert main(["bench", "--judge", str(shapes)]) == 2

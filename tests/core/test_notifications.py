@@ -1,6 +1,7 @@
 """The notification mailbox as a pure state machine (no NIXL)."""
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -209,8 +210,9 @@ async def test_a_count_that_is_not_a_whole_number_is_refused(count):
     box = NotificationBox(10)
     with pytest.raises(ValueError, match="whole number"):
         await box.wait(b"m", count)
-    with pytest.raises(ValueError, match="NaN"):
-        await box.wait(b"m", 1, timeout=float("nan"))
+    for timeout in (float("nan"), "5", True):
+        with pytest.raises(ValueError, match="timeout must be a number of seconds"):
+            await box.wait(b"m", 1, timeout=timeout)
 
 
 async def test_a_cancelled_lease_awaited_says_false():
@@ -218,3 +220,22 @@ async def test_a_cancelled_lease_awaited_says_false():
     lease = Lease(NotificationBox(10), b"req", readers=1, ttl_s=30)
     lease.cancel()
     assert await asyncio.wait_for(lease.wait(), 1) is False
+
+    async def awaiter() -> bool:  # a task that swallowed an earlier cancellation (without uncancel())
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(10)
+        return await Lease.wait(stopped)
+
+    stopped = Lease(NotificationBox(10), b"req2", readers=1, ttl_s=30)
+    stopped.cancel()
+    task = asyncio.ensure_future(awaiter())
+    await asyncio.sleep(0)
+    task.cancel()
+    assert await asyncio.wait_for(task, 1) is False
+    held = Lease(NotificationBox(10), b"req3", readers=1, ttl_s=30)
+    waiting = asyncio.ensure_future(held.wait())
+    await asyncio.sleep(0)
+    waiting.cancel()  # the awaiting task cancelled: that is its own cancellation, not the lease's
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    held.cancel()

@@ -886,3 +886,6 @@ async def test_registered_bytes_counts_what_is_registered_now(nixl_engine):
         assert nixl_engine.snapshot().counters["registered_bytes"] == 1 << 20
         nixl_engine.deregister("scratch")
     assert nixl_engine.snapshot().counters["registered_bytes"] == 0
+    async with TransferEngine(EngineConfig(engine_id="closing-registered")) as engine:
+        engine.register("kv", [np.zeros(1 << 20, np.uint8)], block_len=4096)
+    assert engine.snapshot().counters["registered_bytes"] == 0, "released at close"
