@@ -262,11 +262,16 @@ class HandshakeServer:
         return identity, delimiter, self._signed(request, answer)
 
     def _signed(self, request: messages.Authenticated, payload: bytes) -> bytes:
-        """`payload`, wrapped in a `SignedReply` for an authenticated asker that wants one."""
-        if self._secret is None or not request.signed_reply:
-            return payload
-        mac = messages.reply_mac(self._secret, request.mac, payload)
-        return messages.encode(messages.SignedReply(payload=payload, mac=mac))
+        """`payload`, wrapped in a `SignedReply` for an authenticated asker that wants one; an error
+        instead if the asker said it takes no frame that large."""
+        if self._secret is not None and request.signed_reply:
+            mac = messages.reply_mac(self._secret, request.mac, payload)
+            payload = messages.encode(messages.SignedReply(payload=payload, mac=mac))
+        if 0 < request.max_reply_bytes < len(payload):
+            self.rejected += 1
+            return _error("reply_too_large", f"the reply is {len(payload)} bytes, over the asker's max_frame_bytes "
+                                             f"({request.max_reply_bytes}): raise it there")  # fmt: skip
+        return payload
 
     def _take_notification(self, note: messages.NotifyMessage) -> None:
         if self._on_notify is None:
@@ -380,6 +385,7 @@ async def _ask(
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+    request = msgspec.structs.replace(request, max_reply_bytes=max_frame_bytes)
     if secret is not None:  # (the server's nonce is its own: a recorded challenge could be sent again)
         request = msgspec.structs.replace(request, signed_reply=True, client_nonce=secrets.token_bytes(16))
     signed: messages.Authenticated | None = None

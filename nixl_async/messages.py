@@ -73,6 +73,9 @@ class MetadataRequest(msgspec.Struct, tag="metadata_request", frozen=True, kw_on
     # through our MAC to `client_nonce`, fresh per request (a recorded exchange cannot be replayed).
     signed_reply: bool = False
     client_nonce: bytes = b""
+    # The asker's frame limit (its `max_frame_bytes`; 0: not said): ZMQ drops a larger reply without a
+    # word, and the asker would wait out its timeout, so the server answers with an error instead.
+    max_reply_bytes: int = 0
 
 
 class MetadataReply(msgspec.Struct, tag="metadata", frozen=True, kw_only=True):
@@ -151,6 +154,7 @@ class CallRequest(msgspec.Struct, tag="call", frozen=True, kw_only=True):
     mac: bytes = b""
     signed_reply: bool = False  # as `MetadataRequest.signed_reply`
     client_nonce: bytes = b""  # ... and `MetadataRequest.client_nonce`
+    max_reply_bytes: int = 0  # ... and `MetadataRequest.max_reply_bytes`
 
 
 class CallReply(msgspec.Struct, tag="call_reply", frozen=True, kw_only=True):
@@ -215,6 +219,7 @@ _LATER_FIELDS: dict[str, object] = {
     "tcp_segment_bytes": UCX_TCP_DEFAULT_SEGMENT,
     "signed_reply": False,
     "client_nonce": b"",
+    "max_reply_bytes": 0,
 }
 
 

@@ -470,3 +470,18 @@ async def test_new_engine_at_a_known_address_replaces_the_old_one(nixl_engine, n
     assert nixl_engine.live_handles()["remote_agents"] == 1
     with pytest.raises(EngineIdMismatch):  # and a wrong expectation still fails, after one fresh look
         await nixl_engine.connect(host, port, expected_engine_id="prefill-old")
+
+
+async def test_a_reply_over_the_askers_frame_limit_is_refused_at_once_by_name():
+    """ZMQ drops a frame over the asker's `max_frame_bytes` without a word: before, the asker waited out its whole
+    timeout and heard `HandshakeTimeout`, as if the peer were dead."""
+    async with TransferEngine(EngineConfig(engine_id="many-regions")) as server, \
+            TransferEngine(EngineConfig(engine_id="small-frames", max_frame_bytes=4096)) as asker:  # fmt: skip
+        server.register("kv", [np.zeros(4096, np.uint8) for _ in range(200)], block_len=4096)
+        assert len(messages.encode(server._metadata())) > 4096
+        address = await server.serve()
+        started = time.monotonic()
+        with pytest.raises(HandshakeRejected, match="max_frame_bytes"):
+            await asker.connect(*address, timeout=5)
+        assert time.monotonic() - started < 2
+        assert asker.peers == [] and not asker.live_handles().get("remote_agents")
