@@ -363,9 +363,7 @@ class EngineConfig:
             value = getattr(self, name)
             if value is None and optional:
                 continue
-            number = isinstance(value, numbers.Real) and not isinstance(value, bool)
-            number = number and (isinstance(value, numbers.Integral) or math.isfinite(value))
-            if not number or value < low or (strict and value == low):
+            if not _finite_seconds(value) or value < low or (strict and value == low):
                 raise ValueError(f"EngineConfig.{name} must be a finite number of seconds {'>' if strict else '>='} "
                                  f"{low}{' or None' if optional else ''}, got {value!r}")  # fmt: skip
         if self.etcd is not None and not isinstance(self.etcd, EtcdConfig):

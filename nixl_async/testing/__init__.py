@@ -11,8 +11,8 @@ Registered through the ``pytest11`` entry point, so installing nixl-async gives 
 - ``nixl_peer``: one default peer from that factory;
 - `PeerProcess` fault knobs (``kill()``/``akill()``, ``pause()``, ``resume()``, ``reincarnate()``), its control commands
   (`Verify`, `TransferCommand`, `WaitNotifications`, `Stats`, ...), the pattern helpers (`fill_pattern`,
-  `pattern_block`, `verify_blocks`) re-exported here, and `transfers_settled` (await it after
-  cancelling transfers, before asserting that no handle is live).
+  `pattern_block`, `verify_blocks`) re-exported here, `transfers_settled` (await it after
+  cancelling transfers, before asserting that no handle is live) and `until_in_flight`.
 
 Example::
 
@@ -45,6 +45,7 @@ except ImportError:  # pragma: no cover - the demo and benchmarks run where only
 
 if TYPE_CHECKING:
     from ..engine import TransferEngine
+    from ..transfer import Transfer
     from .peer_process import (
         Checksums,
         Exit,
@@ -80,6 +81,7 @@ __all__ = [
     "free_port_base",
     "pattern_block",
     "transfers_settled",
+    "until_in_flight",
     "verify_blocks",
 ]
 
@@ -135,6 +137,17 @@ async def transfers_settled(engine: TransferEngine, timeout: float = 3.0) -> int
     while (live := engine.live_handles().get("xfers", 0)) and loop.time() < deadline:
         await asyncio.sleep(0.01)
     return live
+
+
+async def until_in_flight(transfer: Transfer, timeout: float = 1.0) -> None:
+    """Return once `transfer` has a slice in flight in NIXL; fail the test if none is by `timeout`
+    (over UCX's CMA a READ is a copy inside the post, never in flight: use UCX over TCP)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not transfer.core.has_running:
+        if loop.time() >= deadline:
+            pytest.fail("the read never had a slice in flight: is UCX really using TCP?")
+        await asyncio.sleep(0.0005)
 
 
 if pytest is not None:  # the plugin proper

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from nixl_async import EngineConfig, LeaseExpired, TransferEngine, TransferState, TransferTimeout, WrongThreadError
-from nixl_async.testing import PeerCommandError, Stats, TransferCommand, fill_pattern, pattern_block
+from nixl_async.testing import PeerCommandError, Stats, TransferCommand, fill_pattern, pattern_block, until_in_flight
 
 BLOCK = 4096
 
@@ -103,12 +103,9 @@ async def _held_in_flight(engine, peer, proc, **kwargs):
     """A read of every block, in flight, with the peer stopped (SIGSTOP) so it stays so."""
     ids = list(range(TCP_BLOCKS))
     transfer = await engine.start_read(peer, ids, ids, **kwargs)
-    for _ in range(2000):
-        if transfer.core.has_running:
-            proc.pause()
-            return transfer
-        await asyncio.sleep(0.0005)
-    pytest.fail("the read never had a slice in flight: is UCX really using TCP?")
+    await until_in_flight(transfer)
+    proc.pause()
+    return transfer
 
 
 async def test_a_lease_running_out_mid_read_is_reported_as_such(tcp_reader):

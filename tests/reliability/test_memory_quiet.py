@@ -26,7 +26,7 @@ from nixl_async import (
     TransferTimeout,
     wait_all,
 )
-from nixl_async.testing import Checksums, TransferCommand
+from nixl_async.testing import Checksums, TransferCommand, until_in_flight
 
 BLOCK = 1 << 20
 BLOCKS = 96
@@ -72,11 +72,8 @@ async def _start_read_all(engine, peer, as_batch=False):
 async def _in_flight(engine, peer, as_batch=False):
     """`_start_read_all`, returning once the read is really in flight."""
     transfer = await _start_read_all(engine, peer, as_batch)
-    for _ in range(2000):
-        if transfer.core.has_running:
-            return transfer
-        await asyncio.sleep(0.0005)
-    pytest.fail("the read never had a slice in flight: is UCX really using TCP?")
+    await until_in_flight(transfer)
+    return transfer
 
 
 async def _assert_quiet_after(engine, regions, error):

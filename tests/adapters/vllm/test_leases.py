@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from nixl_async import EngineConfig, LeaseExpired, Transfer, TransferEngine
-from nixl_async.testing import pattern_block
+from nixl_async.testing import pattern_block, until_in_flight
 from nixl_async_vllm.leases import GONE, LEASE_TOPIC, LearnedLeases, RequestLease, answer_renewal, heartbeat
 from nixl_async_vllm.send_book import SendBook
 
@@ -147,12 +147,9 @@ async def read_in_flight(monkeypatch, nixl_peer_factory):
         ids = list(range(BLOCKS))
         transfer = await reader.start_read(peer, ids, ids, lease_expires_at=lease.read_by)
         lease.reads.append(transfer)
-        for _ in range(2000):
-            if transfer.core.has_running:
-                proc.pause()
-                return transfer
-            await asyncio.sleep(0.0005)
-        pytest.fail("the read never had a slice in flight: is UCX really using TCP?")
+        await until_in_flight(transfer)
+        proc.pause()
+        return transfer
 
     try:
         yield reader, regions, proc, start

@@ -144,19 +144,12 @@ def test_a_prefill_pushes_the_blocks_of_its_computed_tokens_not_its_lookahead_sl
     """Push mode: vLLM's push scheduler hands the workers every block, and keeps a window group's tail,
     lookahead slot included. Before, decode's window blocks each got the next prefill block's KV (the
     last one an empty slot's), and a progressive push was never whole (rewritten in full every time)."""
-    from vllm.config import KVTransferConfig
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request, RequestStatus
 
     from nixl_async_vllm.scheduler import AdapterPushScheduler
 
-    transfer = KVTransferConfig(kv_connector="NixlAsyncPushConnector", kv_role="kv_producer",
-                                kv_connector_extra_config={})  # fmt: skip
-    parallel = SimpleNamespace(tensor_parallel_size=1, decode_context_parallel_size=1, prefill_context_parallel_size=1,
-                               pipeline_parallel_size=1, data_parallel_index=0)  # fmt: skip
-    config = SimpleNamespace(kv_transfer_config=transfer, parallel_config=parallel,
-                             cache_config=SimpleNamespace(block_size=BS), num_prefill_lookahead_tokens=0,
-                             scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=False))  # fmt: skip
+    config = _vllm_config("NixlAsyncPushConnector", "kv_producer", {}, hybrid=True)
     full = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float16)
     window = SlidingWindowSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float16, sliding_window=32)
     groups = [KVCacheGroupSpec(["l0"], full), KVCacheGroupSpec(["l1"], window)]
@@ -172,17 +165,21 @@ def test_a_prefill_pushes_the_blocks_of_its_computed_tokens_not_its_lookahead_sl
     assert params["remote_block_ids"] == ([1, 2, 3, 4, 5, 6, 7], [15, 16, 17])
 
 
-def _configured(extra: dict[str, Any]) -> AdapterScheduler:
-    """An AdapterScheduler made by its own constructor, on the parts of vLLM's config it reads."""
+def _vllm_config(connector: str, role: str, extra: dict[str, Any], *, hybrid: bool = False) -> Any:
+    """The parts of vLLM's config a scheduler's constructor reads (a whole VllmConfig needs a model)."""
     from vllm.config import KVTransferConfig
 
-    transfer = KVTransferConfig(kv_connector="NixlAsyncConnector", kv_role="kv_consumer",
-                                kv_connector_extra_config=extra)  # fmt: skip
+    transfer = KVTransferConfig(kv_connector=connector, kv_role=role, kv_connector_extra_config=extra)
     parallel = SimpleNamespace(tensor_parallel_size=1, decode_context_parallel_size=1, prefill_context_parallel_size=1,
                                pipeline_parallel_size=1, data_parallel_index=0)  # fmt: skip
-    config = SimpleNamespace(kv_transfer_config=transfer, parallel_config=parallel,
-                             cache_config=SimpleNamespace(block_size=BS), num_prefill_lookahead_tokens=0,
-                             scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=True))  # fmt: skip
+    return SimpleNamespace(kv_transfer_config=transfer, parallel_config=parallel,
+                           cache_config=SimpleNamespace(block_size=BS), num_prefill_lookahead_tokens=0,
+                           scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=not hybrid))  # fmt: skip
+
+
+def _configured(extra: dict[str, Any]) -> AdapterScheduler:
+    """An AdapterScheduler made by its own constructor, on the parts of vLLM's config it reads."""
+    config = _vllm_config("NixlAsyncConnector", "kv_consumer", extra)
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float16)
     kv_cache = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
     return AdapterScheduler(config, "decode", kv_cache)
