@@ -25,6 +25,7 @@ never touches the NIXL agent.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import logging
@@ -32,16 +33,17 @@ import os
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
+import numpy as np
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from .config import EngineConfig
 from .engine import BlockIds, TransferEngine
 from .exceptions import EngineClosedError, NotificationFailed, NotificationsLost, TransferFenced, WrongThreadError
-from .layout import BlockLayout, ViewSpec
+from .layout import BlockLayout
 from .notifications import Notification
 from .stats import StatsSnapshot
 
@@ -95,6 +97,54 @@ def _lost_data(error: BaseException | None) -> bool:
     return error is not None and not (isinstance(error, NotificationFailed) and error.result is not None)
 
 
+_TRANSFER_OPTIONS = frozenset(
+    {"expected_engine_id", "local", "remote", "notify", "timeout", "handshake_timeout", "lease_expires_at"}
+)
+_PART_KEYS = frozenset({"op", "host", "port", "local_blocks", "remote_blocks"}) | _TRANSFER_OPTIONS
+
+
+def _copied_ids(ids: BlockIds, what: str) -> BlockIds:
+    """`ids` as they are now: the caller's thread returns at once and may reuse its list or array
+    before the loop reads it (the transfer would move blocks never named for its request)."""
+    if isinstance(ids, np.ndarray):
+        return ids.copy()
+    if isinstance(ids, range | tuple):
+        return ids
+    try:
+        return list(cast(Iterable[int], ids))
+    except TypeError:
+        raise TypeError(f"{what} must be a sequence of block ids, got {type(ids).__name__}") from None
+
+
+def _transfer_args(
+    op: str, host: str, port: int, local_blocks: BlockIds, remote_blocks: BlockIds, options: dict[str, Any]
+) -> tuple[str, str, int, BlockIds, BlockIds, dict[str, Any]]:
+    """One transfer's arguments, checked and copied on the submitting thread (nothing is submitted if they are bad)."""
+    if op not in ("READ", "WRITE"):
+        raise ValueError(f"op must be 'READ' or 'WRITE', got {op!r}")
+    unknown = sorted(set(options) - _TRANSFER_OPTIONS)
+    if unknown:
+        raise TypeError(f"unknown transfer option(s) {unknown}; known: {sorted(_TRANSFER_OPTIONS)}")
+    local = _copied_ids(local_blocks, "local_blocks")
+    remote = _copied_ids(remote_blocks, "remote_blocks")
+    return op, host, port, local, remote, dict(options)
+
+
+def _part_args(part: dict[str, Any]) -> tuple[str, str, int, BlockIds, BlockIds, dict[str, Any]]:
+    """A `submit_transfers` part's arguments, checked and copied."""
+    if not isinstance(part, dict):
+        raise TypeError(f"each part must be a dict, got {type(part).__name__}")
+    missing = sorted({"host", "port", "local_blocks", "remote_blocks"} - set(part))
+    if missing:
+        raise ValueError(f"a part lacks {missing}")
+    unknown = sorted(set(part) - _PART_KEYS)
+    if unknown:
+        raise TypeError(f"unknown part key(s) {unknown}; known: {sorted(_PART_KEYS)}")
+    options = {key: value for key, value in part.items() if key in _TRANSFER_OPTIONS}
+    return _transfer_args(part.get("op", "READ"), part["host"], part["port"], part["local_blocks"],
+                          part["remote_blocks"], options)  # fmt: skip
+
+
 def _name_os_thread(name: str) -> None:
     """Give the calling thread `name` in the kernel too (Python 3.11 names threads only for Python).
 
@@ -127,6 +177,7 @@ class SyncEngine:
             raise
         self._stopper = _LoopStopper(portal_cm, self._portal, self.engine)
         self._finished: queue.SimpleQueue[tuple[str, str, BaseException | None]] = queue.SimpleQueue()
+        self._held_back: collections.deque[tuple[str, str, BaseException | None]] = collections.deque()  # get_finished
         self._inflight: dict[str, object] = {}  # request -> its submission, until reported
         self._running: dict[str, asyncio.Task[Any]] = {}  # loop thread only
         self._cancel_asked: set[str] = set()  # loop thread only: cancelled before it started
@@ -396,12 +447,14 @@ class SyncEngine:
         Options: `expected_engine_id`, `local`, `remote` (layout names or `ViewSpec`s), `notify`,
         `timeout`, `handshake_timeout`, `lease_expires_at` (see `TransferEngine.start_read`).
         """
-        self._submit(request_id, self._transfer("READ", host, port, local_blocks, remote_blocks, **options))
+        self._submit(request_id, self._transfer(*_transfer_args("READ", host, port, local_blocks, remote_blocks,
+                                                                options)))  # fmt: skip
 
     def submit_write(self, request_id: str, host: str, port: int, local_blocks: BlockIds, remote_blocks: BlockIds,
                      **options: Any) -> None:  # fmt: skip
         """Connect (if needed) and write; returns at once (options as for `submit_read`)."""
-        self._submit(request_id, self._transfer("WRITE", host, port, local_blocks, remote_blocks, **options))
+        self._submit(request_id, self._transfer(*_transfer_args("WRITE", host, port, local_blocks, remote_blocks,
+                                                                options)))  # fmt: skip
 
     def submit_transfers(
         self, request_id: str, parts: Sequence[dict[str, Any]], *, timeout: float | None = None
@@ -410,17 +463,15 @@ class SyncEngine:
 
         Each part is a dict with ``host``, ``port``, ``local_blocks``, ``remote_blocks``, optionally
         ``op`` ("READ" or "WRITE") and any `submit_read` option. The request fails if any part
-        fails; the other parts are then cancelled.
+        fails; the other parts are then cancelled. The parts are checked and copied here: a bad one
+        raises (`ValueError`, `TypeError`) with nothing submitted.
         """
+        checked = [_part_args({"timeout": timeout, **part}) for part in parts]
 
         async def run() -> None:
             async with asyncio.TaskGroup() as group:
-                for part in parts:
-                    options = {"timeout": timeout, **part}
-                    op = options.pop("op", "READ")
-                    host, port = options.pop("host"), options.pop("port")
-                    local_blocks, remote_blocks = options.pop("local_blocks"), options.pop("remote_blocks")
-                    group.create_task(self._transfer(op, host, port, local_blocks, remote_blocks, **options))
+                for args in checked:
+                    group.create_task(self._transfer(*args))
 
         self._submit(request_id, _unwrap_group(run()))
 
@@ -440,28 +491,14 @@ class SyncEngine:
         self._submit(request_id, run())
 
     async def _transfer(
-        self,
-        op: str,
-        host: str,
-        port: int,
-        local_blocks: BlockIds,
-        remote_blocks: BlockIds,
-        *,
-        expected_engine_id: str | None = None,
-        local: ViewSpec | str | None = None,
-        remote: ViewSpec | str | None = None,
-        notify: bytes | None = None,
-        timeout: float | None = None,
-        handshake_timeout: float | None = None,
-        lease_expires_at: float | None = None,
+        self, op: str, host: str, port: int, local_blocks: BlockIds, remote_blocks: BlockIds, options: dict[str, Any]
     ) -> None:
         engine = self.engine
-        peer = await engine.connect(host, port, expected_engine_id=expected_engine_id, timeout=handshake_timeout)
+        connect = {key: options.pop(key) for key in ("expected_engine_id", "handshake_timeout") if key in options}
+        peer = await engine.connect(host, port, expected_engine_id=connect.get("expected_engine_id"),
+                                    timeout=connect.get("handshake_timeout"))  # fmt: skip
         start = engine.start_read if op == "READ" else engine.start_write
-        transfer = await start(
-            peer, local_blocks, remote_blocks, local=local, remote=remote, notify=notify, timeout=timeout,
-            lease_expires_at=lease_expires_at,
-        )  # fmt: skip
+        transfer = await start(peer, local_blocks, remote_blocks, **options)
         await transfer
 
     def cancel(self, request_id: str) -> bool:
@@ -495,6 +532,8 @@ class SyncEngine:
         TCP operation on our memory keeps moving. True if something happened.
         """
         self._off_the_loop("wait_activity()")
+        if self._closed:
+            raise EngineClosedError("the sync engine is closed")
         if not timeout >= 0:  # (NaN too: it would never pass)
             raise ValueError(f"wait_activity(): timeout must be >= 0 seconds, not {timeout!r}")
         if poke_every is not None and not poke_every > 0:
@@ -506,18 +545,31 @@ class SyncEngine:
             if remaining <= 0:
                 break
             happened = self._activity.wait(remaining if poke_every is None else min(poke_every, remaining))
+            if self._closed:  # close() wakes us: nothing more will happen
+                raise EngineClosedError("the sync engine closed")
             if not happened and poke_every is not None:
                 self.poke()
         self._activity.clear()
         return happened
 
     def get_finished(self) -> FinishedRequests:
-        """Requests finished since the last call. Never waits on the loop."""
+        """Requests finished since the last call. Never waits on the loop; one thread calls it.
+
+        An id reports one outcome per call: if the id was submitted again and ended again before
+        this call, the later outcome waits for the next call (merged, a failure could hide behind
+        a success, or one of two failures be lost).
+        """
         out = FinishedRequests()
         while True:
-            try:
-                request_id, outcome, error = self._finished.get_nowait()
-            except queue.Empty:
+            if self._held_back:
+                request_id, outcome, error = self._held_back.popleft()
+            else:
+                try:
+                    request_id, outcome, error = self._finished.get_nowait()
+                except queue.Empty:
+                    return out
+            if request_id in out.done or request_id in out.failed:
+                self._held_back.appendleft((request_id, outcome, error))
                 return out
             if outcome == "done":
                 out.fenced.pop(request_id, None)
@@ -556,6 +608,7 @@ class SyncEngine:
                 self._stopper.stop()
         finally:
             self._shut.set()
+            self._activity.set()  # a thread in wait_activity() hears of it at once
 
     async def _stop_background(self) -> None:
         tasks = list(self._background)

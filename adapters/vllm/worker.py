@@ -17,6 +17,7 @@ lease through acknowledged calls (`leases`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import time
@@ -28,6 +29,7 @@ import torch
 
 from nixl_async import (
     BlockLayout,
+    EngineClosedError,
     FinishedRequests,
     HandshakeError,
     LayoutError,
@@ -494,7 +496,8 @@ class ConnectorWorker:
                               serving=self._sends.expecting_readers, in_flight=bool(self.sync.in_flight),
                               poke_for_ours=self.IDLE_POKES_FOR_OWN_REQUESTS)  # fmt: skip
         if plan is not None:
-            self.sync.wait_activity(plan.seconds, poke_every=plan.poke_every_s)
+            with contextlib.suppress(EngineClosedError):  # (shutting down: nothing to wait for)
+                self.sync.wait_activity(plan.seconds, poke_every=plan.poke_every_s)
 
     def _own_finished(self, finished: FinishedRequests) -> FinishedRequests:
         """The requests this worker receives (a subclass takes out work of its own)."""

@@ -464,3 +464,75 @@ def test_the_notification_feed_goes_on_after_more_arrived_at_once_than_it_may_ho
             with contextlib.suppress(queue.Empty):
                 got.append(feed.get(timeout=0.1).message)
         assert got[:8] == [b"n%d" % i for i in range(8)] and got[-1] == b"after"
+
+
+def test_a_transfer_is_checked_and_copied_on_the_submitting_thread(sync_engine, nixl_peer):
+    """Before: an `op` other than "READ" ran as a WRITE into the peer (reported done), a bad part or
+    option failed later, untyped, and the block ids were read on the loop after submit returned,
+    so a caller reusing its list moved blocks it never named for that request."""
+    regions = [np.zeros(64 * BLOCK, np.uint8) for _ in range(2)]
+    sync_engine.register("kv", regions, block_len=BLOCK)
+    host, port = nixl_peer.address
+    part = {"host": host, "port": port, "local_blocks": [0], "remote_blocks": [0]}
+    with pytest.raises(ValueError, match="op must be"):
+        sync_engine.submit_transfers("t", [{**part, "op": "read"}])
+    with pytest.raises(ValueError, match="lacks \\['port'\\]"):
+        sync_engine.submit_transfers("t", [{k: v for k, v in part.items() if k != "port"}])
+    with pytest.raises(TypeError, match="timout"):
+        sync_engine.submit_transfers("t", [{**part, "timout": 1}])
+    with pytest.raises(TypeError, match="timout"):
+        sync_engine.submit_read("t", host, port, [0], [0], timout=1)
+    assert sync_engine.in_flight == 0  # nothing was submitted: the id is free
+
+    local, remote = [0, 1], [62, 63]
+    unblock = threading.Event()
+    sync_engine.call_soon(unblock.wait, 5)  # the loop takes the request only once the lists changed
+    sync_engine.submit_read("a", host, port, local, remote)
+    local[:], remote[:] = [5, 6], [10, 11]
+    unblock.set()
+    assert _wait_finished(sync_engine, 1) == ({"a"}, {})
+    assert verify_blocks(regions, BLOCK, [0, 1], [62, 63], seed=1) == []
+    assert not any(r[5 * BLOCK : 7 * BLOCK].any() for r in regions)
+
+
+def test_one_id_reports_one_outcome_per_drain(sync_engine):
+    """An id submitted again after it ended, both runs ending before one `get_finished`: before, the
+    drain showed it done and failed at once (or one of two failures vanished)."""
+    outcomes = iter([None, RuntimeError("second"), RuntimeError("third")])
+
+    async def ends(engine):
+        error = next(outcomes)
+        if error is not None:
+            raise error
+
+    for _ in range(3):
+        sync_engine.submit("r", ends)
+        deadline = time.monotonic() + 5
+        while sync_engine.in_flight and time.monotonic() < deadline:
+            time.sleep(0.002)
+    drains = [sync_engine.get_finished() for _ in range(4)]
+    assert drains[0].done == {"r"} and not drains[0].failed
+    assert str(drains[1].failed["r"]) == "second" and not drains[1].done
+    assert str(drains[2].failed["r"]) == "third"
+    assert not drains[3]
+
+
+def test_wait_activity_hears_close(sync_engine):
+    """Before: a thread waiting slept its whole timeout through `close()`, and a wait after it did too."""
+    heard: queue.SimpleQueue = queue.SimpleQueue()
+
+    def wait() -> None:
+        started = time.monotonic()
+        try:
+            sync_engine.wait_activity(10)
+        except EngineClosedError:
+            heard.put(time.monotonic() - started)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.2)
+    sync_engine.close()
+    waiter.join(5)
+    assert heard.get(timeout=1) < 3
+    with pytest.raises(EngineClosedError):
+        sync_engine.wait_activity(10)
