@@ -405,8 +405,12 @@ class ConnectorWorker:
                    *args: Any) -> bool:  # fmt: skip
         """Run ``receive(engine, job, *args)`` on the loop; once the facade took it, note the blocks vLLM waits on.
 
-        False if it was not taken (the same request is still being received).
+        False if it was not taken (the same request is still being received, or its outcome is not
+        reported yet: the repeat's blocks would be taken for the first run's).
         """
+        if job.request_id in self._awaiting:
+            log.warning("request %s is already being received; ignoring the repeat", job.request_id)
+            return False
         try:
             self.sync.submit(job.request_id, receive, job, *args)
         except ValueError:  # the same request is still in flight (vLLM re-sent it): keep the first, and its blocks
@@ -602,6 +606,21 @@ def idle_step_wait(
     return IdleWait(wait_s, IDLE_POKE_S if serving or poke_for_ours else None)
 
 
+async def _start_leased_read(
+    engine: TransferEngine, lease: RequestLease, peer: Peer, local_blocks: Any, remote_blocks: Any, **options: Any
+) -> Transfer:
+    """Start a read under the request's lease. A renewal reaches reads once started; one that came
+    while this read waited for room (backpressure) and outran the lease it was given, lets it wait again."""
+    while True:
+        read_by = lease.read_by
+        try:
+            return await engine.start_read(peer, local_blocks, remote_blocks, lease_expires_at=read_by, **options)
+        except LeaseExpired:
+            renewed = lease.read_by
+            if read_by is None or renewed is None or renewed <= read_by or renewed <= time.time():
+                raise
+
+
 def _failure_kind(error: BaseException) -> str:
     """The NixlKVConnectorStats series a failed load counts in (vLLM's names)."""
     if isinstance(error, HandshakeError):
@@ -730,8 +749,8 @@ async def receive(
         piggyback = message if len(parts) == 1 else None  # else one notification after all parts
         mine = []
         for p in parts:
-            transfer = await engine.start_read(peer, p.local_blocks, p.remote_blocks, local=p.local, remote=p.remote,
-                                               notify=piggyback, lease_expires_at=lease.read_by)  # fmt: skip
+            transfer = await _start_leased_read(engine, lease, peer, p.local_blocks, p.remote_blocks, local=p.local,
+                                                remote=p.remote, notify=piggyback)  # fmt: skip
             started.append(transfer)
             mine.append(transfer)
         if piggyback is None:

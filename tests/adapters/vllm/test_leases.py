@@ -16,6 +16,7 @@ from nixl_async import EngineConfig, LeaseExpired, Transfer, TransferEngine
 from nixl_async.testing import pattern_block, until_in_flight
 from nixl_async_vllm.leases import GONE, LEASE_TOPIC, LearnedLeases, RequestLease, answer_renewal, heartbeat
 from nixl_async_vllm.send_book import SendBook
+from nixl_async_vllm.worker import _start_leased_read
 
 EXTENSION_S = 2.0
 
@@ -199,3 +200,35 @@ def test_a_request_read_again_after_it_was_forgotten_takes_renewals_again():
     lease = leases.reading("p", "a", 50.0, margin_s=1.0)  # ...and it is read again
     assert [moved.expires_at for moved in leases.learn("p", ["a"], [{"a": 130.0}])] == [130.0]
     assert lease.expires_at == 130.0
+
+
+async def test_a_renewal_reaches_a_read_still_waiting_for_room(cluster, monkeypatch, nixl_peer_factory):
+    """A read queued behind the admission limits has no transfer yet for a renewal to move. Before, it
+    failed as `LeaseExpired` at the lease it was submitted with, though the producer held the blocks on."""
+    books, _producers, _reader, addresses = cluster
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    proc = nixl_peer_factory(num_regions=1, num_blocks=BLOCKS, block_len=BLOCK, seed=3, tcp=True)
+    config = EngineConfig(engine_id="decode-full/tp0", handshake_timeout_s=1.0, max_inflight_transfers=1)
+    async with TransferEngine(config) as reader:
+        regions = [np.zeros(BLOCKS * BLOCK, np.uint8)]
+        reader.register("kv", regions, block_len=BLOCK)
+        peer = await reader.connect(*proc.address)
+        ids = list(range(1, BLOCKS))
+        holding = await reader.start_read(peer, ids, ids)  # takes the only room
+        await until_in_flight(holding)
+        proc.pause()
+        try:
+            for book in books:
+                book.hold("r", time.perf_counter() + 0.4)
+            leases = LearnedLeases()
+            lease = leases.reading("prefill", "r", time.time() + 0.4, margin_s=0.1)
+            waiting = asyncio.create_task(_start_leased_read(reader, lease, peer, [0], [0]))
+            await asyncio.sleep(0.1)
+            assert not waiting.done()
+            await heartbeat(reader, leases, "prefill", addresses, ["r"])  # renewed while it waits
+            await asyncio.sleep(0.5)  # past the lease it was submitted with
+        finally:
+            proc.resume()
+        await holding
+        await (await waiting)
+        assert np.array_equal(regions[0][:BLOCK], pattern_block(3, 0, 0, BLOCK))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -37,6 +38,39 @@ def test_the_repeat_is_ignored_and_the_blocks_in_flight_stay_the_requests(worker
         worker._start_receive("req-1", SimpleNamespace(remote=remote, awaiting_kvs=True, blocks=[1, 2]))
         worker._start_receive("req-1", SimpleNamespace(remote=remote, awaiting_kvs=True, blocks=[7, 8]))
         assert worker._awaiting == {"req-1": [1, 2]}
+    finally:
+        release.set()
+        worker.sync.close()
+
+
+def test_a_repeat_after_the_first_receive_ended_but_before_it_was_reported_is_ignored():
+    """The first receive failed; vLLM handed the request again before the step that reports it. Before,
+    the repeat was taken (the facade had freed the id), its blocks replaced the first's, and vLLM heard
+    "failed" with those blocks invalid while the repeat still received into them."""
+    release = threading.Event()
+    runs: list[list[int]] = []
+
+    async def receive(engine, job, *args):
+        runs.append(job.local_blocks)
+        if len(runs) == 1:
+            raise RuntimeError("the producer refused")
+        while not release.is_set():
+            await asyncio.sleep(0.005)
+
+    worker = ConnectorWorker.__new__(ConnectorWorker)
+    worker.sync = SyncEngine(EngineConfig(engine_id="repeat-after-end"))
+    worker._awaiting = {}
+    worker._recv_job = lambda request_id, req, expiry: SimpleNamespace(request_id=request_id, local_blocks=req.blocks)
+    worker._receive = receive
+    remote = SimpleNamespace(blocks_expiry_time=None)
+    try:
+        worker._start_receive("req-1", SimpleNamespace(remote=remote, awaiting_kvs=True, blocks=[1, 2]))
+        deadline = time.monotonic() + 5
+        while worker.sync.in_flight and time.monotonic() < deadline:  # it ended, not reported yet
+            time.sleep(0.005)
+        worker._start_receive("req-1", SimpleNamespace(remote=remote, awaiting_kvs=True, blocks=[7, 8]))
+        assert worker._awaiting == {"req-1": [1, 2]} and runs == [[1, 2]]
+        assert worker.sync.in_flight == 0
     finally:
         release.set()
         worker.sync.close()
