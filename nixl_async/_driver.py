@@ -587,13 +587,16 @@ class TransferDriver:
                     self._failed(transfer, error)
                 case Fenced(error=error):
                     error.quiet = transfer.wait_quiet
-                    self._retire(transfer)
+                    # Its room stays taken until NIXL lets go (Quiet): the admission limits bound what
+                    # NIXL holds, and a stalled peer's fenced reads must not make room for more of them.
+                    self.active.pop(transfer.id, None)
                     self.fenced[transfer.id] = transfer
                     self._stats.counters["transfers_fenced"] += 1
                     log.warning("transfer #%d with %s: %s", transfer.id, transfer.peer, error)
                     transfer.finish(error)
                 case Quiet():
-                    self.fenced.pop(transfer.id, None)
+                    if self.fenced.pop(transfer.id, None) is not None:
+                        self._admission.release(transfer.nbytes, count=transfer.admitted)
                     self._stats.counters["transfers_unfenced"] += 1
                     transfer.mark_quiet()
 

@@ -279,6 +279,30 @@ async def test_fenced_when_nixl_holds_past_the_grace(monkeypatch, tcp_peer, as_b
     assert engine.live_handles() == {}
 
 
+async def test_a_fenced_transfer_keeps_its_room_until_nixl_lets_go(monkeypatch, tcp_peer, as_batch):
+    """The admission limits bound what NIXL holds. Before, a fenced read gave its room back at once: with
+    the room full, another read was posted beside it (and, to a stalled peer, fenced in turn)."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    room = BLOCKS if as_batch else 1  # a batch takes one per row
+    config = EngineConfig(engine_id="fenced-room", release_grace_s=0.1, max_inflight_transfers=room)
+    async with TransferEngine(config) as engine:
+        _regions, peer = await _setup(engine, tcp_peer)
+        transfer = await _in_flight(engine, peer, as_batch)
+        tcp_peer.pause()
+        try:
+            transfer.cancel()
+            with pytest.raises(TransferFenced):
+                await transfer
+            assert engine.snapshot().counters["inflight_transfers"] == room  # NIXL still holds it
+            with pytest.raises(TransferTimeout, match="waiting for room"):
+                await engine.start_read(peer, [0], [0], timeout=0.3)
+        finally:
+            tcp_peer.resume()
+        assert await transfer.wait_quiet(timeout=10)
+        assert engine.snapshot().counters["inflight_transfers"] == 0
+        await (await engine.start_read(peer, [0], [0], timeout=10))  # the room came back with the quiet
+
+
 # -- batches: the same contract, row by row (the tests above run with a batch too) ------------------
 async def test_batch_cancel(tcp_engine, tcp_peer):
     regions, peer = await _setup(tcp_engine, tcp_peer)
