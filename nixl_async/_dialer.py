@@ -331,11 +331,14 @@ class Dialer:
         """
         async for changes in directory.changes():
             gone: list[str] = []
+            newer: set[str] = set()  # a lookup applied a newer record of these while the listing was read
             if changes.complete:
-                self._order.relisted(changes.revision, changes.revisions)
+                newer = self._order.relisted(changes.revision, changes.revisions, changes.asked_at)
                 self._discovered &= {peer.engine_id for peer in self._peers.table}  # forgotten ones go
                 gone = [i for i in self._discovered if i not in changes.records]
             for engine_id, record in [*changes.records.items(), *((i, None) for i in gone)]:
+                if engine_id in newer:
+                    continue
                 revision = changes.revisions.get(engine_id, changes.revision)
                 followed = engine_id in self._discovered or ("etcd", engine_id) in self._connecting
                 if followed and not changes.complete and not self._order.claim(engine_id, revision):

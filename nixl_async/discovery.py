@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -56,6 +57,7 @@ class Changes:
     revisions: dict[str, int]
     complete: bool = False
     revision: int = 0
+    asked_at: float = 0.0  # a complete listing: when it was asked for (`time.monotonic()`)
 
 
 class Found(NamedTuple):
@@ -74,17 +76,24 @@ class RecordOrder:
     revision first; a claim older than one applied fails (the lookup reads again, the watch skips
     the event). etcd's revisions go back only when it was wiped: a read found older than the same
     applied revision twice in a row is taken (a second read of one etcd is never older). A full
-    listing starts the order again.
+    listing starts the order again, but for records a lookup applied while it was under way, read
+    after it (a newer revision): the listing's older record of those engines is not applied.
     """
 
     def __init__(self) -> None:
         self._applied: dict[str, int] = {}
+        self._claimed_at: dict[str, float] = {}  # engine id -> when its applied revision was claimed
         self._listed_at = 0  # revision of the last full listing: engines it lacked were gone then
 
-    def relisted(self, revision: int, present: dict[str, int]) -> None:
-        """A full listing at `revision`, of the records `present` (engine id -> its mod revision)."""
-        self._applied = dict(present)
+    def relisted(self, revision: int, present: dict[str, int], asked_at: float) -> set[str]:
+        """A full listing at `revision`, asked for at `asked_at`, of the records `present` (engine id ->
+        its mod revision). Returns the engines whose newer record a lookup applied meanwhile (kept)."""
+        kept = {engine_id for engine_id, applied in self._applied.items()
+                if applied > revision and self._claimed_at.get(engine_id, -math.inf) >= asked_at}  # fmt: skip
+        self._applied = {**present, **{engine_id: self._applied[engine_id] for engine_id in kept}}
+        self._claimed_at = {engine_id: self._claimed_at[engine_id] for engine_id in kept}
         self._listed_at = revision
+        return kept
 
     def applied(self, engine_id: str) -> int:
         return self._applied.get(engine_id, self._listed_at)
@@ -96,6 +105,7 @@ class RecordOrder:
         if revision < applied and applied != behind:
             return False
         self._applied[engine_id] = revision
+        self._claimed_at[engine_id] = time.monotonic()
         return True
 
 
@@ -200,11 +210,12 @@ class EtcdDirectory:
         while not self._closed:
             try:
                 if resume_at is None:
+                    asked_at = time.monotonic()
                     kvs, revision = await self._bounded("a listing", lambda: self._client.get_prefix(self._prefix))
                     known = {kv.key: kv.mod_revision for kv in kvs}
                     yield Changes({self._engine_id(kv.key): self._decoded(kv.key, kv.value) for kv in kvs},
                                   {self._engine_id(kv.key): kv.mod_revision for kv in kvs},
-                                  complete=True, revision=revision)  # fmt: skip
+                                  complete=True, revision=revision, asked_at=asked_at)  # fmt: skip
                 else:
                     revision, resume_at = resume_at, None
                 async for event in self._client.watch_prefix(self._prefix, revision + 1, _WATCH_IDLE_S, self._timeout):

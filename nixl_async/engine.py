@@ -94,6 +94,11 @@ _CLOSE_GRACE_S = 0.2  # progress this long at close when a notification went out
 _KEPT_ALIVE: list[tuple[Any, list[Any], list[Transfer]]] = []
 
 
+def _unreachable_host(host: str) -> bool:
+    """A bind address no peer can dial (all interfaces): published, readers would dial their own host."""
+    return host in ("", "0.0.0.0", "::", "*")
+
+
 class TransferEngine:
     """The engine. Create it, then `start()` it (or use ``async with``) on the loop that owns it."""
 
@@ -359,6 +364,9 @@ class TransferEngine:
         self._require_agent()
         if self._server is not None:
             raise RuntimeError(f"already serving on {self._server.host}:{self._server.port}")
+        if _unreachable_host(host) and self._dialer.directory is not None and self._dialer.directory.published:
+            raise ValueError(f"serve({host!r}): this engine is published in etcd, and peers cannot dial {host!r}; "
+                             "serve on an address they reach")  # fmt: skip
         assert self._zmq is not None
         server = HandshakeServer(
             self._zmq,
@@ -523,6 +531,9 @@ class TransferEngine:
         within the handshake timeout.
         """
         self._require_agent()
+        if self.address is not None and _unreachable_host(self.address[0]):
+            raise ValueError(f"publish(): serving on {self.address[0]!r}, an address peers cannot dial (a wildcard); "
+                             "serve on an address they reach to publish it")  # fmt: skip
         await self._dialer.require_directory().publish(self._published())
 
     def _published(self) -> messages.PublishedEngine:

@@ -113,6 +113,26 @@ async def test_an_engine_nobody_published_is_a_typed_error(etcd):
         await engine.close()
 
 
+async def test_a_wildcard_side_channel_address_is_not_published(etcd):
+    """Before, `serve("0.0.0.0")` then `publish()` put 0.0.0.0 in etcd: readers on other hosts dialled their own."""
+    engine = await _engine(_etcd_config(etcd))
+    try:
+        await engine.serve("0.0.0.0", 0)
+        with pytest.raises(ValueError, match="cannot dial"):
+            await engine.publish()
+    finally:
+        await engine.close()
+    engine = await _engine(_etcd_config(etcd))
+    try:
+        await engine.publish()  # (no side channel yet: the record holds the metadata)
+        with pytest.raises(ValueError, match="published in etcd"):
+            await engine.serve("0.0.0.0", 0)
+        assert engine.address is None
+        await engine.serve("127.0.0.1", 0)
+    finally:
+        await engine.close()
+
+
 async def test_connect_by_engine_id_needs_etcd_configured(nixl_engine):
     with pytest.raises(RuntimeError, match=r"EngineConfig\.etcd"):
         await nixl_engine.connect(engine_id="anyone")

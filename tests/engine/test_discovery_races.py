@@ -100,6 +100,55 @@ async def test_a_lookup_answered_before_a_new_registration_does_not_undo_the_wat
         await reader.close()
 
 
+class _HeldListing:
+    """Holds the first full listing's answer until released: read at etcd before the peer changed,
+    applied after (the follower's first listing, or one after a broken watch, on a large fleet)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.read, self.release = asyncio.Event(), asyncio.Event()
+        real = EtcdHttp.get_prefix
+
+        async def held(client, prefix, *, keys_only=False):
+            result = await real(client, prefix, keys_only=keys_only)
+            if not keys_only and not self.read.is_set():
+                self.read.set()
+                await self.release.wait()
+            return result
+
+        monkeypatch.setattr(EtcdHttp, "get_prefix", held)
+
+
+@pytest.mark.parametrize("change", ["restart", "register"])
+async def test_a_listing_read_before_a_lookup_does_not_undo_it(etcd, nixl_peer_factory, monkeypatch, change):
+    """The listing was read, the peer changed (a restart: a new agent; or memory registered anew), a
+    lookup adopted its new record, then the listing's answer came. Before, the listing reset the order
+    and its older record was applied: the live peer was forgotten (its transfers ended), or, its dead
+    agent refused, marked stale, so the next connect forgot it."""
+    publisher = nixl_peer_factory(etcd_endpoint=etcd.endpoint, etcd_namespace=NAMESPACE)
+    held = _HeldListing(monkeypatch)
+    reader = await _reader(etcd)
+    try:
+        regions = _regions()
+        reader.register("kv", regions, block_len=BLOCK)
+        old = await reader.connect(engine_id=publisher.engine_id)
+        await held.read.wait()
+        if change == "restart":
+            await publisher.reincarnate(publisher.engine_id)
+        else:
+            await publisher.request(Register(layout_name="more", num_regions=1, num_blocks=16, seed=7))
+        await asyncio.sleep(0.5)  # (the publisher puts its new record)
+        new = await reader.connect(engine_id=publisher.engine_id, refresh=True)
+        assert new.agent_name != old.agent_name if change == "restart" else "more" in new.layouts
+        held.release.set()
+        await asyncio.sleep(1.0)  # the listing is applied, and the watch follows it
+        assert new.connected and not new.stale, "the older listing undid the lookup"
+        assert await reader.connect(engine_id=publisher.engine_id) is new
+        await reader.read(new, [0, 1], [5, 6], remote="kv")
+        assert verify_blocks(regions, BLOCK, [0, 1], [5, 6], seed=1) == []
+    finally:
+        await reader.close()
+
+
 async def test_a_lookup_answered_before_the_record_went_is_not_published(etcd, nixl_peer_factory):
     """The record is read, then the peer closes (its record goes, the follower marks the peer), then
     the lookup's answer arrives. Before, it was adopted: loading the closed peer's agent failed with
@@ -210,10 +259,17 @@ def test_record_order_refuses_an_older_read_unless_etcd_went_back():
     assert not order.claim("a", 4), "an older read applied over a newer one"
     assert order.claim("a", 4, behind=5), "read twice older than the same revision: etcd was wiped"
     assert order.applied("a") == 4
-    order.relisted(100, {"b": 40})
+    assert order.relisted(100, {"b": 40}, asked_at=time.monotonic()) == set()
     assert order.applied("b") == 40 and order.applied("a") == 100  # absent from the listing: gone as of it
     assert order.claim("b", 41) and not order.claim("a", 99) and order.claim("a", 100)
     assert np.array_equal([order.applied(i) for i in "ab"], [100, 41])
+    asked_at = time.monotonic()  # a listing asked for now is read at revision 150...
+    assert order.claim("c", 160)  # ...and a lookup read later applies first
+    assert order.claim("b", 45)  # (an older claim made meanwhile: the listing's is newer)
+    assert order.relisted(150, {"b": 120, "c": 140}, asked_at) == {"c"}
+    assert [order.applied(i) for i in "abc"] == [150, 120, 160]
+    assert order.relisted(170, {"c": 140}, time.monotonic()) == set()  # the next listing starts over
+    assert order.applied("c") == 140
 
 
 async def test_etcd_answering_unavailable_is_retried_within_the_timeout(etcd, nixl_peer_factory, monkeypatch):
