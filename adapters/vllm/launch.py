@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nixl_async.testing.children import dies_with_us
+
 __all__ = [
     "ProxyProcess",
     "PushTarget",
@@ -140,8 +142,9 @@ class VllmServer:
         log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         self._started_at = time.time()
         self.process = subprocess.Popen(
-            self.command(), env=self.environment(), stdout=log, stderr=subprocess.STDOUT, process_group=0
-        )
+            dies_with_us(self.command()), env=self.environment(), stdout=log, stderr=subprocess.STDOUT,
+            process_group=0,
+        )  # fmt: skip
         return self
 
     def wait_ready(self, timeout: float = 240.0) -> None:
@@ -350,7 +353,7 @@ class ProxyProcess:
                "--prefill", self.prefill_url, "--decode", self.decode_url]  # fmt: skip
         if self.push is not None:
             cmd += ["--push", json.dumps(dataclasses.asdict(self.push))]
-        self.process = subprocess.Popen(cmd, process_group=0)
+        self.process = subprocess.Popen(dies_with_us(cmd), process_group=0)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             with contextlib.suppress(OSError):

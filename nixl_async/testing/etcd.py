@@ -22,6 +22,8 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any, Self
 
+from .children import dies_with_us
+
 __all__ = ["EtcdServer", "EtcdStartError", "EtcdUnavailable", "etcd_or_skip", "etcd_required"]
 
 
@@ -71,18 +73,19 @@ class EtcdServer:
 
     def start(self, timeout: float = 20.0) -> Self:
         client, peer = f"http://{self.host}:{self.client_port}", f"http://{self.host}:{self.peer_port}"
+        command = [
+            self.binary,
+            "--name=nixl-async-test",
+            f"--data-dir={self.data_dir}/data",
+            f"--listen-client-urls={client}",
+            f"--advertise-client-urls={client}",
+            f"--listen-peer-urls={peer}",
+            f"--initial-advertise-peer-urls={peer}",
+            f"--initial-cluster=nixl-async-test={peer}",
+            *self.options,
+        ]
         self.process = subprocess.Popen(
-            [
-                self.binary,
-                "--name=nixl-async-test",
-                f"--data-dir={self.data_dir}/data",
-                f"--listen-client-urls={client}",
-                f"--advertise-client-urls={client}",
-                f"--listen-peer-urls={peer}",
-                f"--initial-advertise-peer-urls={peer}",
-                f"--initial-cluster=nixl-async-test={peer}",
-                *self.options,
-            ],
+            dies_with_us(command),
             stdout=self._log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
