@@ -56,11 +56,23 @@ def answer_renewal(book: SendBook, payload: bytes, extension_s: float) -> bytes:
 @dataclasses.dataclass(eq=False)
 class RequestLease:
     """One request being read: until when its producer holds the blocks (its wall clock, the latest
-    word), and the reads in flight on them, which a renewal reaches (`TransferEngine.renew_lease`)."""
+    word), and the reads in flight on them, which a renewal reaches (`TransferEngine.renew_lease`).
+
+    A producer rank (engine id) this reader is done with (`done_with`: told its blocks are free, or
+    its read carrying that notice ended: the engine sends the notice before the read is reported)
+    may free them and answer a renewal "gone", which says nothing of the blocks of the ranks still
+    being read (vLLM frees a request's blocks only once every rank sent them).
+    """
 
     expires_at: float | None
     margin_s: float  # a read must be done this long before the producer's lease ends
     reads: list[Transfer] = dataclasses.field(default_factory=list)
+    told: set[str] = dataclasses.field(default_factory=set)  # ranks notified on their own
+    notice_reads: dict[str, Transfer] = dataclasses.field(default_factory=dict)  # rank -> its read carrying it
+
+    def done_with(self, rank: str) -> bool:
+        read = self.notice_reads.get(rank)
+        return rank in self.told or (read is not None and read.done())
 
     @property
     def read_by(self) -> float | None:
@@ -85,17 +97,22 @@ class LearnedLeases:
         self._forgotten.pop((engine_id, request_id), None)  # (read again: renewals of it count again)
         return lease
 
-    def learn(self, engine_id: str, request_ids: list[str], replies: list[dict[str, float]]) -> list[RequestLease]:
-        """Record one heartbeat round: every producer rank's reply (a request is held until the earliest).
+    def learn(self, engine_id: str, request_ids: list[str], replies: dict[str, dict[str, float]]) -> list[RequestLease]:
+        """Record one heartbeat round: every producer rank's reply, by rank engine id (a request is held
+        until the earliest of the ranks it still needs: not those its reader is done with).
 
         Returns the leases of requests being read that moved: their reads in flight are to follow.
         """
         moved = []
         for request_id in request_ids:
-            acknowledged = min(reply.get(request_id, GONE) for reply in replies)
             key = (engine_id, request_id)
             if key in self._forgotten:
                 continue  # it ended while the round was out (kept, it would stay until that engine's next round)
+            reading = self._reading.get(key)
+            needed = [reply for rank, reply in replies.items() if reading is None or not reading.done_with(rank)]
+            if not needed:
+                continue  # done with every rank: its reads have all landed
+            acknowledged = min(reply.get(request_id, GONE) for reply in needed)
             known = self._expiry.get(key)
             if known == GONE:
                 continue  # released is final; a slower, older reply cannot bring it back
@@ -166,6 +183,7 @@ async def heartbeat(
             on_failure(error)
         tasks = []
     if tasks:
-        for lease in leases.learn(engine_id, request_ids, [task.result() for task in tasks]):
+        replies = {address[2]: task.result() for address, task in zip(addresses, tasks, strict=True)}
+        for lease in leases.learn(engine_id, request_ids, replies):
             if lease.reads and (read_by := lease.read_by) is not None:
                 engine.renew_lease(lease.reads, read_by)

@@ -32,6 +32,7 @@ leases on blocks held for a reader), so it is reused as is. What differs:
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any
 
@@ -83,13 +84,22 @@ def _count(value: Any, low: int, high: int | None = None) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and low <= value and (high is None or value <= high)
 
 
+MAX_REMOTE_TP = 1024  # a producer's TP size beyond any deployment (the workers make one entry per rank)
+
+
 def _mistyped(params: dict[str, Any], groups: int) -> list[str]:
     """Fields present but of a kind the workers cannot use (a client's kv_transfer_params come as JSON:
     a flat block list or a string TP size would stop the decode worker's step)."""
     bad = [f"{key} (not a string)" for key in ("remote_engine_id", "remote_request_id", "remote_host")
            if params.get(key) is not None and not isinstance(params[key], str)]  # fmt: skip
-    if params.get("tp_size") is not None and not _count(params["tp_size"], 1):
-        bad.append("tp_size (not a positive integer)")
+    if params.get("tp_size") is not None and not _count(params["tp_size"], 1, MAX_REMOTE_TP):
+        bad.append(f"tp_size (not an integer from 1 to {MAX_REMOTE_TP})")
+    if params.get("remote_num_tokens") is not None and not _count(params["remote_num_tokens"], 0):
+        bad.append("remote_num_tokens (not a token count)")
+    expiry = params.get("remote_blocks_expiry_time")
+    if expiry is not None and not (isinstance(expiry, int | float) and not isinstance(expiry, bool)
+                                   and math.isfinite(expiry)):  # fmt: skip
+        bad.append("remote_blocks_expiry_time (not a number of seconds)")
     if params.get("remote_port") is not None and not _count(params["remote_port"], 1, 65535):
         bad.append("remote_port (not a port number)")
     blocks = params.get("remote_block_ids")

@@ -357,7 +357,7 @@ class ConnectorWorker:
         """Renew the leases of requests still waiting to read from `engine_id` (on the loop)."""
         try:
             ranks = remote_ranks(local_tp=self.tp_size, local_rank=self.tp_rank, remote_tp=int(info.tp_size))
-        except (LayoutError, TypeError, ValueError) as exc:  # its reads fail the same way; never fail vLLM's step
+        except Exception as exc:  # its reads fail the same way; never fail vLLM's step
             log.warning("no lease renewal with %s: %s", engine_id, exc)
             return
         port = int(info.port) if info.port else 0  # unset when producers are found through etcd
@@ -398,7 +398,15 @@ class ConnectorWorker:
     def _start_receive(self, request_id: str, req: Any) -> None:
         if req.remote is None:
             return
-        job = self._recv_job(request_id, req, req.remote.blocks_expiry_time)
+        try:
+            job = self._recv_job(request_id, req, req.remote.blocks_expiry_time)
+        except Exception as exc:  # a client's kv_transfer_params the scheduler let through: fail this load only
+            log.warning("request %s: its transfer parameters are unusable (%s: %s)", request_id, type(exc).__name__,
+                        exc)  # fmt: skip
+            local = tuple(GroupBlocks("full", [int(b) for b in ids], [], None) for ids in req.local_block_ids or ())
+            job = RecvJob(request_id, "", "", "", 0, 1, local, None)
+            self._hand_over(job, req.awaiting_kvs, _unusable, exc)
+            return
         self._hand_over(job, req.awaiting_kvs, self._receive)
 
     def _hand_over(self, job: RecvJob, awaited: bool, receive: Callable[..., Coroutine[Any, Any, None]],
@@ -606,6 +614,11 @@ def idle_step_wait(
     return IdleWait(wait_s, IDLE_POKE_S if serving or poke_for_ours else None)
 
 
+async def _unusable(_engine: TransferEngine, _job: RecvJob, error: Exception) -> None:
+    """A load whose parameters could not be read: it fails (its request is then recomputed or failed, by policy)."""
+    raise error
+
+
 async def _start_leased_read(
     engine: TransferEngine, lease: RequestLease, peer: Peer, local_blocks: Any, remote_blocks: Any, **options: Any
 ) -> Transfer:
@@ -721,6 +734,7 @@ async def receive(
 
     async def tell(peer: Peer) -> None:
         told.add(peer.engine_id)
+        lease.told.add(peer.engine_id)  # (it may free the blocks and answer renewals "gone" from now on)
         try:
             await engine.notify(peer, message)
         except NotificationFailed as error:
@@ -757,7 +771,7 @@ async def receive(
             results.extend(await asyncio.gather(*mine))
             await tell(peer)
             return
-        carries_notice[peer.engine_id] = mine[0]
+        carries_notice[peer.engine_id] = lease.notice_reads[peer.engine_id] = mine[0]
         try:
             results.append(await mine[0])
         except NotificationFailed as error:

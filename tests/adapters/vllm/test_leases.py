@@ -88,13 +88,13 @@ async def test_a_failed_round_learns_nothing_and_keeps_the_last_acknowledged_lea
 
 def test_learned_leases_only_grow_until_gone_and_forget_what_is_no_longer_asked():
     leases = LearnedLeases()
-    leases.learn("p", ["a", "b"], [{"a": 100.0, "b": 100.0}])
-    leases.learn("p", ["a", "b"], [{"a": 90.0, "b": 100.0}])  # an older round answering late
+    leases.learn("p", ["a", "b"], {"p/tp0": {"a": 100.0, "b": 100.0}})
+    leases.learn("p", ["a", "b"], {"p/tp0": {"a": 90.0, "b": 100.0}})  # an older round answering late
     assert leases.expiry("p", "a", None) == 100.0
-    leases.learn("p", ["a", "b"], [{"a": 120.0}])  # b released
-    leases.learn("p", ["a", "b"], [{"a": 130.0, "b": 140.0}])  # a slow reply from before the release
+    leases.learn("p", ["a", "b"], {"p/tp0": {"a": 120.0}})  # b released
+    leases.learn("p", ["a", "b"], {"p/tp0": {"a": 130.0, "b": 140.0}})  # a slow reply from before the release
     assert leases.expiry("p", "b", 50.0) == GONE and leases.expiry("p", "a", 50.0) == 130.0
-    leases.learn("p", ["b"], [{}])
+    leases.learn("p", ["b"], {"p/tp0": {}})
     assert leases.expiry("p", "a", 50.0) == 50.0, "a is no longer heartbeated: read or aborted, forgotten"
     leases.forget("p", "b")
     assert len(leases) == 0
@@ -105,9 +105,9 @@ def test_a_round_asked_before_its_request_ended_does_not_bring_it_back():
     Before, they added it again, and it stayed for as long as nothing renewed that producer again (a
     restarted prefill has a new engine id: for good)."""
     leases = LearnedLeases()
-    leases.learn("p", ["a"], [{"a": 100.0}])
+    leases.learn("p", ["a"], {"p/tp0": {"a": 100.0}})
     leases.forget("p", "a")
-    leases.learn("p", ["a"], [{"a": 130.0}])
+    leases.learn("p", ["a"], {"p/tp0": {"a": 130.0}})
     assert len(leases) == 0 and leases.expiry("p", "a", 50.0) == 50.0
     for i in range(LearnedLeases.FORGOTTEN_KEPT + 10):  # what it remembers of them is bounded
         leases.forget("q", str(i))
@@ -195,10 +195,10 @@ async def test_a_producer_that_let_the_blocks_go_ends_the_read_in_flight(cluster
 
 def test_a_request_read_again_after_it_was_forgotten_takes_renewals_again():
     leases = LearnedLeases()
-    leases.learn("p", ["a"], [{"a": 100.0}])
+    leases.learn("p", ["a"], {"p/tp0": {"a": 100.0}})
     leases.forget("p", "a")  # its read ended
     lease = leases.reading("p", "a", 50.0, margin_s=1.0)  # ...and it is read again
-    assert [moved.expires_at for moved in leases.learn("p", ["a"], [{"a": 130.0}])] == [130.0]
+    assert [moved.expires_at for moved in leases.learn("p", ["a"], {"p/tp0": {"a": 130.0}})] == [130.0]
     assert lease.expires_at == 130.0
 
 
@@ -232,3 +232,32 @@ async def test_a_renewal_reaches_a_read_still_waiting_for_room(cluster, monkeypa
         await holding
         await (await waiting)
         assert np.array_equal(regions[0][:BLOCK], pattern_block(3, 0, 0, BLOCK))
+
+
+@pytest.mark.parametrize("done_by", ["told", "its read landed"])
+async def test_a_rank_the_reader_is_done_with_answering_gone_ends_no_other_ranks_read(cluster, read_in_flight, done_by):
+    """Decode reads one prefill rank and is done with the other (told it, or read its share with the notice
+    on): that rank frees the request and answers renewals without it. Before, the round counted as "gone"
+    for the whole request and ended the read still running on the first rank (`LeaseExpired`), whose
+    blocks vLLM keeps until every rank has sent them."""
+    books, _producers, _reader, addresses = cluster
+    reader, _regions, proc, start = read_in_flight
+    books[0].hold("r", time.perf_counter() + 0.4)  # rank 0's read is in flight; rank 1 freed it already
+    leases = LearnedLeases()
+    lease = leases.reading("prefill", "r", time.time() + 0.4, margin_s=0.1)
+    rank1 = addresses[1][2]
+    if done_by == "told":
+        lease.told.add(rank1)
+    else:
+        landed = await reader.start_read(reader.peer(proc.engine_id), [0], [0])
+        await landed
+        lease.notice_reads[rank1] = landed
+    transfer = await start(lease)
+    await heartbeat(reader, leases, "prefill", addresses, ["r"])
+    assert lease.expires_at is not None and lease.expires_at > time.time() + 1, "rank 0's renewal was not learned"
+    await asyncio.sleep(0.6)  # past the announced lease, the peer still stopped
+    proc.resume()
+    assert (await transfer).nbytes == BLOCKS * BLOCK
+    books[0].drop("r")
+    await heartbeat(reader, leases, "prefill", addresses, ["r"])  # every rank it needs gone: gone
+    assert lease.expires_at == GONE

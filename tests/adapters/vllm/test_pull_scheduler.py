@@ -228,8 +228,14 @@ def test_producers_found_through_etcd_get_their_leases_renewed():
         ({"remote_block_ids": [1, 2, 3]}, "remote_block_ids (not 1 list(s)"),  # flat, not one list per group
         ({"remote_block_ids": ([1, 2], [3])}, "remote_block_ids (not 1 list(s)"),  # a group too many
         ({"remote_block_ids": (["1"],)}, "remote_block_ids (not 1 list(s)"),
-        ({"tp_size": "two"}, "tp_size (not a positive integer)"),
-        ({"tp_size": 0}, "tp_size (not a positive integer)"),
+        ({"tp_size": "two"}, "tp_size (not an integer from 1 to 1024)"),
+        ({"tp_size": 0}, "tp_size (not an integer from 1 to 1024)"),
+        # ...and these passed, then stopped vLLM's engine from the worker's start_load_kv (session 36)
+        ({"tp_size": 10**12}, "tp_size (not an integer from 1 to 1024)"),  # a list of 10^12 ranks: MemoryError
+        ({"remote_num_tokens": "48 tokens"}, "remote_num_tokens (not a token count)"),
+        ({"remote_num_tokens": [48]}, "remote_num_tokens (not a token count)"),
+        ({"remote_blocks_expiry_time": "soon"}, "remote_blocks_expiry_time (not a number"),
+        ({"remote_blocks_expiry_time": float("nan")}, "remote_blocks_expiry_time (not a number"),
         ({"remote_port": "http"}, "remote_port (not a port number)"),
         ({"remote_request_id": 7}, "remote_request_id (not a string)"),
     ],

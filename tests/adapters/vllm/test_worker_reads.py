@@ -36,6 +36,7 @@ from nixl_async._notify_transport import NotificationTransport
 from nixl_async.testing import PeerCommandError, WaitNotifications, free_port_base, pattern_block
 from nixl_async_vllm.block_pairs import GroupBlocks
 from nixl_async_vllm.kv_layout import describe_cache
+from nixl_async_vllm.leases import RequestLease
 from nixl_async_vllm.settings import rank_engine_id
 from nixl_async_vllm.tp_mapping import expected_consumers, remote_ranks
 from nixl_async_vllm.worker import KVGeometry, RecvJob, _kv_regions, receive
@@ -96,7 +97,7 @@ def _expected(rank, tp_p, tp_d, mla, ratio, layer, local_index, backend="CPU_ATT
 
 async def _decode_rank(
     rank, tp_p, tp_d, mla, ratio, port, local_blocks, expires_at=None, backend="CPU_ATTN", kv_heads=HEADS,
-    notice_failed=None, **engine_options,
+    notice_failed=None, lease=None, **engine_options,
 ):  # fmt: skip
     heads_d = _heads(kv_heads, tp_d)
     shape = (
@@ -114,7 +115,7 @@ async def _decode_rank(
     )  # fmt: skip
     async with TransferEngine(EngineConfig(engine_id=f"decode/tp{rank}", **engine_options)) as engine:
         engine.register("kv", caches, num_blocks=NUM_BLOCKS)
-        results = await receive(engine, geometry, job, notice_failed=notice_failed)
+        results = await receive(engine, geometry, job, notice_failed=notice_failed, lease=lease)
     return [c.view(torch.uint8).numpy().reshape(NUM_BLOCKS, -1) for c in caches], results
 
 
@@ -188,6 +189,22 @@ def _assert_landed(outcomes, local_blocks, tp_p, tp_d, mla, ratio, backend, kv_h
                 assert np.array_equal(cache[block], want), (rank, layer, i)
             untouched = [b for b in range(NUM_BLOCKS) if b not in local_blocks]
             assert not cache[untouched].any(), "blocks outside the request must stay untouched"
+
+
+@pytest.mark.parametrize(("tp_p", "mla", "backend", "kv_heads"),
+                         [(2, True, "TRITON_MLA", 1), (2, False, "CPU_ATTN", 2)],
+                         ids=["mla-sibling-told", "both-read"])  # fmt: skip
+async def test_the_request_lease_knows_every_rank_the_reader_is_done_with(nixl_peer_factory, tp_p, mla, backend,
+                                                                          kv_heads):  # fmt: skip
+    """Renewals then ignore those ranks' "gone" (they may free the request once told: tests/adapters/vllm/
+    test_leases.py); the one still read is not among them until its read with the notice ended."""
+    port, _prefill = _spawn_prefill(nixl_peer_factory, tp_p, mla, 1, kv_heads)
+    lease = RequestLease(None, 0.0)
+    local_blocks = LOCAL_CANDIDATES[: len(REMOTE_BLOCKS) - LOCAL_HIT]
+    await _decode_rank(0, tp_p, 1, mla, 1, port, local_blocks, backend=backend, kv_heads=kv_heads, lease=lease)
+    ranks = [rank_engine_id("prefill", p) for p in range(tp_p)]
+    assert all(lease.done_with(rank) for rank in ranks)
+    assert (lease.told == set(ranks[1:])) if mla else (set(lease.notice_reads) == set(ranks) and not lease.told)
 
 
 UNTOLD = [CASES[0], CASES[4], CASES[7]]  # the notice rides on the read; an MLA sibling's; after a split read

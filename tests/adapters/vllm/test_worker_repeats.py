@@ -74,3 +74,27 @@ def test_a_repeat_after_the_first_receive_ended_but_before_it_was_reported_is_ig
     finally:
         release.set()
         worker.sync.close()
+
+
+def test_transfer_parameters_the_worker_cannot_read_fail_that_load_not_vllms_step():
+    """Before: `int("48 tokens")` raised out of `start_load_kv`, inside vLLM's `execute_model`: the engine stopped."""
+    worker = ConnectorWorker.__new__(ConnectorWorker)
+    worker.sync = SyncEngine(EngineConfig(engine_id="unusable"))
+    worker._awaiting = {}
+    worker.group_kinds = ("full",)
+    worker.kv_cache_config = SimpleNamespace(transfer_group_ids=[0])
+    remote = SimpleNamespace(blocks_expiry_time=None, request_id="p-r", engine_id="prefill", host="h", port=1,
+                             num_tokens="48 tokens", block_ids=([1, 2],))  # fmt: skip
+    req = SimpleNamespace(remote=remote, awaiting_kvs=True, local_block_ids=([7, 8],), local_num_computed_blocks=None,
+                          tp_size=1)  # fmt: skip
+    try:
+        worker._start_receive("req-1", req)  # returns: nothing raised into vLLM's step
+        assert worker._awaiting == {"req-1": [7, 8]}
+        deadline = time.monotonic() + 5
+        finished = worker.sync.get_finished()
+        while not finished and time.monotonic() < deadline:
+            time.sleep(0.01)
+            finished = worker.sync.get_finished()
+        assert isinstance(finished.failed["req-1"], ValueError)
+    finally:
+        worker.sync.close()
