@@ -17,14 +17,26 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import msgspec
 from aiohttp import web
 from common import BLOCK_LEN, NUM_BLOCKS, BlockPool, checksum, new_kv_cache, parse_request
 
-from nixl_async import EngineConfig, HandshakeError, LeaseExpired, Transfer, TransferEngine, TransferError
+from nixl_async import (
+    EngineConfig,
+    HandshakeError,
+    LeaseExpired,
+    NixlAsyncError,
+    Peer,
+    PeerUnknownError,
+    Transfer,
+    TransferEngine,
+    TransferError,
+)
 
 log = logging.getLogger("decode")
 ENGINE = web.AppKey("engine", TransferEngine)
@@ -40,6 +52,8 @@ async def generate(request: web.Request) -> web.Response:
     local = state["pool"].take(asked.num_blocks)
     if local is None:
         return web.json_response({"request_id": request_id, "error": "out of KV blocks"}, status=503)
+    peer: Peer | None = None
+    read = False  # the read landed (its notification told prefill)
     with engine.collect_transfers() as started:
         try:
             async with asyncio.timeout(deadline_s):
@@ -47,35 +61,60 @@ async def generate(request: web.Request) -> web.Response:
                                               headers={"Content-Type": "application/json"}) as resp:  # fmt: skip
                     if resp.status in (400, 409):
                         return _error(request_id, 400, "Refused", (await resp.json())["error"])
+                    if resp.status == 503:  # out of blocks: the client may retry later
+                        return _error(request_id, 503, "PrefillBusy", (await resp.json())["error"])
                     resp.raise_for_status()
                     info = await resp.json()
-                peer = await engine.connect(info["host"], info["port"], expected_engine_id=info["engine_id"])
+                peer = await _connect(engine, info)
                 await engine.read(peer, local, info["block_ids"], notify=request_id.encode(),
                                   lease_expires_at=info["lease_expires_at"])  # fmt: skip
+                read = True
             ok = checksum(state["kv"], local) == info["checksum"]
             return web.json_response(
                 {"request_id": request_id, "ok": ok, "bytes": asked.num_blocks * BLOCK_LEN * len(state["kv"])}
             )
-        except TimeoutError:
-            return _error(request_id, 504, "DeadlineExceeded", f"no KV within {deadline_s}s")
         except LeaseExpired as exc:  # prefill may have given the blocks to another prompt: never read them
             return _error(request_id, 504, type(exc).__name__, str(exc))
+        except TimeoutError as exc:  # our deadline, or the engine's own (a handshake, a transfer)
+            if isinstance(exc, NixlAsyncError):
+                return _error(request_id, 504, type(exc).__name__, str(exc))
+            return _error(request_id, 504, "DeadlineExceeded", f"no KV within {deadline_s}s")
         except (TransferError, HandshakeError, aiohttp.ClientError) as exc:
             return _error(request_id, 502, type(exc).__name__, str(exc))
         finally:
-            _give_back(engine, state["pool"], local, started)
+            # Not read: tell prefill it may free the blocks now, rather than hold them for its whole lease.
+            unread = None if read or peer is None else (peer, request_id, info["lease_expires_at"])
+            _give_back(engine, state["pool"], local, started, unread)
 
 
-def _give_back(engine: TransferEngine, pool: BlockPool, blocks: list[int], started: list[Transfer]) -> None:
+async def _connect(engine: TransferEngine, info: dict[str, Any]) -> Peer:
+    """The prefill named in `info`; handshaken again if it restarted (a new agent) since we last read from it."""
+    try:
+        known = engine.peer(info["engine_id"])
+    except PeerUnknownError:
+        known = None
+    restarted = known is not None and known.agent_name != info["agent_name"]
+    return await engine.connect(info["host"], info["port"], expected_engine_id=info["engine_id"], refresh=restarted)
+
+
+def _give_back(engine: TransferEngine, pool: BlockPool, blocks: list[int], started: list[Transfer],
+               unread: tuple[Peer, str, float] | None) -> None:  # fmt: skip
     """Blocks go back to the pool only once NIXL holds none of the request's reads: a read that was
-    stopped (deadline, disconnect) may still be landing in them, reported `TransferFenced`."""
-    if all(t.quiet for t in started):
+    stopped (deadline, disconnect) may still be landing in them, reported `TransferFenced`. A request
+    whose read did not land (`unread`: its prefill, id and lease) tells prefill, within the lease."""
+    if all(t.quiet for t in started) and unread is None:
         pool.give(blocks)
         return
 
     async def when_quiet() -> None:
         if await engine.settle(started):  # (False: the engine closed with NIXL holding one: never reused)
             pool.give(blocks)
+        if unread is not None and time.time() < unread[2]:  # (past the lease prefill freed them itself)
+            peer, request_id, _ = unread
+            try:
+                await engine.notify(peer, request_id.encode())
+            except Exception as exc:  # prefill gone, or unreachable: its lease frees them
+                log.info("telling prefill %s is not read failed: %s", request_id, exc)
 
     task = asyncio.get_running_loop().create_task(when_quiet())
     _SETTLING.add(task)
@@ -105,7 +144,7 @@ def make_app(prefill_url: str) -> web.Application:
             kv = new_kv_cache()
             engine.register("kv", kv, block_len=BLOCK_LEN)
             app[ENGINE] = engine
-            app[STATE] = {"kv": kv, "pool": BlockPool(NUM_BLOCKS), "http": http, "prefill_url": prefill_url}
+            app[STATE] = {"kv": kv, "pool": BlockPool(NUM_BLOCKS), "http": http, "prefill_url": prefill_url.rstrip("/")}
             yield
 
     app.cleanup_ctx.append(lifespan)

@@ -65,11 +65,16 @@ async def prefill(request: web.Request) -> web.Response:
     if block_ids is None:
         return web.json_response({"error": "out of KV blocks, retry later"}, status=503)
     state.held.add(request_id)
-    lease_expires_at = time.time() + state.lease_s
     rng = np.random.default_rng(zlib.crc32(request_id.encode()))
     for region in state.kv:  # "compute" the KV cache of this prompt
         for b in block_ids:
             region[b * BLOCK_LEN : (b + 1) * BLOCK_LEN] = rng.integers(0, 256, BLOCK_LEN, dtype=np.uint8)
+            await asyncio.sleep(0)  # (the loop goes on meanwhile: NIXL's progress, other requests, a hang-up)
+    if request.transport is None or request.transport.is_closing():  # the reader gave up while we computed
+        state.pool.give(block_ids)
+        state.held.discard(request_id)
+        return web.json_response({"error": "the reader went away"}, status=499)
+    lease_expires_at = time.time() + state.lease_s
     lease = state.leases.create_task(state.hold(request_id, block_ids))
     state.holding.add(lease)
     lease.add_done_callback(state.holding.discard)
@@ -77,6 +82,7 @@ async def prefill(request: web.Request) -> web.Response:
     return web.json_response(
         {
             "engine_id": state.engine.engine_id,
+            "agent_name": state.engine.agent_name,  # a new one after a restart: readers handshake again
             "host": host,
             "port": port,
             "block_ids": block_ids,
@@ -121,6 +127,8 @@ def main() -> None:
     parser.add_argument("--handshake-port", type=int, default=5600)
     parser.add_argument("--lease-s", type=float, default=30.0)
     args = parser.parse_args()
+    if args.host in ("0.0.0.0", "::", ""):  # its answers name this address for readers to dial
+        parser.error(f"--host {args.host!r} cannot be dialled by readers: give this machine's address")
     logging.basicConfig(level=logging.INFO)
     web.run_app(make_app(args.host, args.handshake_port, args.lease_s), host=args.host, port=args.http_port,
                 print=lambda *_: print("prefill ready", flush=True))  # fmt: skip

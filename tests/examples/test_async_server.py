@@ -215,3 +215,98 @@ async def test_bad_requests_are_refused_and_hold_nothing(ports):
     finally:
         prefill.stop()
         decode.stop()
+
+
+async def test_an_idle_restart_and_an_abandoned_request_cost_no_request_and_no_lease(ports):
+    """Before: decode read from the killed prefill's agent after an idle restart (the first request failed,
+    502), and a request decode gave up on held prefill's blocks for the whole lease (every request after
+    it refused for 30 s once the pool was empty). Also: a trailing slash on `--prefill-url` was a 404."""
+    prefill_url = f"http://127.0.0.1:{ports['prefill_http']}"
+    decode_url = f"http://127.0.0.1:{ports['decode_http']}"
+    prefill_args = ["--http-port", str(ports["prefill_http"]), "--handshake-port", str(ports["handshake"]),
+                    "--lease-s", "30"]  # fmt: skip
+    tcp = {"UCX_TLS": "tcp"}
+    prefill = Service("prefill.py", *prefill_args, env=tcp)
+    decode = Service("decode.py", "--http-port", str(ports["decode_http"]), "--prefill-url", prefill_url + "/",
+                     env=tcp)  # fmt: skip
+    try:
+        await asyncio.gather(prefill.wait_ready(prefill_url), decode.wait_ready(decode_url))
+        async with aiohttp.ClientSession() as http:
+            status, body, _ = await _generate(http, decode_url, "before", 2, 10)
+            assert status == 200 and body["ok"], body
+            prefill.proc.kill()  # idle: no read in flight
+            prefill.proc.wait()
+            prefill = Service("prefill.py", *prefill_args, env=tcp)
+            await prefill.wait_ready(prefill_url)
+            status, body, _ = await _generate(http, decode_url, "after", 2, 10)
+            assert status == 200 and body["ok"], body
+
+            # Decode gives up while prefill computes (64 blocks take it ~1 s): prefill sees the hang-up.
+            await _all_free(http, prefill_url, "the requests read")  # (their notices reach prefill a moment later)
+            status, body, _ = await _generate(http, decode_url, "gave-up", 64, 0.05)
+            assert status == 504, body
+            await _all_free(http, prefill_url, "a request given up before prefill answered")
+
+            # Decode gives up on a read in flight (prefill frozen): it tells prefill once NIXL let go.
+            for attempt in range(3):
+                client = asyncio.ensure_future(_generate(http, decode_url, f"frozen-{attempt}", 48, 1.0))
+                if await _wait_for(http, decode_url, lambda c: _in_flight(c) > 0, until=client):
+                    break
+                await client
+            prefill.proc.send_signal(signal.SIGSTOP)
+            try:
+                status, body, _ = await client
+            finally:
+                prefill.proc.send_signal(signal.SIGCONT)
+            assert status == 504, body
+            await _all_free(http, prefill_url, "a read given up")
+            status, body, _ = await _generate(http, decode_url, "next", 48, 10)
+            assert status == 200 and body["ok"], body
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+async def _all_free(http, prefill_url: str, after: str) -> None:
+    """Prefill's blocks all come back within 5 s, long before its 30 s lease."""
+    for _ in range(250):
+        if (await _health(http, prefill_url))["free_blocks"] == 64:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"prefill still holds blocks 5 s after {after}: {await _health(http, prefill_url)}")
+
+
+async def test_decode_names_a_handshake_timeout_and_passes_prefill_busy_on(ports):
+    """Before: a handshake that timed out was reported as the request's deadline ("no KV within 10.0s", after
+    2 s), and prefill's "out of blocks, retry later" (503) reached the client as a 502."""
+    from aiohttp import web
+
+    answers = {"prefill": None}
+    dead_port = _free_port()  # nothing listens there: the handshake times out
+
+    async def fake_prefill(request: web.Request) -> web.Response:
+        if answers["prefill"] == "busy":
+            return web.json_response({"error": "out of KV blocks, retry later"}, status=503)
+        return web.json_response({"engine_id": "prefill-0", "agent_name": "prefill-0/1", "host": "127.0.0.1",
+                                  "port": dead_port, "block_ids": [0], "checksum": 0,
+                                  "lease_expires_at": time.time() + 30})  # fmt: skip
+
+    app = web.Application()
+    app.router.add_post("/prefill", fake_prefill)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", ports["prefill_http"]).start()
+    decode_url = f"http://127.0.0.1:{ports['decode_http']}"
+    decode = Service("decode.py", "--http-port", str(ports["decode_http"]), "--prefill-url",
+                     f"http://127.0.0.1:{ports['prefill_http']}")  # fmt: skip
+    try:
+        await decode.wait_ready(decode_url)
+        async with aiohttp.ClientSession() as http:
+            status, body, _ = await _generate(http, decode_url, "h", 1, 10)
+            assert (status, body["error"]) == (504, "HandshakeTimeout") and str(dead_port) in body["message"], body
+            answers["prefill"] = "busy"
+            status, body, _ = await _generate(http, decode_url, "b", 1, 10)
+            assert (status, body["error"]) == (503, "PrefillBusy"), body
+    finally:
+        decode.stop()
+        await runner.cleanup()
