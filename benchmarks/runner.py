@@ -6,6 +6,7 @@ import argparse
 import importlib
 import json
 import math
+import os
 import sys
 import time
 import traceback
@@ -106,17 +107,35 @@ def plot_goals(rows: list[goals.Row], directory: Path) -> None:
     plt.close(fig)
 
 
+def _unplottable(directory: Path) -> str | None:
+    """Why charts cannot be written to `directory` (None: they can); it is made if missing."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return "charts need matplotlib (pip install matplotlib, or the [test] extra)"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"cannot make that folder ({exc.strerror})"
+    if not os.access(directory, os.W_OK):
+        return "cannot write there"
+    return None
+
+
 def main(args: argparse.Namespace) -> int:
     if args.list:
-        if args.scenarios or args.all or args.judge or args.json:
+        if args.scenarios or args.all or args.judge or args.json or args.plots or args.quick:
             print("--list lists every scenario: give it nothing else", file=sys.stderr)
             return 2
         for name, (_, quick) in SCENARIOS.items():
             print(f"{name}{'' if quick else '  (not in the default set)'}")
         return 0
     if args.judge:  # an earlier run's JSON: its goals table (and chart) again, nothing measured
-        if args.scenarios or args.all or args.json:
-            print("--judge measures nothing: name no scenario, --all or --json with it", file=sys.stderr)
+        if args.scenarios or args.all or args.json or args.quick:
+            print("--judge measures nothing: name no scenario, --all, --quick or --json with it", file=sys.stderr)
+            return 2
+        if args.plots and (why := _unplottable(Path(args.plots))):
+            print(f"--plots {args.plots}: {why}", file=sys.stderr)
             return 2
         try:
             rows = goals.judge(goals.load(args.judge))
@@ -135,6 +154,9 @@ def main(args: argparse.Namespace) -> int:
     if unknown:
         print(f"unknown scenario(s): {', '.join(unknown)}; try --list", file=sys.stderr)
         return 2
+    if args.plots and (why := _unplottable(Path(args.plots))):  # (charts come after minutes of work: refused now)
+        print(f"--plots {args.plots}: {why}", file=sys.stderr)
+        return 2
     started = time.perf_counter()
     results: list[Result] = []
     failed: list[str] = []
@@ -152,7 +174,10 @@ def main(args: argparse.Namespace) -> int:
             with open(args.json, "a") as f:
                 f.write(json.dumps({"scenario": name, "metrics": result.metrics, "ratios": result.ratios}) + "\n")
         if args.plots:
-            plot(result, Path(args.plots))
+            try:
+                plot(result, Path(args.plots))
+            except Exception as exc:  # a chart that fails loses neither the figures nor the next scenarios
+                print(f"chart of {name} failed: {exc!r}", file=sys.stderr)
     rows = goals.judge(results)
     print(f"\n== goals ({goals.tally(rows)}) ==\n{goals.markdown(rows)}")
     if args.plots:

@@ -196,3 +196,9 @@ def test_the_command_refuses_unusable_paths_and_names_before_any_work(tmp_path, 
     shapes = tmp_path / "shapes.jsonl"
     shapes.write_text('{"scenario": "busy", "metrics": [], "ratios": [1]}\n')
     assert main(["bench", "--judge", str(shapes)]) == 2
+    # (session 36) --plots was checked only after the first scenario had run, and --list/--judge ignored options
+    assert main(["bench", "latency", "--quick", "--plots", "/proc/nope"]) == 2
+    assert "--plots /proc/nope: cannot make that folder" in capsys.readouterr().err
+    assert main(["bench", "--list", "--plots", str(tmp_path)]) == 2
+    assert main(["bench", "--list", "--quick"]) == 2
+    assert main(["bench", "--judge", str(shapes), "--quick"]) == 2
