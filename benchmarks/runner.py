@@ -181,7 +181,10 @@ def main(args: argparse.Namespace) -> int:
     rows = goals.judge(results)
     print(f"\n== goals ({goals.tally(rows)}) ==\n{goals.markdown(rows)}")
     if args.plots:
-        plot_goals(rows, Path(args.plots))
+        try:
+            plot_goals(rows, Path(args.plots))
+        except Exception as exc:
+            print(f"chart of the goals failed: {exc!r}", file=sys.stderr)
     print(f"\n{len(names)} scenario(s) in {time.perf_counter() - started:.0f} s")
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)

@@ -539,7 +539,7 @@ class SyncEngine:
         if poke_every is not None and not poke_every > 0:
             raise ValueError(f"wait_activity(): poke_every must be > 0 seconds, not {poke_every!r}")
         deadline = time.monotonic() + timeout
-        happened = False
+        happened = bool(self._held_back)  # an outcome the last get_finished() left for the next one
         while not happened:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -593,6 +593,7 @@ class SyncEngine:
             self._off_the_loop("close()")
         with self._lock:  # one close runs; the others wait for it
             first, self._closed = not self._closed, True
+        self._activity.set()  # a thread in wait_activity() hears of it at once
         if not first:
             if threading.get_ident() != self._loop_thread:
                 self._shut.wait()
@@ -608,7 +609,6 @@ class SyncEngine:
                 self._stopper.stop()
         finally:
             self._shut.set()
-            self._activity.set()  # a thread in wait_activity() hears of it at once
 
     async def _stop_background(self) -> None:
         tasks = list(self._background)

@@ -143,7 +143,9 @@ class PushConnectorWorker(ConnectorWorker):
     def _start_receive(self, request_id: str, req: Any) -> None:
         if req.remote is None:
             return
-        job = self._recv_job(request_id, req, None)  # no lease: prefill writes when it is done
+        job = self._readable_job(request_id, req, None, None)  # no lease: prefill writes when it is done
+        if job is None:
+            return
         deadline = time.time() + self.settings.push_registration_timeout_s
         withdrawal = asyncio.Event()  # (bound to the loop when first awaited there)
         # vLLM waits only for a request with blocks (an empty one only lets prefill free the request)

@@ -398,16 +398,24 @@ class ConnectorWorker:
     def _start_receive(self, request_id: str, req: Any) -> None:
         if req.remote is None:
             return
+        job = self._readable_job(request_id, req, req.remote.blocks_expiry_time, req.awaiting_kvs)
+        if job is not None:
+            self._hand_over(job, req.awaiting_kvs, self._receive)
+
+    def _readable_job(self, request_id: str, req: Any, expires_at: float | None,
+                      awaited: bool | None) -> RecvJob | None:  # fmt: skip
+        """`_recv_job`, or None once a job that cannot be read was handed over to fail alone: a client's
+        kv_transfer_params the scheduler let through must fail that load, not vLLM's step (and engine).
+        `awaited` None: vLLM awaits it if it has blocks."""
         try:
-            job = self._recv_job(request_id, req, req.remote.blocks_expiry_time)
-        except Exception as exc:  # a client's kv_transfer_params the scheduler let through: fail this load only
+            return self._recv_job(request_id, req, expires_at)
+        except Exception as exc:
             log.warning("request %s: its transfer parameters are unusable (%s: %s)", request_id, type(exc).__name__,
                         exc)  # fmt: skip
             local = tuple(GroupBlocks("full", [int(b) for b in ids], [], None) for ids in req.local_block_ids or ())
             job = RecvJob(request_id, "", "", "", 0, 1, local, None)
-            self._hand_over(job, req.awaiting_kvs, _unusable, exc)
-            return
-        self._hand_over(job, req.awaiting_kvs, self._receive)
+            self._hand_over(job, bool(job.local_blocks) if awaited is None else awaited, _unusable, exc)
+            return None
 
     def _hand_over(self, job: RecvJob, awaited: bool, receive: Callable[..., Coroutine[Any, Any, None]],
                    *args: Any) -> bool:  # fmt: skip
@@ -627,11 +635,15 @@ async def _start_leased_read(
     while True:
         read_by = lease.read_by
         try:
-            return await engine.start_read(peer, local_blocks, remote_blocks, lease_expires_at=read_by, **options)
+            transfer = await engine.start_read(peer, local_blocks, remote_blocks, lease_expires_at=read_by, **options)
         except LeaseExpired:
             renewed = lease.read_by
             if read_by is None or renewed is None or renewed <= read_by or renewed <= time.time():
                 raise
+            continue
+        if read_by is not None and (renewed := lease.read_by) is not None and renewed != read_by:
+            engine.renew_lease([transfer], renewed)  # renewed while it waited: the next round may come too late
+        return transfer
 
 
 def _failure_kind(error: BaseException) -> str:

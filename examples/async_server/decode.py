@@ -109,7 +109,8 @@ def _give_back(engine: TransferEngine, pool: BlockPool, blocks: list[int], start
     async def when_quiet() -> None:
         if await engine.settle(started):  # (False: the engine closed with NIXL holding one: never reused)
             pool.give(blocks)
-        if unread is not None and time.time() < unread[2]:  # (past the lease prefill freed them itself)
+        landed = any(t.done() and not t.future.cancelled() and t.exception() is None for t in started)  # notified
+        if unread is not None and not landed and time.time() < unread[2]:  # (past the lease prefill freed them)
             peer, request_id, _ = unread
             try:
                 await engine.notify(peer, request_id.encode())

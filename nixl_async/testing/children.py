@@ -6,21 +6,35 @@ piled up. `dies_with_us` prefixes a command with util-linux's ``setpriv --pdeath
 the kernel sends SIGTERM to the child when the thread that started it exits, and the signal
 survives the ``exec`` of ``ip netns exec`` and of the server itself. Only from the main thread:
 a child started from a worker thread would be ended when that thread ends. Where ``setpriv`` is
-missing (not Linux), the command is left as it is.
+missing or too old for ``--pdeathsig`` (not Linux, util-linux < 2.33), the command is left as it is.
 """
 
 from __future__ import annotations
 
+import functools
 import shutil
+import subprocess
 import threading
 from collections.abc import Sequence
 
 __all__ = ["dies_with_us"]
 
 
+@functools.cache
+def _setpriv() -> str | None:
+    """util-linux's setpriv, if it has --pdeathsig (2.33 and later)."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        return None
+    try:
+        subprocess.run([setpriv, "--pdeathsig", "SIGTERM", "--", "true"], check=True, capture_output=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return setpriv
+
+
 def dies_with_us(command: Sequence[str]) -> list[str]:
     """`command`, set to receive SIGTERM when the calling (main) thread's process dies."""
-    setpriv = shutil.which("setpriv")
-    if setpriv is None or threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread() or (setpriv := _setpriv()) is None:
         return list(command)
     return [setpriv, "--pdeathsig", "SIGTERM", "--", *command]

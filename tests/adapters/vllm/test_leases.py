@@ -261,3 +261,37 @@ async def test_a_rank_the_reader_is_done_with_answering_gone_ends_no_other_ranks
     books[0].drop("r")
     await heartbeat(reader, leases, "prefill", addresses, ["r"])  # every rank it needs gone: gone
     assert lease.expires_at == GONE
+
+
+async def test_a_read_renewed_while_it_waited_for_room_keeps_the_renewed_lease(cluster, monkeypatch, nixl_peer_factory):
+    """Room came before the old lease ran out: the read was posted with the lease it was submitted with, and
+    ended at it (`LeaseExpired`) unless another renewal round came first, though the producer held the blocks."""
+    books, _producers, _reader, addresses = cluster
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    proc = nixl_peer_factory(num_regions=1, num_blocks=BLOCKS, block_len=BLOCK, seed=3, tcp=True)
+    config = EngineConfig(engine_id="decode-room/tp0", handshake_timeout_s=1.0, max_inflight_transfers=1)
+    async with TransferEngine(config) as reader:
+        regions = [np.zeros(BLOCKS * BLOCK, np.uint8)]
+        reader.register("kv", regions, block_len=BLOCK)
+        peer = await reader.connect(*proc.address)
+        ids = list(range(BLOCKS))
+        holding = await reader.start_read(peer, ids, ids)  # takes the only room
+        await until_in_flight(holding)
+        proc.pause()
+        try:
+            for book in books:
+                book.hold("r", time.perf_counter() + 0.8)
+            leases = LearnedLeases()
+            lease = leases.reading("prefill", "r", time.time() + 0.8, margin_s=0.1)
+            waiting = asyncio.create_task(_start_leased_read(reader, lease, peer, ids, ids))
+            await asyncio.sleep(0.05)
+            await heartbeat(reader, leases, "prefill", addresses, ["r"])  # renewed while it waits
+            proc.resume()  # the room frees long before the old lease
+            await holding
+            transfer = await waiting
+            await until_in_flight(transfer)
+            proc.pause()
+            await asyncio.sleep(0.9)  # past the lease it was submitted with, no renewal round since
+        finally:
+            proc.resume()
+        assert (await transfer).nbytes == BLOCKS * BLOCK

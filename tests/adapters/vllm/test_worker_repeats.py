@@ -76,9 +76,10 @@ def test_a_repeat_after_the_first_receive_ended_but_before_it_was_reported_is_ig
         worker.sync.close()
 
 
-def test_transfer_parameters_the_worker_cannot_read_fail_that_load_not_vllms_step():
+@pytest.mark.parametrize("worker_class", [ConnectorWorker, PushConnectorWorker])
+def test_transfer_parameters_the_worker_cannot_read_fail_that_load_not_vllms_step(worker_class):
     """Before: `int("48 tokens")` raised out of `start_load_kv`, inside vLLM's `execute_model`: the engine stopped."""
-    worker = ConnectorWorker.__new__(ConnectorWorker)
+    worker = worker_class.__new__(worker_class)
     worker.sync = SyncEngine(EngineConfig(engine_id="unusable"))
     worker._awaiting = {}
     worker.group_kinds = ("full",)
