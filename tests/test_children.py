@@ -58,3 +58,20 @@ def test_only_the_main_thread_binds_a_child_to_itself():
     worker.join()
     assert seen == [["true"]]
     assert dies_with_us(["true"])[-2:] == ["--", "true"]
+
+
+def test_a_server_refuses_a_port_another_process_answers_on():
+    """Before, a vLLM server or proxy left by another run passed the new one's readiness check (its /health
+    answered) and took the run's requests: 404s for a model path it did not have."""
+    import socket
+
+    from nixl_async_vllm.launch import ProxyProcess, VllmServer
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(RuntimeError, match="taken by another process"):
+            VllmServer("model", port, 0, None).start()
+        with pytest.raises(RuntimeError, match="taken by another process"):
+            ProxyProcess(port, "http://127.0.0.1:1", "http://127.0.0.1:2").start()

@@ -21,6 +21,7 @@ import glob
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -139,6 +140,7 @@ class VllmServer:
         return env
 
     def start(self) -> VllmServer:
+        _refuse_taken(self.host, self.port)
         log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         self._started_at = time.time()
         self.process = subprocess.Popen(
@@ -349,6 +351,7 @@ class ProxyProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> ProxyProcess:
+        _refuse_taken("127.0.0.1", self.port)
         cmd = [sys.executable, "-m", "nixl_async_vllm.launch", "proxy", "--port", str(self.port),
                "--prefill", self.prefill_url, "--decode", self.decode_url]  # fmt: skip
         if self.push is not None:
@@ -367,6 +370,13 @@ class ProxyProcess:
             self.process.kill()
             self.process.wait()
             self.process = None
+
+
+def _refuse_taken(host: str, port: int) -> None:
+    """Raise if something already answers at host:port: a server left by another run would pass our
+    readiness check (its /health answers) and take this run's requests (404s for a model path it lacks)."""
+    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
+        raise RuntimeError(f"{host}:{port} is taken by another process (a server left running by another run?)")
 
 
 @contextlib.contextmanager

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.vllm
 SECRET = "hosts-test-secret-0123456789"
 HTTP = {"prefill": 18500, "decode": 18600}
 SIDE = {"prefill": 15900, "decode": 16000}
-LINK_TIMEOUT_S, TRANSFER_TIMEOUT_S = 2, 10
+LINK_TIMEOUT_S, TRANSFER_TIMEOUT_S = 4, 12
 PROMPTS = [make_prompt(f"across hosts {i}", n) for i, n in enumerate([4, 60, 150, 260])]
 
 
@@ -89,7 +89,8 @@ def _tcp_bytes_from(host: Host, peer: str, skip_ports: set[int]) -> int:
 
 async def _cut_mid_read(root, servers, p_host: Host, d_host: Host, tag: str, kv_bytes: float) -> float | None:
     """Cut prefill's link while decode reads a request's KV; seconds until decode answered it, or None
-    if the read ended before the cut. The answer must equal a single instance's (recomputed)."""
+    if the read ended before the cut (or failed before it began). The answer must equal a single
+    instance's (recomputed)."""
     decode, prefill = servers["decode"], servers["prefill"]
     prompt = make_prompt(tag, 260)  # ~480 tokens: 4 blocks, ~256 KiB of KV
     want = (await complete(servers["single"].url, prompt, _model(root)))["choices"][0]["text"]
@@ -101,7 +102,12 @@ async def _cut_mid_read(root, servers, p_host: Host, d_host: Host, tag: str, kv_
     request = asyncio.create_task(post(decode.url, body, timeout=60))
     deadline = time.monotonic() + 20
     while _tcp_bytes_from(d_host, p_host.address, skip) - before <= 32 << 10:  # until the read's bytes arrive
-        assert not request.done(), f"the request ended before its read was seen in flight: {request.result()}"
+        if request.done():
+            # On the shaped link TCP can leave data unacknowledged past the link timeout (its user timeout):
+            # the connection was dropped under the previous read, and this one failed at its post. Its
+            # failure marked prefill stale: the next attempt handshakes again.
+            assert counter(decode, "vllm:nixl_num_failed_transfers_total") > failed, request.result()
+            return None
         assert time.monotonic() < deadline, "the read's bytes did not arrive in 20 s"
         await asyncio.sleep(0.02)
     p_host.set_link(False)
