@@ -68,10 +68,12 @@ class NotifyGuard:
         return len(self._sessions)
 
     def issue(self, engine_id: str) -> bytes:
-        """A fresh session for `engine_id`'s notifications to us (its oldest one goes past `_PER_ENGINE`;
-        the least recently used of all when `max_sessions` are live)."""
-        while len(self._by_engine.get(engine_id, ())) >= _PER_ENGINE:
-            self._drop(self._by_engine[engine_id][0])
+        """A fresh session for `engine_id`'s notifications to us; past `_PER_ENGINE`, its oldest session no
+        notification came in goes first (the answers of handshakes that timed out at the asker, which
+        still sends under the session it has), else its oldest; the least recently used of all when
+        `max_sessions` are live."""
+        while len(mine := self._by_engine.get(engine_id, [])) >= _PER_ENGINE:
+            self._drop(next((s for s in mine if self._sessions[s].last_seq == 0), mine[0]))
         while len(self._sessions) >= self._max_sessions:
             self._drop(next(iter(self._sessions)))
         session = secrets.token_bytes(SESSION_BYTES)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import os
 import time
@@ -92,6 +93,9 @@ _CLOSE_GRACE_S = 0.2  # progress this long at close when a notification went out
 # Agents (and the memory their handles use) that closed with handles NIXL never let go of: never
 # destroyed, so no byte can land in freed memory. Empty unless a close ran into a fenced transfer.
 _KEPT_ALIVE: list[tuple[Any, list[Any], list[Transfer]]] = []
+
+
+_CALL_ENVELOPE = 512  # a call's msgpack fields beside its topic, engine id and payload (nonces, MAC, limits)
 
 
 def _unreachable_host(host: str) -> bool:
@@ -428,13 +432,18 @@ class TransferEngine:
     def handle_calls(self, topic: str, handler: Callable[[str, bytes], bytes]) -> None:
         """Answer peers' `call(peer, topic, payload)`: ``handler(sender_engine_id, payload)`` -> reply.
 
-        The handler runs on the loop thread and must not block. Raising `ValueError` refuses
-        the call with its message (the caller gets `HandshakeRejected`); anything else is
-        refused as an internal error. Calls are authenticated like handshakes.
+        The handler runs on the loop thread and must not block (a coroutine function is refused:
+        it would never be awaited). Raising `ValueError` refuses the call with its message (the
+        caller gets `HandshakeRejected`); anything else, or a reply that is not bytes, is refused
+        as an internal error. Calls are authenticated like handshakes.
         """
+        if inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(type(handler).__call__):
+            raise TypeError(f"handle_calls({topic!r}): the handler must be a plain function returning bytes")
         self._call_handlers[topic] = handler
 
     def _answer_call(self, request: messages.CallRequest) -> messages.CallReply:
+        if request.to_engine_id not in ("", self.engine_id):  # (another engine now serves that address)
+            raise Refusal("engine_id_mismatch", f"this is engine {self.engine_id!r}, not {request.to_engine_id!r}")
         handler = self._call_handlers.get(request.topic)
         if handler is None:
             raise Refusal("unknown_topic", f"engine {self.engine_id!r} answers no calls on {request.topic!r}")
@@ -442,6 +451,9 @@ class TransferEngine:
             payload = handler(request.engine_id, request.payload)
         except ValueError as exc:
             raise Refusal("refused", str(exc)) from None
+        if not isinstance(payload, bytes | bytearray | memoryview):
+            raise TypeError(f"the handler of {request.topic!r} returned a {type(payload).__name__}, not bytes")
+        payload = bytes(payload)
         self.stats.counters["calls_answered"] += 1
         return messages.CallReply(engine_id=self.engine_id, payload=payload)
 
@@ -450,19 +462,27 @@ class TransferEngine:
 
         One request and one reply over the peer's side channel, bounded by `timeout` (default:
         the handshake timeout). Raises `HandshakeTimeout`, `HandshakeRejected`, `ProtocolError`,
-        or `EngineIdMismatch` when another engine now answers at the peer's address.
+        or `EngineIdMismatch` when another engine now answers at the peer's address (refused there
+        before its handler runs); `ValueError` at once for a payload over what a peer takes by
+        default (`EngineConfig.max_request_bytes`).
         """
         self._require_agent()
         assert self._zmq is not None
         host, port = peer.address
         if not host:
             raise HandshakeRejected(f"peer {peer.engine_id!r} (found in etcd) serves no side channel to call")
+        room = self.config.max_request_bytes - len(topic.encode()) - len(self.engine_id.encode()) - _CALL_ENVELOPE
+        if len(payload) > room:  # (ZMQ would drop it unanswered: the call would wait out its whole timeout)
+            raise ValueError(f"call payload of {len(payload)} bytes is over the {room} a peer takes by default "
+                             "(EngineConfig.max_request_bytes)")  # fmt: skip
         try:
             reply = await call_peer(
                 self._zmq,
                 host,
                 port,
-                messages.CallRequest(engine_id=self.engine_id, topic=topic, payload=payload),
+                messages.CallRequest(
+                    engine_id=self.engine_id, topic=topic, payload=payload, to_engine_id=peer.engine_id
+                ),
                 timeout=handshake_limit(self.config, timeout, f"{host}:{port}"),
                 max_frame_bytes=self.config.max_frame_bytes,
                 secret=self.config.auth_secret,

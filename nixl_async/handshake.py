@@ -158,7 +158,10 @@ class HandshakeServer:
             try:
                 await self._serve()
                 return
-            except Exception as exc:
+            except (Exception, asyncio.CancelledError) as exc:
+                current = asyncio.current_task()
+                if isinstance(exc, asyncio.CancelledError) and (current is None or current.cancelling()):
+                    raise  # close() (or the loop's shutdown) asked for it
                 failures = 1 if loop.time() - started > 1.0 else failures + 1  # a long good run resets the count
                 self.restarts += 1
                 log.error("handshake server on %s:%d died (%d in a row): %r", self.host, self.port, failures, exc)
@@ -239,7 +242,8 @@ class HandshakeServer:
             if not self._verify(request):
                 self.rejected += 1
                 self.auth_failures += 1
-                log.warning("refused a %s from engine %r: bad or stale credentials", _kind(request), request.engine_id)
+                self._log_refusal("bad or stale credentials", request.engine_id, self.auth_failures,
+                                  what=f"refused a {_kind(request)}")  # fmt: skip
                 return identity, delimiter, _error("auth_failed", "authentication failed")
         try:
             if isinstance(request, messages.CallRequest):
@@ -252,7 +256,8 @@ class HandshakeServer:
         except Refusal as refusal:
             self.rejected += 1
             return identity, delimiter, _error(refusal.code, str(refusal))
-        except Exception as exc:  # never let one request take the server down
+        except (Exception, asyncio.CancelledError) as exc:  # never let one request take the server down
+            # (nothing here awaits: a CancelledError is a handler's, e.g. `.result()` of a cancelled task)
             log.exception("answering a %s failed", type(request).__name__)
             self.rejected += 1
             return identity, delimiter, _error("internal", type(exc).__name__)
@@ -283,7 +288,7 @@ class HandshakeServer:
             self.rejected += 1
             self.auth_failures += 1
             self.notifications_refused[reason] += 1
-            self._log_refusal(reason, note.engine_id)
+            self._log_refusal(reason, note.engine_id, self.notifications_refused[reason])
             return
         if note.busy_ms > 0:
             if self._on_busy_hint is not None:  # a sender cannot keep us brisk longer than this at once
@@ -292,17 +297,14 @@ class HandshakeServer:
         self.notifications += 1
         self._on_notify(note.engine_id, note.message)
 
-    def _log_refusal(self, reason: str, engine_id: str) -> None:
+    def _log_refusal(self, reason: str, engine_id: str, count: int,
+                     what: str = "dropped a notification claiming to come") -> None:  # fmt: skip
+        """At most one line per reason and second: whoever reaches the port chooses how many refusals there are."""
         now = time.monotonic()
         if now - self._refusal_logged_at.get(reason, -math.inf) < _REFUSAL_LOG_INTERVAL_S:
             return
         self._refusal_logged_at[reason] = now
-        log.warning(
-            "dropped a notification claiming to come from engine %r: %s (%d refused for this reason so far)",
-            engine_id,
-            reason,
-            self.notifications_refused[reason],
-        )
+        log.warning("%s from engine %r: %s (%d refused for this reason so far)", what, engine_id[:64], reason, count)
 
     def _challenge(self) -> bytes:
         now = time.monotonic()

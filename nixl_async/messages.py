@@ -155,6 +155,7 @@ class CallRequest(msgspec.Struct, tag="call", frozen=True, kw_only=True):
     signed_reply: bool = False  # as `MetadataRequest.signed_reply`
     client_nonce: bytes = b""  # ... and `MetadataRequest.client_nonce`
     max_reply_bytes: int = 0  # ... and `MetadataRequest.max_reply_bytes`
+    to_engine_id: str = ""  # the engine meant: another one at that address refuses before its handler runs
 
 
 class CallReply(msgspec.Struct, tag="call_reply", frozen=True, kw_only=True):
@@ -220,6 +221,7 @@ _LATER_FIELDS: dict[str, object] = {
     "signed_reply": False,
     "client_nonce": b"",
     "max_reply_bytes": 0,
+    "to_engine_id": "",
 }
 
 

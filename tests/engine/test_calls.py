@@ -139,11 +139,81 @@ async def test_a_call_to_a_dead_or_replaced_peer_fails_within_its_timeout():
         assert time.monotonic() - started < 2
         # Another engine now answers at that address: the reply is not taken for the old peer's.
         async with TransferEngine(EngineConfig(engine_id="newcomer")) as newcomer:
-            newcomer.handle_calls("t", lambda sender, payload: b"from the newcomer")
+            ran = []
+            newcomer.handle_calls("t", lambda sender, payload: ran.append(sender) or b"from the newcomer")
             await newcomer.serve(*address)
             with pytest.raises(EngineIdMismatch, match="newcomer"):
                 await client.call(peer, "t", b"")
+            assert ran == [], "the newcomer ran a handler meant for the old peer (before session 36 it did)"
     finally:
         await client.close()
         if server.running:
             await server.close()
+
+
+async def test_a_handler_raising_cancelled_error_does_not_stop_the_server():
+    """`.result()` of a cancelled task inside a handler raises `CancelledError`, which is no `Exception`.
+    Before, it ended the server's task for good, silently: every later call and handshake timed out."""
+    server, client = await _pair()
+
+    def cancelled(_sender: str, _payload: bytes) -> bytes:
+        raise asyncio.CancelledError("a cancelled task's result")
+
+    try:
+        server.handle_calls("cancelled", cancelled)
+        server.handle_calls("fine", lambda sender, payload: b"fine")
+        peer = await client.connect(*server.address)
+        with pytest.raises(HandshakeRejected, match="internal"):
+            await client.call(peer, "cancelled", b"", timeout=2)
+        assert await client.call(peer, "fine", b"", timeout=2) == b"fine"
+        async with TransferEngine(EngineConfig(engine_id="later")) as later:
+            assert (await later.connect(*server.address, timeout=2)).engine_id == "server"
+    finally:
+        await client.close()
+        await server.close()
+
+
+async def test_handlers_and_payloads_calls_cannot_carry_are_refused_up_front():
+    """Before: an `async def` handler was taken and every call failed; a reply that was not bytes failed to decode
+    at the caller (counted answered); a payload over the peer's frame limit waited out the call's timeout."""
+    server, client = await _pair()
+
+    async def coroutine_handler(_sender: str, _payload: bytes) -> bytes:
+        return b""
+
+    try:
+        with pytest.raises(TypeError, match="plain function"):
+            server.handle_calls("async", coroutine_handler)
+        server.handle_calls("text", lambda sender, payload: "not bytes")
+        peer = await client.connect(*server.address)
+        with pytest.raises(HandshakeRejected, match="internal"):
+            await client.call(peer, "text", b"", timeout=2)
+        assert server.stats.counters["calls_answered"] == 0
+        started = time.monotonic()
+        with pytest.raises(ValueError, match="max_request_bytes"):
+            await client.call(peer, "text", bytes(8 << 20), timeout=5)
+        assert time.monotonic() - started < 0.5
+    finally:
+        await client.close()
+        await server.close()
+
+
+async def test_refused_credentials_are_logged_at_most_once_a_second(caplog):
+    """Anyone reaching the port chose how many warnings a server logged (one per bad request)."""
+    server, _client = await _pair(SECRET)
+    ctx = zmq.asyncio.Context()
+    try:
+        for i in range(50):
+            sock = ctx.socket(zmq.DEALER)
+            sock.connect(f"tcp://{server.address[0]}:{server.address[1]}")
+            request = messages.CallRequest(engine_id=f"intruder-{i}" * 100, topic="t", nonce=b"n" * 16, mac=b"m" * 32)
+            await sock.send(messages.encode(request))
+            await asyncio.wait_for(sock.recv(), 2)
+            sock.close(0)
+        refused = [r for r in caplog.records if "bad or stale credentials" in r.getMessage()]
+        assert len(refused) == 1 and len(refused[0].getMessage()) < 300
+        assert server._server.auth_failures == 50
+    finally:
+        ctx.term()
+        await _client.close()
+        await server.close()

@@ -98,6 +98,23 @@ def test_an_engine_handshaking_again_and_again_evicts_nobody_else():
     assert guard.check(_note(sessions[-3], 1, engine_id="busy-reader")) == "unknown_session"
 
 
+def test_the_session_in_use_outlives_handshakes_whose_answers_never_arrived():
+    """Two refreshes timed out at the reader, which still sends under the session it has; their late answers
+    issued two more. Before, those evicted it: every later notification of that reader was refused
+    (`unknown_session`) while its `notify()` reported success."""
+    guard = NotifyGuard(SECRET)
+    in_use = guard.issue("reader")
+    assert guard.check(_note(in_use, 1)) is None
+    guard.issue("reader")
+    guard.issue("reader")
+    assert guard.check(_note(in_use, 2)) is None
+    adopted = guard.issue("reader")  # a refresh that did arrive: the reader sends under it from now on
+    assert guard.check(_note(adopted, 1)) is None
+    newest = guard.issue("reader")  # (both used: the older goes)
+    assert guard.check(_note(in_use, 3)) == "unknown_session"
+    assert guard.check(_note(adopted, 2)) is None and guard.check(_note(newest, 1)) is None
+
+
 # -- a real HandshakeServer ----------------------------------------------------------------
 def _reply_for(request: messages.MetadataRequest) -> messages.MetadataReply:
     return messages.MetadataReply(
