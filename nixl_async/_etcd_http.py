@@ -86,9 +86,18 @@ class _WatchLine(msgspec.Struct):
     error: dict[str, Any] | None = None
 
 
-class _Error(msgspec.Struct):
-    code: int = 0
-    message: str = ""
+def _etcd_error(data: bytes, fallback: str) -> EtcdError:
+    """The error in an etcd gateway's answer: ``{"code", "message"}`` from a unary call, ``{"error": {"grpc_code",
+    "message"}}`` from a streaming one (keepalive, watch), whose code was read as 0 (UNAVAILABLE not retried)."""
+    try:
+        body = msgspec.json.decode(data) if data.startswith(b"{") else {}
+    except msgspec.DecodeError:
+        body = {}
+    inner = body.get("error")
+    if isinstance(inner, dict):
+        body = {"code": inner.get("grpc_code", inner.get("code")), "message": inner.get("message")}
+    code = body.get("code")
+    return EtcdError(code if isinstance(code, int) else 0, str(body.get("message") or fallback))
 
 
 def prefix_end(prefix: bytes) -> bytes:
@@ -128,9 +137,8 @@ class EtcdHttp:
                 status = reply.status
         except aiohttp.ClientError as exc:  # no connection, or a reply cut midway
             raise EtcdUnreachable(f"{self.base}: {exc!r}") from None
-        if status != 200:
-            error = msgspec.json.decode(data, type=_Error, strict=False) if data.startswith(b"{") else _Error()
-            raise EtcdError(error.code, error.message or f"HTTP {status} on {path}")
+        if status != 200 or data.startswith(b'{"error"'):  # (a streaming endpoint's error comes with 200)
+            raise _etcd_error(data, f"HTTP {status} on {path}")
         return msgspec.json.decode(data, type=answer, strict=False)
 
     async def get(self, key: bytes) -> tuple[KeyValue | None, int]:
@@ -186,7 +194,7 @@ class EtcdHttp:
                             continue
                         message = msgspec.json.decode(line, type=_WatchLine, strict=False)
                         if message.error is not None:
-                            raise EtcdError(int(message.error.get("code", 0)), str(message.error.get("message")))
+                            raise _etcd_error(line, "watch error")
                         result = message.result
                         if result is None:
                             continue

@@ -339,6 +339,38 @@ async def test_an_etcd_reply_cut_midway_is_a_typed_error():
         server.close()
 
 
+async def test_a_streaming_endpoints_error_keeps_its_grpc_code():
+    """etcd's gateway answers a keepalive (and a watch) error as ``{"error": {"grpc_code": ...}}`` with HTTP 200.
+    Before, the keepalive's failed to decode (untyped) and the watch's code was read as 0, so UNAVAILABLE
+    (a leader election) was not retried as such."""
+    from nixl_async._etcd_http import EtcdError
+
+    unavailable = b'{"error":{"grpc_code":14,"http_code":503,"message":"etcdserver: leader changed"}}'
+
+    async def answer(reader, writer):
+        head = (await reader.readuntil(b"\r\n\r\n")).lower()
+        await reader.readexactly(int(head.split(b"content-length:")[1].split(b"\r\n")[0]))
+        body = unavailable + b"\n"
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    client = EtcdHttp(f"127.0.0.1:{server.sockets[0].getsockname()[1]}")
+    try:
+        with pytest.raises(EtcdError) as keepalive:
+            await client.keep_alive(7)
+        with pytest.raises(EtcdError) as watch:
+            async for _event in client.watch_prefix(b"k/", 1, 5.0, 5.0):
+                pass
+        assert keepalive.value.code == watch.value.code == 14
+        assert "leader changed" in str(keepalive.value)
+    finally:
+        await client.close()
+        server.close()
+
+
 async def test_close_removes_the_record_and_a_connected_engine_notices(etcd, nixl_peer_factory):
     publisher = _publisher(nixl_peer_factory, etcd)
     engine = await _engine(_etcd_config(etcd))
