@@ -89,6 +89,17 @@ async def _wait_for(http, url, condition, until=None, timeout: float = 5.0) -> d
     return None
 
 
+async def _a_read_in_flight(http, decode_url: str, tag: str) -> asyncio.Future:
+    """A request of 48 blocks (deadline 1 s) whose read decode has in flight (tried up to 3 times: a read can
+    end before it is seen); the client's future."""
+    for attempt in range(3):
+        client = asyncio.ensure_future(_generate(http, decode_url, f"{tag}-{attempt}", 48, 1.0))
+        if await _wait_for(http, decode_url, lambda c: _in_flight(c) > 0, until=client):
+            break
+        await client
+    return client
+
+
 @pytest.fixture
 def ports():
     return {"prefill_http": _free_port(), "handshake": _free_port(), "decode_http": _free_port()}
@@ -154,11 +165,7 @@ async def test_requests_survive_a_prefill_crash_and_restart(ports):
                 if (await _health(http, prefill_url))["free_blocks"] == 64:
                     break
                 await asyncio.sleep(0.02)
-            for attempt in range(3):
-                client = asyncio.ensure_future(_generate(http, decode_url, f"frozen-{attempt}", 48, 1.0))
-                if await _wait_for(http, decode_url, lambda c: _in_flight(c) > 0, until=client):
-                    break
-                await client
+            client = await _a_read_in_flight(http, decode_url, "frozen")
             prefill.proc.send_signal(signal.SIGSTOP)
             try:
                 status, body, _ = await client
@@ -248,11 +255,7 @@ async def test_an_idle_restart_and_an_abandoned_request_cost_no_request_and_no_l
             await _all_free(http, prefill_url, "a request given up before prefill answered")
 
             # Decode gives up on a read in flight (prefill frozen): it tells prefill once NIXL let go.
-            for attempt in range(3):
-                client = asyncio.ensure_future(_generate(http, decode_url, f"frozen-{attempt}", 48, 1.0))
-                if await _wait_for(http, decode_url, lambda c: _in_flight(c) > 0, until=client):
-                    break
-                await client
+            client = await _a_read_in_flight(http, decode_url, "frozen")
             prefill.proc.send_signal(signal.SIGSTOP)
             try:
                 status, body, _ = await client

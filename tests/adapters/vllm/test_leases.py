@@ -132,6 +132,14 @@ BLOCK = 1 << 20
 BLOCKS = 32
 
 
+def _held(books: list[SendBook], seconds: float) -> tuple[LearnedLeases, RequestLease]:
+    """Every producer rank holds request "r" for `seconds`, as announced to the reader, who starts reading it."""
+    for book in books:
+        book.hold("r", time.perf_counter() + seconds)
+    leases = LearnedLeases()
+    return leases, leases.reading("prefill", "r", time.time() + seconds, margin_s=0.1)
+
+
 @pytest.fixture
 async def read_in_flight(monkeypatch, nixl_peer_factory):
     """Make `(reader over UCX/TCP, its regions, peer process, start)`; `start(lease)` starts a read of every
@@ -164,10 +172,7 @@ async def test_a_renewal_keeps_the_read_in_flight_going_past_the_first_lease(clu
     failed past it, however often the producer renewed (a KV load longer than ~2/3 of a lease)."""
     books, _producers, _reader, addresses = cluster
     reader, regions, proc, start = read_in_flight
-    for book in books:
-        book.hold("r", time.perf_counter() + 0.4)
-    leases = LearnedLeases()
-    lease = leases.reading("prefill", "r", time.time() + 0.4, margin_s=0.1)
+    leases, lease = _held(books, 0.4)
     transfer = await start(lease)
     await heartbeat(reader, leases, "prefill", addresses, ["r"])
     assert lease.expires_at is not None and lease.expires_at > time.time() + 1
@@ -202,10 +207,10 @@ def test_a_request_read_again_after_it_was_forgotten_takes_renewals_again():
     assert lease.expires_at == 130.0
 
 
-async def test_a_renewal_reaches_a_read_still_waiting_for_room(cluster, monkeypatch, nixl_peer_factory):
-    """A read queued behind the admission limits has no transfer yet for a renewal to move. Before, it
-    failed as `LeaseExpired` at the lease it was submitted with, though the producer held the blocks on."""
-    books, _producers, _reader, addresses = cluster
+@pytest.fixture
+async def room_full(monkeypatch, nixl_peer_factory):
+    """(reader over UCX/TCP allowed one transfer in flight, its regions, peer, peer process, holding): the room is
+    taken by `holding`, a read of every block with the peer stopped (SIGSTOP); `proc.resume()` frees it."""
     monkeypatch.setenv("UCX_TLS", "tcp")
     proc = nixl_peer_factory(num_regions=1, num_blocks=BLOCKS, block_len=BLOCK, seed=3, tcp=True)
     config = EngineConfig(engine_id="decode-full/tp0", handshake_timeout_s=1.0, max_inflight_transfers=1)
@@ -213,25 +218,32 @@ async def test_a_renewal_reaches_a_read_still_waiting_for_room(cluster, monkeypa
         regions = [np.zeros(BLOCKS * BLOCK, np.uint8)]
         reader.register("kv", regions, block_len=BLOCK)
         peer = await reader.connect(*proc.address)
-        ids = list(range(1, BLOCKS))
-        holding = await reader.start_read(peer, ids, ids)  # takes the only room
+        ids = list(range(BLOCKS))
+        holding = await reader.start_read(peer, ids, ids)
         await until_in_flight(holding)
         proc.pause()
         try:
-            for book in books:
-                book.hold("r", time.perf_counter() + 0.4)
-            leases = LearnedLeases()
-            lease = leases.reading("prefill", "r", time.time() + 0.4, margin_s=0.1)
-            waiting = asyncio.create_task(_start_leased_read(reader, lease, peer, [0], [0]))
-            await asyncio.sleep(0.1)
-            assert not waiting.done()
-            await heartbeat(reader, leases, "prefill", addresses, ["r"])  # renewed while it waits
-            await asyncio.sleep(0.5)  # past the lease it was submitted with
+            yield reader, regions, peer, proc, holding
         finally:
             proc.resume()
-        await holding
-        await (await waiting)
-        assert np.array_equal(regions[0][:BLOCK], pattern_block(3, 0, 0, BLOCK))
+            await holding.wait_quiet(10)
+
+
+async def test_a_renewal_reaches_a_read_still_waiting_for_room(cluster, room_full):
+    """A read queued behind the admission limits has no transfer yet for a renewal to move. Before, it
+    failed as `LeaseExpired` at the lease it was submitted with, though the producer held the blocks on."""
+    books, _producers, _reader, addresses = cluster
+    reader, regions, peer, proc, holding = room_full
+    leases, lease = _held(books, 0.4)
+    waiting = asyncio.create_task(_start_leased_read(reader, lease, peer, [0], [0]))
+    await asyncio.sleep(0.1)
+    assert not waiting.done()
+    await heartbeat(reader, leases, "prefill", addresses, ["r"])  # renewed while it waits
+    await asyncio.sleep(0.5)  # past the lease it was submitted with
+    proc.resume()
+    await holding
+    await (await waiting)
+    assert np.array_equal(regions[0][:BLOCK], pattern_block(3, 0, 0, BLOCK))
 
 
 @pytest.mark.parametrize("done_by", ["told", "its read landed"])
@@ -263,35 +275,21 @@ async def test_a_rank_the_reader_is_done_with_answering_gone_ends_no_other_ranks
     assert lease.expires_at == GONE
 
 
-async def test_a_read_renewed_while_it_waited_for_room_keeps_the_renewed_lease(cluster, monkeypatch, nixl_peer_factory):
+async def test_a_read_renewed_while_it_waited_for_room_keeps_the_renewed_lease(cluster, room_full):
     """Room came before the old lease ran out: the read was posted with the lease it was submitted with, and
     ended at it (`LeaseExpired`) unless another renewal round came first, though the producer held the blocks."""
     books, _producers, _reader, addresses = cluster
-    monkeypatch.setenv("UCX_TLS", "tcp")
-    proc = nixl_peer_factory(num_regions=1, num_blocks=BLOCKS, block_len=BLOCK, seed=3, tcp=True)
-    config = EngineConfig(engine_id="decode-room/tp0", handshake_timeout_s=1.0, max_inflight_transfers=1)
-    async with TransferEngine(config) as reader:
-        regions = [np.zeros(BLOCKS * BLOCK, np.uint8)]
-        reader.register("kv", regions, block_len=BLOCK)
-        peer = await reader.connect(*proc.address)
-        ids = list(range(BLOCKS))
-        holding = await reader.start_read(peer, ids, ids)  # takes the only room
-        await until_in_flight(holding)
-        proc.pause()
-        try:
-            for book in books:
-                book.hold("r", time.perf_counter() + 0.8)
-            leases = LearnedLeases()
-            lease = leases.reading("prefill", "r", time.time() + 0.8, margin_s=0.1)
-            waiting = asyncio.create_task(_start_leased_read(reader, lease, peer, ids, ids))
-            await asyncio.sleep(0.05)
-            await heartbeat(reader, leases, "prefill", addresses, ["r"])  # renewed while it waits
-            proc.resume()  # the room frees long before the old lease
-            await holding
-            transfer = await waiting
-            await until_in_flight(transfer)
-            proc.pause()
-            await asyncio.sleep(0.9)  # past the lease it was submitted with, no renewal round since
-        finally:
-            proc.resume()
-        assert (await transfer).nbytes == BLOCKS * BLOCK
+    reader, _regions, peer, proc, holding = room_full
+    leases, lease = _held(books, 0.8)
+    ids = list(range(BLOCKS))
+    waiting = asyncio.create_task(_start_leased_read(reader, lease, peer, ids, ids))
+    await asyncio.sleep(0.05)
+    await heartbeat(reader, leases, "prefill", addresses, ["r"])  # renewed while it waits
+    proc.resume()  # the room frees long before the old lease
+    await holding
+    transfer = await waiting
+    await until_in_flight(transfer)
+    proc.pause()
+    await asyncio.sleep(0.9)  # past the lease it was submitted with, no renewal round since
+    proc.resume()
+    assert (await transfer).nbytes == BLOCKS * BLOCK
