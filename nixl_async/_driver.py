@@ -596,7 +596,7 @@ class TransferDriver:
                     transfer.finish(error)
                 case Quiet():
                     if self.fenced.pop(transfer.id, None) is not None:
-                        self._admission.release(transfer.nbytes, count=transfer.admitted)
+                        self._give_room_back(transfer)
                     self._stats.counters["transfers_unfenced"] += 1
                     transfer.mark_quiet()
 
@@ -675,4 +675,7 @@ class TransferDriver:
 
     def _retire(self, transfer: Transfer) -> None:
         if self.active.pop(transfer.id, None) is not None:
-            self._admission.release(transfer.nbytes, count=transfer.admitted)
+            self._give_room_back(transfer)
+
+    def _give_room_back(self, transfer: Transfer) -> None:
+        self._admission.release(transfer.nbytes, count=transfer.admitted)

@@ -404,10 +404,7 @@ class TransferEngine:
         self._wakeup()
 
     def _reply_for(self, request: messages.MetadataRequest) -> messages.MetadataReply:
-        if request.expected_engine_id not in (None, self.engine_id):
-            raise Refusal(
-                "engine_id_mismatch", f"this is engine {self.engine_id!r}, not {request.expected_engine_id!r}"
-            )
+        self._refuse_if_not(request.expected_engine_id)
         if self._tcp_segment is not None and request.tcp_segment_bytes < self._tcp_segment:
             raise Refusal("incompatible_peer", segment_mismatch(request.tcp_segment_bytes, self._tcp_segment))
         return msgspec.structs.replace(self._metadata(), wall_clock=time.time())
@@ -441,9 +438,13 @@ class TransferEngine:
             raise TypeError(f"handle_calls({topic!r}): the handler must be a plain function returning bytes")
         self._call_handlers[topic] = handler
 
+    def _refuse_if_not(self, expected: str | None) -> None:
+        """Refuse a request meant for another engine (one that served this address before; None or "": any)."""
+        if expected and expected != self.engine_id:
+            raise Refusal("engine_id_mismatch", f"this is engine {self.engine_id!r}, not {expected!r}")
+
     def _answer_call(self, request: messages.CallRequest) -> messages.CallReply:
-        if request.to_engine_id not in ("", self.engine_id):  # (another engine now serves that address)
-            raise Refusal("engine_id_mismatch", f"this is engine {self.engine_id!r}, not {request.to_engine_id!r}")
+        self._refuse_if_not(request.to_engine_id)
         handler = self._call_handlers.get(request.topic)
         if handler is None:
             raise Refusal("unknown_topic", f"engine {self.engine_id!r} answers no calls on {request.topic!r}")

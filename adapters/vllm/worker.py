@@ -741,12 +741,11 @@ async def receive(
         if notice_failed is not None:
             notice_failed(error)
 
-    told: set[str] = set()  # producer ranks told (or tried): each hears from this rank once
+    told = lease.told  # producer ranks told (or tried): each hears from this rank once
     reached: list[Peer] = []  # producer ranks of the request's plan, connected
 
     async def tell(peer: Peer) -> None:
-        told.add(peer.engine_id)
-        lease.told.add(peer.engine_id)  # (it may free the blocks and answer renewals "gone" from now on)
+        told.add(peer.engine_id)  # (it may free the blocks and answer renewals "gone" from now on)
         try:
             await engine.notify(peer, message)
         except NotificationFailed as error:
@@ -764,7 +763,7 @@ async def receive(
     ranks = remote_ranks(local_tp=geometry.tp_size, local_rank=geometry.tp_rank, remote_tp=job.remote_tp)
     results: list[TransferResult] = []
     started = lease.reads  # (renewals reach them there)
-    carries_notice: dict[str, Transfer] = {}  # producer rank -> its one READ, which notifies it once landed
+    carries_notice = lease.notice_reads  # producer rank -> its one READ, which notifies it once landed
 
     async def one_rank(step: RankRead, peer: Peer) -> None:
         if not step.read:  # an MLA sibling: its copy is not read, only freed
@@ -783,7 +782,7 @@ async def receive(
             results.extend(await asyncio.gather(*mine))
             await tell(peer)
             return
-        carries_notice[peer.engine_id] = lease.notice_reads[peer.engine_id] = mine[0]
+        carries_notice[peer.engine_id] = mine[0]
         try:
             results.append(await mine[0])
         except NotificationFailed as error:
