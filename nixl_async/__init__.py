@@ -10,6 +10,7 @@ from ._peers import Peer
 from .config import EngineConfig, EtcdConfig, PollConfig
 from .engine import TransferEngine
 from .exceptions import (
+    BackendStartError,
     BatchRowsFailed,
     CollectionClosedError,
     DiscoveryUnavailable,
@@ -44,6 +45,7 @@ from .transfer import Transfer, TransferBatch, TransferResult, TransferState, wa
 __version__ = "0.1.0"
 
 __all__ = [
+    "BackendStartError",
     "BatchRowsFailed",
     "BlockLayout",
     "BlockView",

@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from .exceptions import WrongThreadError
+from ._host import backend_start_hint, nvidia_gpus
+from .exceptions import BackendStartError, WrongThreadError
 from .layout import BlockView, DescArray, DescIds, MemType
 
 __all__ = ["NIXL_ERRORS", "OwnedAgent", "RegisteredMemory"]
@@ -132,7 +133,13 @@ class OwnedAgent:
         for backend in backends:
             if backend not in plugins:  # (NIXL's own answer is a bare NIXL_ERR_NOT_FOUND)
                 raise ValueError(f"NIXL has no plugin for backend {backend!r} here; it found {sorted(plugins)}")
-            self._agent.create_backend(backend, dict(backend_params.get(backend, {})))
+            try:
+                self._agent.create_backend(backend, dict(backend_params.get(backend, {})))
+            except Exception as exc:  # NIXL's bindings raise their own classes, per wheel
+                hint = backend_start_hint(backend, os.environ, nvidia_gpus())
+                raise BackendStartError(
+                    f"NIXL could not start its {backend} backend ({exc}){': ' + hint if hint else ''}"
+                ) from exc
         self.live: Counter[str] = Counter()
         self._remotes: set[str] = set()  # remote agents loaded (NIXL loads one again in place)
 

@@ -5,6 +5,7 @@ remote ones (what a peer said or failed to say), so a caller can tell "fix my ca
     NixlAsyncError
     ├── EngineClosedError            the engine is not running (not started, or closed)
     ├── WrongThreadError             a NIXL call from a thread that does not own the agent
+    ├── BackendStartError            NIXL could not create a configured backend (start() failed)
     ├── LayoutError (ValueError)     bad layout, block ids or memory given by the caller
     ├── HandshakeError               connecting to a peer (or a call over the side channel) failed
     │   ├── HandshakeTimeout         nobody answered within the timeout
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from .transfer import TransferResult
 
 __all__ = [
+    "BackendStartError",
     "BatchRowsFailed",
     "CollectionClosedError",
     "DiscoveryUnavailable",
@@ -76,6 +78,14 @@ class CollectionClosedError(NixlAsyncError, RuntimeError):
 
 class WrongThreadError(NixlAsyncError, RuntimeError):
     """A NIXL call came from a thread other than the one that owns the agent."""
+
+
+class BackendStartError(NixlAsyncError, RuntimeError):
+    """NIXL could not create a backend the engine is configured with (`start()` made no agent).
+
+    NIXL's own exception says only ``NIXL_ERR_BACKEND``; the message adds the cause where this
+    host shows it (UCX_TLS without a CUDA transport on a GPU host), and ``__cause__`` is NIXL's.
+    """
 
 
 class LayoutError(NixlAsyncError, ValueError):
