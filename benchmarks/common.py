@@ -21,6 +21,7 @@ from nixl_async import EngineConfig, messages
 from nixl_async._agent import OwnedAgent
 from nixl_async.config import tcp_segment_in_use
 from nixl_async.layout import BlockLayout, BlockView
+from nixl_async.testing import TCP_TLS
 
 
 @dataclass
@@ -44,7 +45,7 @@ def format_figure(value: object, missing: str = "-") -> str:
     return str(value)
 
 
-TCP = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
+TCP = {"UCX_TLS": TCP_TLS, "UCX_NET_DEVICES": "lo"}
 
 # Over TCP a READ moves only while the peer's UCX worker is progressed. An engine hints its peer
 # busy while it reads (the peer then checks every 2 ms); a raw loop sends no hints, and a peer

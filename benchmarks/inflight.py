@@ -23,6 +23,7 @@ import numpy as np
 
 from nixl_async import EngineConfig, TransferEngine
 from nixl_async.layout import BlockLayout, pair_descriptor_ids
+from nixl_async.testing import TCP_TLS
 from nixl_async.testing.peer_process import PeerProcess, PeerSpec
 
 from .common import BRISK_PEER_POLL_S, RawReader, Result
@@ -132,7 +133,7 @@ def run(quick: bool) -> Result:
         block_len=BLOCK,
         idle_poll_s=BRISK_PEER_POLL_S,
     )
-    with PeerProcess(spec, env={"UCX_TLS": "tcp"}) as peer:
+    with PeerProcess(spec, env={"UCX_TLS": TCP_TLS}) as peer:
         single, batched, batch_rows, raw, memory = asyncio.run(_engine(peer.address, n, rounds))
     single_s, batched_s, raw_s = statistics.median(single), statistics.median(batched), statistics.median(raw)
     batch_s = statistics.median(batch_rows)

@@ -19,6 +19,7 @@ import numpy as np
 
 from nixl_async import EngineConfig, TransferEngine
 from nixl_async.layout import BlockLayout
+from nixl_async.testing import TCP_TLS
 from nixl_async.testing.peer_process import PeerProcess, PeerSpec
 
 from .common import RawReader, Result, cpu_meter, percentiles
@@ -100,7 +101,7 @@ def run(quick: bool) -> Result:
     reads = 200 if quick else 1000
     idle_s = 2.0 if quick else 5.0
     spec = PeerSpec(engine_id="bench-latency-peer", num_regions=1, num_blocks=BLOCKS, block_len=BLOCK)
-    with PeerProcess(spec, env={"UCX_TLS": "tcp"}) as peer:
+    with PeerProcess(spec, env={"UCX_TLS": TCP_TLS}) as peer:
         engine, engine_busy_cpu, engine_idle = asyncio.run(_engine_latency(peer.address, reads, idle_s))
         busy, busy_cpu = _raw_latency(peer.address, reads, None)
         step_reads = max(20, reads // 10)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nixl_async.testing import TCP_TLS
 from nixl_async_vllm.launch import make_prompt
 
 from .common import Result, percentiles
@@ -257,7 +258,7 @@ STATE = ModelSpec("hybrid-state", ("--arch", "qwen3_next", "--layers", "4"), 200
 
 # Transports between P and D on this host: UCX's choice (CMA: a READ is a copy inside the post), and
 # TCP only (transfers really in flight).
-TRANSPORTS: dict[str, dict[str, str]] = {"tcp": {"UCX_TLS": "tcp"}, "cma": {}}
+TRANSPORTS: dict[str, dict[str, str]] = {"tcp": {"UCX_TLS": TCP_TLS}, "cma": {}}
 COLUMNS = ["model transport setup (median of runs)", "c1 TTFT p50", "c1 TTFT p99", "c4 TTFT p50", "c4 TTFT p99",
            "c4 ITL p50", "c4 ITL p99", "c4 req/s"]  # fmt: skip
 

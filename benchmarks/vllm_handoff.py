@@ -18,6 +18,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from nixl_async.testing import TCP_TLS
 from nixl_async_vllm.launch import PushTarget, make_prompt
 
 from .common import Result
@@ -69,7 +70,7 @@ def _run_setup(setup: str, model: str, net: Any, work: Path, tag: str, prompts: 
 
     connector, extra, push = SETUPS[setup]
     assert connector is not None
-    prefill, decode = pd_servers(connector, LARGE, model, work, tag, extra=extra, env={"UCX_TLS": "tcp"},
+    prefill, decode = pd_servers(connector, LARGE, model, work, tag, extra=extra, env={"UCX_TLS": TCP_TLS},
                                  placement=_placement(dict(zip(ROLES, net.hosts, strict=True))), push=push)  # fmt: skip
 
     async def drive() -> list[tuple[float, float]]:

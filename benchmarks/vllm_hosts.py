@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from nixl_async.testing import TCP_TLS
 from nixl_async_vllm.launch import make_prompt
 
 from .common import Result
@@ -66,7 +67,7 @@ def _run_once(setup: str, spec: ModelSpec, model: str, net: Any, prompts: dict[i
     connector, extra = SETUPS[setup]
     load_log = logs / f"{tag}-loads.txt"
     loads = measure(f"{connector}_clocked", spec, model, prompts, logs, tag, extra=extra,
-                    env={"UCX_TLS": "tcp", LOAD_LOG_ENV: str(load_log)},
+                    env={"UCX_TLS": TCP_TLS, LOAD_LOG_ENV: str(load_log)},
                     placement=_placement(dict(zip(ROLES, net.hosts, strict=True))))  # fmt: skip
     figures = summarize(loads)
     for concurrency, load in loads.items():

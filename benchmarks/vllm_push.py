@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from nixl_async.testing import TCP_TLS
 from nixl_async_vllm.launch import make_prompt
 
 from .common import Result
@@ -97,7 +98,7 @@ def run(quick: bool = False) -> Result:
             prompts = {1: [make_prompt(f"{setup} {link} r{index} #{i}", spec.prompt_words) for i in range(n)]}
             try:
                 loads = measure(connector, spec, model, prompts, work, f"run{index}-{link}-{setup}", extra=extra,
-                                env={"UCX_TLS": "tcp"}, placement=_placement(hosts), push=push)  # fmt: skip
+                                env={"UCX_TLS": TCP_TLS}, placement=_placement(hosts), push=push)  # fmt: skip
             except (RuntimeError, TimeoutError) as exc:  # one set-up failing does not lose the others
                 failures.append(f"{link} {setup} run {index}: {exc}")
                 continue

@@ -73,12 +73,13 @@ def test_a_test_failing_with_its_peer_paused_mid_read_reports_only_its_own_failu
 import asyncio
 
 import numpy as np
+from nixl_async.testing import TCP_TLS
 
 BLOCK, BLOCKS = 1 << 20, 32
 
 
 async def test_fails_while_paused(monkeypatch, nixl_peer_factory, nixl_engine):
-    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("UCX_TLS", TCP_TLS)
     peer_proc = nixl_peer_factory(num_regions=1, num_blocks=BLOCKS, block_len=BLOCK, tcp=True)
     nixl_engine.register("kv", [np.zeros(BLOCKS * BLOCK, np.uint8)], block_len=BLOCK)
     peer = await nixl_engine.connect(*peer_proc.address)

@@ -36,6 +36,7 @@ import socket
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from .._host import nvidia_gpus, tcp_only_tls
 from .patterns import fill_pattern, pattern_block, verify_blocks
 
 try:
@@ -63,6 +64,8 @@ if TYPE_CHECKING:
     )
 
 __all__ = [
+    "TCP_ENV",
+    "TCP_TLS",
     "Checksums",
     "Exit",
     "Fill",
@@ -97,7 +100,9 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-TCP_ENV = {"UCX_TLS": "tcp"}
+# UCX over TCP alone, as NIXL takes it on this host: it refuses plain "tcp" where there are NVIDIA GPUs.
+TCP_TLS = tcp_only_tls(nvidia_gpus())
+TCP_ENV = {"UCX_TLS": TCP_TLS}
 _names = itertools.count()
 
 

@@ -17,7 +17,7 @@ from nixl_async import (
     TransferTimeout,
 )
 from nixl_async._agent import NIXL_ERRORS
-from nixl_async.testing import Verify, fill_pattern, transfers_settled, verify_blocks
+from nixl_async.testing import TCP_TLS, Verify, fill_pattern, transfers_settled, verify_blocks
 
 BLOCK = 4096
 
@@ -129,7 +129,7 @@ async def test_a_batch_takes_room_for_every_row(nixl_engine, nixl_peer_factory):
 
 async def test_a_dead_peer_fails_the_rows_and_the_batch_names_them(monkeypatch, nixl_peer_factory):
     """Rows NIXL fails are counted, released and named; the caller hears once every row is quiet."""
-    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("UCX_TLS", TCP_TLS)
     proc = nixl_peer_factory(num_regions=1, num_blocks=64, block_len=BLOCK, tcp=True)
     async with TransferEngine(EngineConfig(engine_id="batch-rows")) as engine:
         engine.register("kv", _regions(1), block_len=BLOCK)

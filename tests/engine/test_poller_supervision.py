@@ -11,6 +11,7 @@ import pytest
 
 from nixl_async import EngineConfig, TransferEngine, TransferFailed, TransferFenced
 from nixl_async._agent import NIXL_ERRORS
+from nixl_async.testing import TCP_TLS
 
 BLOCK, BLOCKS = 1 << 20, 32
 
@@ -68,7 +69,7 @@ async def test_a_caller_hears_fenced_when_every_sweep_breaks(nixl_peer_factory, 
     """A bug that breaks every sweep: the poller fails the transfers in flight, but no sweep watches
     their slices end any more. Past the grace their callers hear `TransferFenced` (before: they waited
     forever); once the sweeps work again the transfer goes quiet."""
-    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("UCX_TLS", TCP_TLS)
     proc = nixl_peer_factory(num_regions=1, num_blocks=BLOCKS, block_len=BLOCK, seed=4, tcp=True)
     async with TransferEngine(EngineConfig(engine_id="broken-sweeps", release_grace_s=0.2)) as engine:
         engine.register("kv", [np.zeros(BLOCKS * BLOCK, np.uint8)], block_len=BLOCK)
@@ -141,7 +142,7 @@ async def test_what_nixl_will_not_unload_is_left_to_it_and_counted(nixl_peer_fac
     """Forgotten peers whose remote agent (or lists) NIXL refuses to unload: the refusal is logged,
     the other peers are unloaded, reads in flight go on, the engine still closes, and its live
     handles say what NIXL kept. Asked once: the poller does not ask again on every pass."""
-    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("UCX_TLS", TCP_TLS)
     proc = nixl_peer_factory(num_regions=1, num_blocks=BLOCKS, block_len=BLOCK, seed=4, tcp=True)
     forgotten = [nixl_peer_factory(num_regions=1, num_blocks=1, block_len=BLOCK, tcp=True) for _ in range(3)]
     engine = TransferEngine(EngineConfig(engine_id="refused-unload"))

@@ -20,7 +20,7 @@ from nixl_async import EngineConfig, IncompatiblePeerError, TransferEngine, mess
 from nixl_async.config import TCP_SEGMENT_BYTES, UCX_TCP_DEFAULT_SEGMENT, tcp_segment_in_use
 from nixl_async.handshake import fetch_metadata
 from nixl_async.layout import BlockLayout
-from nixl_async.testing import PeerCommandError, TransferCommand, assert_no_live_handles, verify_blocks
+from nixl_async.testing import TCP_TLS, PeerCommandError, TransferCommand, assert_no_live_handles, verify_blocks
 
 BLOCK = 1 << 20
 BLOCKS = 16
@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(autouse=True)
 def _tcp(monkeypatch):
-    monkeypatch.setenv("UCX_TLS", "tcp")  # read when this process's first UCX worker is made
+    monkeypatch.setenv("UCX_TLS", TCP_TLS)  # read when this process's first UCX worker is made
 
 
 def _regions():
@@ -179,7 +179,7 @@ async def test_ucx_takes_the_segment_and_a_reader_on_its_default_cannot_read(nix
             f"print('STATE', _raw_read_state({tuple(peer_proc.address)!r}, {params!r}), flush=True)"
         )
         done = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", child, env={**os.environ, "UCX_TLS": "tcp"}, cwd=REPO,
+            sys.executable, "-c", child, env={**os.environ, "UCX_TLS": TCP_TLS}, cwd=REPO,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
         )  # fmt: skip
         out, _ = await asyncio.wait_for(done.communicate(), 60)

@@ -12,6 +12,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from nixl_async.testing import TCP_TLS
+
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "async_server"
 
 
@@ -110,7 +112,7 @@ async def test_requests_survive_a_prefill_crash_and_restart(ports):
     decode_url = f"http://127.0.0.1:{ports['decode_http']}"
     prefill_args = ["--http-port", str(ports["prefill_http"]), "--handshake-port", str(ports["handshake"]),
                     "--lease-s", "3"]  # fmt: skip
-    tcp = {"UCX_TLS": "tcp"}  # transfers really in flight, so a crash can interrupt them
+    tcp = {"UCX_TLS": TCP_TLS}  # transfers really in flight, so a crash can interrupt them
     prefill = Service("prefill.py", *prefill_args, env=tcp)
     decode = Service("decode.py", "--http-port", str(ports["decode_http"]), "--prefill-url", prefill_url, env=tcp)
     try:
@@ -232,7 +234,7 @@ async def test_an_idle_restart_and_an_abandoned_request_cost_no_request_and_no_l
     decode_url = f"http://127.0.0.1:{ports['decode_http']}"
     prefill_args = ["--http-port", str(ports["prefill_http"]), "--handshake-port", str(ports["handshake"]),
                     "--lease-s", "30"]  # fmt: skip
-    tcp = {"UCX_TLS": "tcp"}
+    tcp = {"UCX_TLS": TCP_TLS}
     prefill = Service("prefill.py", *prefill_args, env=tcp)
     decode = Service("decode.py", "--http-port", str(ports["decode_http"]), "--prefill-url", prefill_url + "/",
                      env=tcp)  # fmt: skip

@@ -9,7 +9,15 @@ import numpy as np
 import pytest
 
 from nixl_async import EngineConfig, LeaseExpired, TransferEngine, TransferState, TransferTimeout, WrongThreadError
-from nixl_async.testing import PeerCommandError, Stats, TransferCommand, fill_pattern, pattern_block, until_in_flight
+from nixl_async.testing import (
+    TCP_TLS,
+    PeerCommandError,
+    Stats,
+    TransferCommand,
+    fill_pattern,
+    pattern_block,
+    until_in_flight,
+)
 
 BLOCK = 4096
 
@@ -86,7 +94,7 @@ TCP_BLOCKS = 32
 @pytest.fixture
 async def tcp_reader(monkeypatch, nixl_peer_factory):
     """(reader engine, its regions, the connected peer, the peer's process); the peer's blocks hold seed 5."""
-    monkeypatch.setenv("UCX_TLS", "tcp")  # read when the agent's UCX worker is created
+    monkeypatch.setenv("UCX_TLS", TCP_TLS)  # read when the agent's UCX worker is created
     proc = nixl_peer_factory(num_regions=1, num_blocks=TCP_BLOCKS, block_len=TCP_BLOCK, seed=5, tcp=True)
     engine = await TransferEngine(EngineConfig(engine_id="lease-reader")).start()
     regions = [np.zeros(TCP_BLOCKS * TCP_BLOCK, np.uint8)]
@@ -170,7 +178,7 @@ async def test_renew_lease_refuses_nan_and_other_threads(tcp_reader):
 
 async def test_a_lease_running_out_while_waiting_for_room_is_reported_as_such(monkeypatch, nixl_peer_factory):
     """Before, a submit waiting for room past its lease failed as `TransferTimeout` (a `TimeoutError`)."""
-    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("UCX_TLS", TCP_TLS)
     proc = nixl_peer_factory(num_regions=1, num_blocks=TCP_BLOCKS, block_len=TCP_BLOCK, seed=5, tcp=True)
     async with TransferEngine(EngineConfig(engine_id="lease-waiter", max_inflight_transfers=1)) as engine:
         engine.register("kv", [np.zeros(TCP_BLOCKS * TCP_BLOCK, np.uint8)], block_len=TCP_BLOCK)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from nixl_async import EngineConfig, HandshakeError, TransferEngine, TransferFailed, TransferFenced, TransferTimeout
-from nixl_async.testing import PeerProcess, PeerSpec, verify_blocks
+from nixl_async.testing import TCP_TLS, PeerProcess, PeerSpec, verify_blocks
 from nixl_async.testing.netns import network_or_skip
 
 BLOCK, BLOCKS = 1 << 20, 64
@@ -32,10 +32,10 @@ def net():
 def _tcp_between(monkeypatch, net) -> dict[str, str]:
     """UCX over TCP on the bridge for us (UCX skips bridges unless told), on its veth for the
     peer; returns the peer's environment."""
-    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("UCX_TLS", TCP_TLS)
     monkeypatch.setenv("UCX_NET_DEVICES", net.bridge)
     monkeypatch.setenv("UCX_TCP_BRIDGE_ENABLE", "y")
-    return {"UCX_TLS": "tcp", "UCX_NET_DEVICES": net.hosts[0].device}
+    return {"UCX_TLS": TCP_TLS, "UCX_NET_DEVICES": net.hosts[0].device}
 
 
 async def test_link_down_fails_in_time_and_link_up_recovers(net, monkeypatch):

@@ -26,7 +26,7 @@ from nixl_async import (
     TransferTimeout,
     wait_all,
 )
-from nixl_async.testing import Checksums, TransferCommand, until_in_flight
+from nixl_async.testing import TCP_TLS, Checksums, TransferCommand, until_in_flight
 
 BLOCK = 1 << 20
 BLOCKS = 96
@@ -35,7 +35,7 @@ QUIET_FOR_S = 1.0
 
 @pytest.fixture
 async def tcp_engine(monkeypatch):
-    monkeypatch.setenv("UCX_TLS", "tcp")  # read when the agent's UCX worker is created
+    monkeypatch.setenv("UCX_TLS", TCP_TLS)  # read when the agent's UCX worker is created
     engine = TransferEngine(EngineConfig(engine_id="quiet-reader"))
     await engine.start()
     yield engine
@@ -260,7 +260,7 @@ async def test_a_write_is_done_only_once_the_target_placed_its_bytes(tcp_engine,
 
 async def test_fenced_when_nixl_holds_past_the_grace(monkeypatch, tcp_peer, as_batch):
     """A zero grace: the caller hears at once that the memory is fenced; it clears later."""
-    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("UCX_TLS", TCP_TLS)
     async with TransferEngine(EngineConfig(engine_id="fence-reader", release_grace_s=0.0)) as engine:
         regions, peer = await _setup(engine, tcp_peer)
         transfer = await _in_flight(engine, peer, as_batch)
@@ -282,7 +282,7 @@ async def test_fenced_when_nixl_holds_past_the_grace(monkeypatch, tcp_peer, as_b
 async def test_a_fenced_transfer_keeps_its_room_until_nixl_lets_go(monkeypatch, tcp_peer, as_batch):
     """The admission limits bound what NIXL holds. Before, a fenced read gave its room back at once: with
     the room full, another read was posted beside it (and, to a stalled peer, fenced in turn)."""
-    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("UCX_TLS", TCP_TLS)
     room = BLOCKS if as_batch else 1  # a batch takes one per row
     config = EngineConfig(engine_id="fenced-room", release_grace_s=0.1, max_inflight_transfers=room)
     async with TransferEngine(config) as engine:
@@ -326,7 +326,7 @@ def test_a_close_cancelled_by_the_loops_shutdown_still_ends(monkeypatch, tcp_pee
     """`asyncio.run` cancels every task left when its coroutine returns, the close's too: the close
     still ends (a transfer NIXL still holds is reported fenced, and agent and memory are kept alive),
     and a later `close()` returns."""
-    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("UCX_TLS", TCP_TLS)
     engine = TransferEngine(EngineConfig(engine_id="shutdown-reader"))
     seen: dict[str, object] = {}
 
@@ -353,7 +353,7 @@ async def test_a_transfer_the_close_leaves_fenced_tells_its_waiters_so_at_once(m
     """The peer is stopped (SIGSTOP), so NIXL holds the read past the close: the engine keeps agent and
     memory alive, and nothing checks the read any more. Whoever waits for it to go quiet hears False
     (fenced for good) at once; before, `wait_quiet`, `settle` and `TransferFenced.quiet` waited forever."""
-    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("UCX_TLS", TCP_TLS)
     engine = TransferEngine(EngineConfig(engine_id="close-fenced-reader", release_grace_s=0.1))
     await engine.start()
     _regions, peer = await _setup(engine, tcp_peer)

@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 
 from nixl_async import CollectionClosedError, EngineConfig, SyncEngine
+from nixl_async.testing import TCP_TLS
 
 BLOCK, BLOCKS = 1 << 20, 96
 
 
 @pytest.fixture
 def tcp_sync_engine(monkeypatch):
-    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("UCX_TLS", TCP_TLS)
     engine = SyncEngine(EngineConfig(engine_id="sync-quiet"))
     yield engine
     engine.close()
@@ -92,7 +93,7 @@ def test_a_close_with_a_request_still_fenced_returns(monkeypatch, nixl_peer_fact
     """The peer is stopped (SIGSTOP) with a read in flight: the cancelled request is reported fenced,
     and `close()` keeps its memory alive and returns; before, it waited forever for a quiet that
     nothing would check any more (and so did the interpreter's exit)."""
-    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("UCX_TLS", TCP_TLS)
     proc = nixl_peer_factory(num_regions=2, num_blocks=BLOCKS, block_len=BLOCK, seed=3, tcp=True)
     engine = SyncEngine(EngineConfig(engine_id="sync-close-fenced", release_grace_s=0.1))
     regions = [np.full(BLOCKS * BLOCK, 0xAA, np.uint8) for _ in range(2)]

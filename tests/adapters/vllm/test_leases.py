@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from nixl_async import EngineConfig, LeaseExpired, Transfer, TransferEngine
-from nixl_async.testing import pattern_block, until_in_flight
+from nixl_async.testing import TCP_TLS, pattern_block, until_in_flight
 from nixl_async_vllm.leases import GONE, LEASE_TOPIC, LearnedLeases, RequestLease, answer_renewal, heartbeat
 from nixl_async_vllm.send_book import SendBook
 from nixl_async_vllm.worker import _start_leased_read
@@ -145,7 +145,7 @@ async def read_in_flight(monkeypatch, nixl_peer_factory):
     """Make `(reader over UCX/TCP, its regions, peer process, start)`; `start(lease)` starts a read of every
     block into a `RequestLease`'s reads, as the worker's `receive` does, and stops the peer (SIGSTOP)
     once it is in flight, so it stays so."""
-    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("UCX_TLS", TCP_TLS)
     proc = nixl_peer_factory(num_regions=1, num_blocks=BLOCKS, block_len=BLOCK, seed=3, tcp=True)
     reader = await TransferEngine(EngineConfig(engine_id="decode-tcp/tp0", handshake_timeout_s=1.0)).start()
     regions = [np.zeros(BLOCKS * BLOCK, np.uint8)]
@@ -211,7 +211,7 @@ def test_a_request_read_again_after_it_was_forgotten_takes_renewals_again():
 async def room_full(monkeypatch, nixl_peer_factory):
     """(reader over UCX/TCP allowed one transfer in flight, its regions, peer, peer process, holding): the room is
     taken by `holding`, a read of every block with the peer stopped (SIGSTOP); `proc.resume()` frees it."""
-    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("UCX_TLS", TCP_TLS)
     proc = nixl_peer_factory(num_regions=1, num_blocks=BLOCKS, block_len=BLOCK, seed=3, tcp=True)
     config = EngineConfig(engine_id="decode-full/tp0", handshake_timeout_s=1.0, max_inflight_transfers=1)
     async with TransferEngine(config) as reader:

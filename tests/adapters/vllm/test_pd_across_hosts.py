@@ -20,6 +20,7 @@ import pytest
 if os.environ.get("NIXL_ASYNC_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm", reason="vLLM not installed (bash scripts/setup-vllm.sh)")
 
+from nixl_async.testing import TCP_TLS
 from nixl_async.testing.netns import Host, network_or_skip
 from nixl_async_vllm.launch import ProxyProcess, VllmServer, kv_transfer_config, make_prompt, running
 
@@ -45,7 +46,7 @@ def cluster(tmp_path_factory):
 
         def server(role: str, host: Host, cpu: int, kv_role: str, policy: str | None = None) -> VllmServer:
             config = kv_transfer_config("nixl_async", kv_role, extra, failure_policy=policy)
-            env = {"PD_SECRET": SECRET, "UCX_TLS": "tcp"}  # no shared memory or CMA between hosts
+            env = {"PD_SECRET": SECRET, "UCX_TLS": TCP_TLS}  # no shared memory or CMA between hosts
             return VllmServer(model, HTTP[role], SIDE[role], config, cpu=cpu, log_path=root / f"{role}.log",
                               extra_env=env, host=host.address, net_device=host.device,
                               command_prefix=host.prefix)  # fmt: skip

@@ -18,6 +18,7 @@ import pytest
 
 from nixl_async import EngineConfig, LeaseExpired, TransferEngine
 from nixl_async.testing import (
+    TCP_TLS,
     Checksums,
     PeerCommandError,
     Verify,
@@ -42,7 +43,7 @@ COMMIT = push_notification("req-d", 0)
 
 @pytest.fixture
 async def prefill(monkeypatch):
-    monkeypatch.setenv("UCX_TLS", "tcp")  # read when the agent's UCX worker is created: WRITEs really in flight
+    monkeypatch.setenv("UCX_TLS", TCP_TLS)  # read when the agent's UCX worker is created: WRITEs really in flight
     engine = TransferEngine(EngineConfig(engine_id="layered-prefill"))
     await engine.start()
     regions = [np.zeros(BLOCKS * BLOCK, np.uint8) for _ in range(REGIONS)]

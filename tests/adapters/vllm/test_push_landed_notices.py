@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from nixl_async import EngineConfig, LeaseExpired, TransferEngine
-from nixl_async.testing import PeerCommandError, WaitNotifications, fill_pattern
+from nixl_async.testing import TCP_TLS, PeerCommandError, WaitNotifications, fill_pattern
 from nixl_async_vllm.progressive import ProgressiveFeed, RequestDone
 from nixl_async_vllm.push_book import PushGroup, PushRegistration, push_failure_notification, push_notification
 from nixl_async_vllm.push_worker import push_or_tell, push_progressively
@@ -30,7 +30,7 @@ GEOMETRY = KVGeometry(tp_size=1, tp_rank=0, block_size=16, part_len=BLOCK, run_l
 
 @pytest.fixture
 def decode(monkeypatch, nixl_peer_factory):
-    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("UCX_TLS", TCP_TLS)
     return nixl_peer_factory(num_regions=REGIONS, num_blocks=BLOCKS, block_len=BLOCK, seed=None, tcp=True)
 
 

@@ -33,6 +33,7 @@ import torch
 
 from nixl_async import EngineConfig, LayoutError, TransferEngine, TransferFenced, ViewSpec
 from nixl_async.testing import (
+    TCP_TLS,
     Checksums,
     Fill,
     PeerCommandError,
@@ -185,7 +186,7 @@ class DecodePool:
             PeerProcess(
                 PeerSpec(engine_id=f"push-decode-{page}-{len(have) + i}{'-tcp' if tcp else ''}", num_regions=LAYERS,
                          num_blocks=case.decode_cache_blocks, block_len=page, seed=None),
-                env={"UCX_TLS": "tcp"} if tcp else None,
+                env={"UCX_TLS": TCP_TLS} if tcp else None,
             )
             for i in range(spawn)
         ]  # fmt: skip
@@ -388,7 +389,7 @@ def _sums(case: Case) -> list[list[int]]:
 
 
 async def test_decode_hears_a_push_once_and_only_after_all_its_parts(monkeypatch, decode_pool):
-    monkeypatch.setenv("UCX_TLS", "tcp")  # read when the agents' UCX workers are created
+    monkeypatch.setenv("UCX_TLS", TCP_TLS)  # read when the agents' UCX workers are created
     (decode,) = await decode_pool.take(BIG, 1, tcp=True)
     async with _prefill(BIG) as prefill, _inspector(BIG) as inspector:
         ((rank, registration),) = (await _plan(BIG, inspector, prefill, [decode], "req-big"))[0]
@@ -418,7 +419,7 @@ async def test_decode_hears_a_push_once_and_only_after_all_its_parts(monkeypatch
 
 
 async def test_a_failed_part_settles_the_others_and_decode_is_never_notified(monkeypatch, decode_pool):
-    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("UCX_TLS", TCP_TLS)
     (decode,) = await decode_pool.take(BIG, 1, tcp=True)
     async with _prefill(BIG) as prefill, _inspector(BIG) as inspector:
         ((rank, registration),) = (await _plan(BIG, inspector, prefill, [decode], "req-fail"))[0]
@@ -454,7 +455,7 @@ async def test_decode_hears_a_failed_push_and_gives_up_without_waiting_for_write
     decode gives up at once; where NIXL ended a WRITE in error (injected: its first DONE is reported
     ERR), or the registration did not ask to hear that (an older decode), decode waits
     `WRITE_MARGIN_S` for bytes such a WRITE may have sent."""
-    monkeypatch.setenv("UCX_TLS", "tcp")  # read when the agents' UCX workers are created
+    monkeypatch.setenv("UCX_TLS", TCP_TLS)  # read when the agents' UCX workers are created
     async with _prefill(BIG) as prefill, contextlib.AsyncExitStack() as stack:
         engine, geometry = prefill.engines[0], prefill.geometries[0]
         plain_start, calls, pushes = engine.start_write, itertools.count(), []
@@ -528,7 +529,7 @@ async def test_a_cancelled_push_tells_decode_only_once_nixl_let_go_of_its_write(
     """A push of one WRITE cancelled in flight (prefill's lease ran out), with no grace: the WRITE is
     fenced at once and the cancelled task resumes then. Decode must hear of the failure only once
     NIXL holds the WRITE no more: told earlier, it would hand back blocks the WRITE still fills."""
-    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("UCX_TLS", TCP_TLS)
     (decode,) = await decode_pool.take(ONE, 1, tcp=True)
     async with _prefill(ONE, release_grace_s=0.0) as prefill, _inspector(ONE) as inspector:
         ((rank, registration),) = (await _plan(ONE, inspector, prefill, [decode], "req-cancelled"))[0]
@@ -561,7 +562,7 @@ async def test_a_push_stopped_after_its_notifying_write_went_out_tells_decode_no
     """The one WRITE, carrying decode's notice, is out with decode paused (SIGSTOP) when the push is
     cancelled; decode resumes and the WRITE lands: decode hears that it landed, and no failure notice
     after it (before: the WRITE ended cancelled and decode was also told the push failed)."""
-    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("UCX_TLS", TCP_TLS)
     (decode,) = await decode_pool.take(ONE, 1, tcp=True)
     async with _prefill(ONE, min_post_bytes=64 << 20) as prefill, _inspector(ONE) as inspector:  # one slice
         ((rank, registration),) = (await _plan(ONE, inspector, prefill, [decode], "req-stopped"))[0]

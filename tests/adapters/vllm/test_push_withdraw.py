@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from nixl_async import EngineConfig, FinishedRequests, TransferCancelled, TransferEngine
+from nixl_async.testing import TCP_TLS
 from nixl_async_vllm.progressive import ProgressiveFeed
 from nixl_async_vllm.push_book import (
     NOT_HELD,
@@ -107,7 +108,7 @@ async def test_a_push_in_flight_is_stopped_and_the_blocks_go_back_once_nothing_c
     """With `cancels` 2 the push is cancelled again 2 ms after the withdrawal's cancel (prefill aborting the
     request as decode withdraws it): before, that cut the push's settling short, decode was never told and
     held its blocks to the deadline."""
-    monkeypatch.setenv("UCX_TLS", "tcp")  # read when the agents' UCX workers are created
+    monkeypatch.setenv("UCX_TLS", TCP_TLS)  # read when the agents' UCX workers are created
     async with _prefill(LARGE) as prefill, _decode(LARGE, f"push-withdraw-in-flight-{cancels}") as (
         decode, address, caches,
     ):  # fmt: skip

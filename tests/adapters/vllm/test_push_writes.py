@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from nixl_async import EngineConfig, LeaseExpired, TransferEngine, TransferError
-from nixl_async.testing import Checksums, WaitNotifications
+from nixl_async.testing import TCP_TLS, Checksums, WaitNotifications
 from nixl_async_vllm.push_book import PushGroup, PushRegistration, push_notification
 from nixl_async_vllm.push_worker import DecodeRestarted, push, push_or_tell
 from nixl_async_vllm.worker import KVGeometry
@@ -30,7 +30,7 @@ GEOMETRY = KVGeometry(tp_size=1, tp_rank=0, block_size=16, part_len=BLOCK, run_l
 
 @pytest.fixture
 async def prefill(monkeypatch):
-    monkeypatch.setenv("UCX_TLS", "tcp")  # read when the agent's UCX worker is created
+    monkeypatch.setenv("UCX_TLS", TCP_TLS)  # read when the agent's UCX worker is created
     engine = TransferEngine(EngineConfig(engine_id="push-prefill"))
     await engine.start()
     regions = [np.full(BLOCKS * BLOCK, 0x5A, np.uint8) for _ in range(2)]
