@@ -2,7 +2,7 @@
 # Download the wheels the lent GPU machine lacks into .whl/ (run here, where pip reaches PyPI).
 #
 # The device image has Python 3.12 with CUDA torch (cu130), numpy, uvloop, anyio, tqdm and pytest,
-# but no NIXL, msgspec or pyzmq. Its command then installs them from the carried folder:
+# but no NIXL, msgspec, pyzmq or pytest-asyncio. Its command then installs them from the carried folder:
 # see scripts/gpu-check.sh and docs/gpu.md. Everything that travels to the device is limited to
 # 64 MiB (working tree + carried paths), so this fails when the wheels pass 60 MiB.
 #
@@ -23,6 +23,8 @@ WHEELS=(
     "nixl-cu13==1.5.1"
     "msgspec==0.22.0"
     "pyzmq==27.3.0"
+    "pytest==9.2.0"  # with pytest-asyncio: scripts/gpu-tcp-check.sh runs real-NIXL tests there
+    "pytest-asyncio==1.5.0"
 )
 
 # Keep the folder out of git (it must never be committed), once.
