@@ -111,7 +111,45 @@ def _mistyped(params: dict[str, Any], groups: int) -> list[str]:
     return bad
 
 
-class AdapterScheduler(_MarksIdleSteps, _WorkersServeHandshakes, NixlPullConnectorScheduler):
+class _StagesWrittenBlocks:
+    """Host staging (``kv_buffer_device=cpu`` with CUDA caches), pull and push alike: after each step
+    the workers copy to the registered host copy every block the step wrote. vLLM's schedulers copy
+    only the blocks new in a step, so a block one chunk of a chunked prefill left part-filled kept
+    that chunk's bytes on the host, and the reader (or decode, written to) got stale KV for the rest.
+    """
+
+    _saving: PrefillFollower
+    _reqs_need_save: dict[str, Any]
+    kv_cache_config: Any
+
+    def _follow_staged(self, request: Any) -> None:
+        if request.request_id in self._reqs_need_save:  # host staging, a request for decode
+            self._saving.follow(request.request_id, request.num_prompt_tokens)
+
+    def _build_save_meta(self, meta: Any, scheduler_output: Any) -> None:
+        """Host staging: which blocks the workers copy to the host after this step's forward pass.
+
+        Every block the step's tokens went into, the one an earlier chunk left part-filled
+        included; in a request's first step (or once resumed) also the blocks its prefix hit
+        found, as vLLM's does. A request leaves once its prompt is computed.
+        """
+        sizes = [group.kv_cache_spec.block_size for group in self.kv_cache_config.kv_cache_groups]
+        for request_id, step, fresh in list(self._saving.steps(scheduler_output)):
+            request = self._reqs_need_save.get(request_id)
+            if request is None:  # aborted (vLLM's request_finished dropped it)
+                self._saving.forget(request_id)
+                continue
+            written = tuple(blocks[0 if fresh else step.start // size : -(-step.stop // size)]
+                            for blocks, size in zip(step.blocks, sizes, strict=True))  # fmt: skip
+            clipped = self.get_exchange_clipped_blocks(written, clip_ssm=False)  # type: ignore[attr-defined]
+            meta.add_new_req_to_save(request_id=request_id, local_block_ids=clipped,
+                                     kv_transfer_params=request.kv_transfer_params)  # fmt: skip
+            if step.stop >= step.prompt_len:
+                self._reqs_need_save.pop(request_id, None)
+                self._saving.forget(request_id)
+
+
+class AdapterScheduler(_MarksIdleSteps, _StagesWrittenBlocks, _WorkersServeHandshakes, NixlPullConnectorScheduler):
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, engine_id, kv_cache_config)
         self.settings = _adapt(self, vllm_config)
@@ -164,30 +202,7 @@ class AdapterScheduler(_MarksIdleSteps, _WorkersServeHandshakes, NixlPullConnect
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         super().update_state_after_alloc(request, blocks, num_external_tokens)
-        if request.request_id in self._reqs_need_save:  # host staging, a request for decode
-            self._saving.follow(request.request_id, request.num_prompt_tokens)
-
-    def _build_save_meta(self, meta: Any, scheduler_output: Any) -> None:
-        """Host staging: which blocks the workers copy to the host after this step's forward pass.
-
-        Every block the step's tokens went into, the one an earlier chunk left part-filled
-        included; in a request's first step (or once resumed) also the blocks its prefix hit
-        found, as vLLM's does. A request leaves once its prompt is computed.
-        """
-        sizes = [group.kv_cache_spec.block_size for group in self.kv_cache_config.kv_cache_groups]
-        for request_id, step, fresh in list(self._saving.steps(scheduler_output)):
-            request = self._reqs_need_save.get(request_id)
-            if request is None:  # aborted (vLLM's request_finished dropped it)
-                self._saving.forget(request_id)
-                continue
-            written = tuple(blocks[0 if fresh else step.start // size : -(-step.stop // size)]
-                            for blocks, size in zip(step.blocks, sizes, strict=True))  # fmt: skip
-            meta.add_new_req_to_save(request_id=request_id,
-                                     local_block_ids=self.get_exchange_clipped_blocks(written, clip_ssm=False),
-                                     kv_transfer_params=request.kv_transfer_params)  # fmt: skip
-            if step.stop >= step.prompt_len:
-                self._reqs_need_save.pop(request_id, None)
-                self._saving.forget(request_id)
+        self._follow_staged(request)
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         self._saving.forget(request.request_id)
@@ -225,7 +240,7 @@ def prompt_blocks(groups: Any, tokens: int, block_ids: Any) -> tuple[list[int], 
     return tuple(cut)
 
 
-class AdapterPushScheduler(_MarksIdleSteps, _WorkersServeHandshakes, NixlPushConnectorScheduler):
+class AdapterPushScheduler(_MarksIdleSteps, _StagesWrittenBlocks, _WorkersServeHandshakes, NixlPushConnectorScheduler):
     """vLLM's push scheduler: decode stages registrations, prefill hands over finished blocks.
 
     Decode's registrations also carry its prefix hit per KV cache group (vLLM's leave it out).
@@ -239,6 +254,7 @@ class AdapterPushScheduler(_MarksIdleSteps, _WorkersServeHandshakes, NixlPushCon
         self.settings = _adapt(self, vllm_config)
         self._push_registration_timeout = self.settings.push_registration_timeout_s
         self._computing = PrefillFollower()  # prefill's requests for decode, with progressive push
+        self._saving = PrefillFollower()  # host staging: requests for decode still computing
         self._awaiting_push: set[str] = set()  # decode: requests registered with prefill, not yet received
         self._to_withdraw: list[str] = []  # decode: ... that vLLM finished meanwhile (for the next metadata)
         self._held_after_abort: list[str] = []  # prefill: aborted while followed (for the next metadata)
@@ -248,6 +264,7 @@ class AdapterPushScheduler(_MarksIdleSteps, _WorkersServeHandshakes, NixlPushCon
         if self.settings.push_progressive and params.get("do_remote_decode"):
             self._computing.follow(request.request_id, request.num_prompt_tokens)
         super().update_state_after_alloc(request, blocks, num_external_tokens)
+        self._follow_staged(request)
         staged = self._reqs_need_recv.get(request.request_id)
         if staged is None or num_external_tokens <= 0:
             return
@@ -261,6 +278,7 @@ class AdapterPushScheduler(_MarksIdleSteps, _WorkersServeHandshakes, NixlPushCon
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         followed = request.request_id in self._computing
         self._computing.forget(request.request_id)
+        self._saving.forget(request.request_id)
         if request.request_id in self._awaiting_push:  # finished (aborted) before its push arrived
             self._awaiting_push.discard(request.request_id)
             self._to_withdraw.append(request.request_id)

@@ -1,7 +1,8 @@
 """`AdapterScheduler`'s own block lists (pure logic, on vLLM's own metadata and KV cache config classes).
 
-- Host staging (``kv_buffer_device=cpu`` on a GPU): after each step the workers copy to the host
-  copy NIXL serves every block that step wrote, so a reader never gets a block's stale host bytes.
+- Host staging (``kv_buffer_device=cpu`` on a GPU), pull and push (`AdapterPushScheduler`): after each
+  step the workers copy to the host copy NIXL serves every block that step wrote, so a reader (or
+  decode, written to) never gets a block's stale host bytes.
   Fed scheduler outputs of a chunked prefill; vLLM 0.32's `_build_save_meta` runs on the same
   steps as the baseline. (vLLM-CPU never stages through the host, so no server run reaches it.)
 - A finished prefill offers its reader the blocks holding computed tokens, not the lookahead
@@ -26,7 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import Nix
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 
 from nixl_async_vllm.progressive import PrefillFollower
-from nixl_async_vllm.scheduler import AdapterScheduler
+from nixl_async_vllm.scheduler import AdapterPushScheduler, AdapterScheduler
 
 BS = 16  # tokens per block
 
@@ -34,12 +35,12 @@ BS = 16  # tokens per block
 Step = tuple[bool, int, int, list[int] | None]
 
 
-def _scheduler(window: int | None = None) -> AdapterScheduler:
-    """An AdapterScheduler with what `_build_save_meta` reads (vLLM's constructor needs a whole VllmConfig)."""
+def _scheduler(window: int | None = None, cls: type[Any] = AdapterScheduler) -> Any:
+    """A scheduler of `cls` with what `_build_save_meta` reads (vLLM's constructor needs a whole VllmConfig)."""
     spec: Any = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float16)
     if window is not None:
         spec = SlidingWindowSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float16, sliding_window=window)
-    sched = object.__new__(AdapterScheduler)
+    sched = object.__new__(cls)
     sched.kv_cache_config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
                                           kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])  # fmt: skip
     sched._is_hma_required = window is not None
@@ -94,17 +95,36 @@ CHUNKS_40: list[Step] = [(True, 0, 20, [5, 6]), (False, 20, 12, None), (False, 3
 LAST_CHUNK_IN_OLD_BLOCK: list[Step] = [(True, 0, 20, [5, 6]), (False, 20, 10, None)]
 
 
+@pytest.mark.parametrize("cls", [AdapterScheduler, AdapterPushScheduler], ids=["pull", "push"])
 @pytest.mark.parametrize(("prompt", "steps"), [(40, CHUNKS_40), (30, LAST_CHUNK_IN_OLD_BLOCK)],
                          ids=["middle_chunk", "last_chunk"])  # fmt: skip
-def test_every_block_is_copied_after_the_last_step_that_writes_it(prompt, steps):
-    sched = _scheduler()
-    saved = _saves(AdapterScheduler._build_save_meta, sched, prompt, steps)
+def test_every_block_is_copied_after_the_last_step_that_writes_it(cls, prompt, steps):
+    """Push stages as pull does: prefill WRITEs its host copies into decode (before session 37 the push
+    scheduler was vLLM's, and decode got block 6's first-chunk bytes)."""
+    sched = _scheduler(cls=cls)
+    saved = _saves(cls._build_save_meta, sched, prompt, steps)
     for block, step in _last_writes(prompt, steps).items():
         assert block in saved[step], f"block {block} was last written in step {step}, which copied {saved[step]}"
     assert "p" not in sched._reqs_need_save and "p" not in sched._saving, "done once its prompt is computed"
     # vLLM 0.32's own copies a block only in the step it is new: block 6 keeps the first chunk's bytes
     baseline = _saves(NixlPullConnectorScheduler._build_save_meta, _scheduler(), prompt, steps)
     assert 6 not in baseline[1]
+
+
+def test_a_push_prefill_staged_through_the_host_is_followed_from_its_allocation():
+    sched = _scheduler(cls=AdapterPushScheduler)
+    sched.use_host_buffer = True  # kv_buffer_device=cpu: vLLM's push scheduler queues the request to save
+    sched._reqs_in_batch, sched._reqs_need_recv, sched._awaiting_push = set(), {}, set()
+    sched.settings = SimpleNamespace(push_progressive=False)
+    sched._computing = PrefillFollower()
+    request = SimpleNamespace(request_id="p", num_prompt_tokens=40, num_computed_tokens=0,
+                              kv_transfer_params={"do_remote_decode": True})  # fmt: skip
+    sched.update_state_after_alloc(request, None, 0)
+    assert "p" in sched._reqs_need_save and "p" in sched._saving
+    meta = NixlConnectorMetadata()
+    sched._build_save_meta(meta, _output("p", (True, 0, 40, [5, 6, 7])))
+    assert meta.reqs_to_save["p"].local_block_ids == ([5, 6, 7],)
+    assert "p" not in sched._saving and "p" not in sched._reqs_need_save, "done once its prompt is computed"
 
 
 def test_a_step_copies_only_what_it_wrote_and_the_first_includes_the_prefix_hit():

@@ -46,6 +46,8 @@ def scheduler(monkeypatch) -> AdapterPushScheduler:
     sched.settings = SimpleNamespace(push_progressive=True)
     sched._reqs_need_recv = {}
     sched._computing = PrefillFollower()
+    sched._saving = PrefillFollower()
+    sched._reqs_need_save = {}
     sched._awaiting_push = set()
     sched._to_withdraw = []
     sched._held_after_abort = []
@@ -129,3 +131,9 @@ def test_a_request_aborted_while_followed_keeps_its_blocks_until_the_workers_fre
     assert scheduler.request_finished(_request("q", do_remote_decode=True), ([5],)) == (False, None)
     scheduler.update_state_after_alloc(_request("r", do_remote_decode=True), SimpleNamespace(blocks=([],)), 0)
     assert scheduler.request_finished(_request("r", do_remote_decode=True), ([],)) == (False, None)
+
+
+def test_a_finished_request_is_no_longer_followed_for_host_staging(scheduler):
+    scheduler._saving.follow("p", PROMPT)
+    scheduler.request_finished(SimpleNamespace(request_id="p", kv_transfer_params={}), ([1, 2, 3],))
+    assert "p" not in scheduler._saving
