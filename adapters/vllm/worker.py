@@ -159,12 +159,16 @@ def _kv_regions(
     return regions, page_len, num_pages // num_blocks
 
 
-def host_mirror(caches: dict[str, Any], *, pin_memory: bool) -> dict[str, Any]:
+def host_mirror(caches: dict[str, Any]) -> dict[str, Any]:
     """Host copies of `caches` that alias one another where the device views do.
 
     Layers sharing a cache (KV sharing; one layer of each hybrid group per page tensor) are
     registered once on the device: their host copies must share memory too, or a staging side
     announces more regions than a side reading its device memory, and the reads are refused.
+
+    Not pinned: torch's pinned allocator rounds a request up to a power of two, and vLLM 0.32 backs
+    every layer with one buffer, so a 65 GiB cache pinned 128 GiB per rank; vLLM's copy ops go
+    through a pageable gather anyway (and NixlConnector's host buffers are not pinned either).
     """
     storages: dict[int, Any] = {}
     mirror = {}
@@ -172,8 +176,7 @@ def host_mirror(caches: dict[str, Any], *, pin_memory: bool) -> dict[str, Any]:
         storage = tensor.untyped_storage()
         host = storages.get(storage.data_ptr())
         if host is None:
-            host = storages[storage.data_ptr()] = torch.empty(storage.nbytes(), dtype=torch.uint8,
-                                                              pin_memory=pin_memory)  # fmt: skip
+            host = storages[storage.data_ptr()] = torch.empty(storage.nbytes(), dtype=torch.uint8)
         mirror[name] = host.view(tensor.dtype).as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
     return mirror
 
@@ -304,7 +307,7 @@ class ConnectorWorker:
                 raise LayoutError("kv_buffer_device 'cpu' (host staging) with state (Mamba) layers is not supported")
             # Host staging: NIXL moves host copies; `wait_for_save` / receive copy to and from the device.
             self._device_caches = kv_caches
-            self._host_caches = host_mirror(kv_caches, pin_memory=True)
+            self._host_caches = host_mirror(kv_caches)
             regions, block_len, pages = _kv_regions(self._host_caches, num_blocks)
             first = regions[0]
         mem_type, device = (MemType.VRAM, first.device.index or 0) if first.device.type == "cuda" else (MemType.DRAM, 0)

@@ -142,3 +142,35 @@ def test_registering_a_block_outermost_layout_names_the_layout(layout):
                                          parallel_config=None)  # fmt: skip
     with pytest.raises(LayoutError, match=f"KV cache layout {layout}: only the layer-compact layouts"):
         worker.register_kv_caches({"l0": view, "l1": view})
+
+
+def test_host_staging_mirrors_vllms_one_buffer_once_unpinned_and_aliased_as_the_device_views(monkeypatch):
+    """vLLM 0.32 backs every layer with one buffer: the host copy is one allocation of its exact size,
+    not pinned (torch's pinned allocator rounds up to a power of two: a 65 GiB cache pinned 128 GiB per
+    rank before session 37), and each layer's host view lies where its device view does."""
+    from nixl_async_vllm import worker
+
+    cls = AttentionBackendEnum.FLASH_ATTN.get_class()
+    spec = customize_attention_spec(
+        cls, FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.bfloat16)
+    )
+    layer_stride, block_stride, *_ = compute_layout_strides(spec, BLOCKS, LAYERS, KVCacheLayout.LBHNC)
+    size = spec.page_size_bytes * BLOCKS * LAYERS
+    tensor = KVCacheTensor(size=size, layers=[f"l{i}" for i in range(LAYERS)], layer_stride=layer_stride,
+                           block_stride=block_stride)  # fmt: skip
+    views = create_kv_cache_views(torch.zeros(size, dtype=torch.int8), spec, BLOCKS, KVCacheLayout.LBHNC, tensor)
+    views = dict(views) if isinstance(views, dict) else {f"l{i}": v for i, v in enumerate(views)}
+    allocations: list[tuple[tuple[int, ...], dict]] = []
+    real_empty = torch.empty
+
+    def empty(*shape, **kwargs):
+        allocations.append((shape, kwargs))
+        return real_empty(*shape, **kwargs)
+
+    monkeypatch.setattr(worker.torch, "empty", empty)
+    mirror = worker.host_mirror(views)
+    assert allocations == [((size,), {"dtype": torch.uint8})], "one unpinned allocation of the buffer's size"
+    assert len({m.untyped_storage().data_ptr() for m in mirror.values()}) == 1
+    for name, view in views.items():
+        host = mirror[name]
+        assert (host.shape, host.stride(), host.storage_offset()) == (view.shape, view.stride(), view.storage_offset())
