@@ -131,6 +131,15 @@ def _refuse_unsupported(vllm_config: Any, extra: dict[str, Any]) -> None:
         size = getattr(parallel, name, 1)
         if size > 1:
             raise UnsupportedSetting(f"{name}={size}: {what} is not supported by the nixl_async adapter yet")
+    nodes = getattr(parallel, "nnodes_within_dp", 1)
+    role = getattr(vllm_config.kv_transfer_config, "kv_role", "kv_both")
+    if nodes > 1 and extra.get("etcd_endpoint") is None and (push or role != "kv_consumer"):
+        # Each rank serves its own handshakes, and peers dial remote_host at the side-channel port + rank:
+        # one node's ranks only (a pull-mode reader is never dialled). Through etcd ranks are found by id.
+        raise UnsupportedSetting(
+            f"tensor parallelism across {nodes} nodes needs kv_connector_extra_config['etcd_endpoint'] "
+            "(peers reach each rank at remote_host, which names one node)"
+        )
     if getattr(vllm_config.kv_transfer_config, "enable_permute_local_kv", False):
         raise UnsupportedSetting("enable_permute_local_kv is not supported: the adapter reads layouts as they are")
 

@@ -19,10 +19,11 @@ from nixl_async_vllm.settings import ADAPTER_POLL, AdapterSettings, UnsupportedS
 SECRET = "correct horse battery staple"
 
 
-def _config(extra, tp=2, dp_index=0, pp=1, dcp=1, pcp=1, permute=False, connector="NixlAsyncConnector"):
+def _config(extra, tp=2, dp_index=0, pp=1, dcp=1, pcp=1, permute=False, connector="NixlAsyncConnector", nodes=1,
+            role="kv_both"):  # fmt: skip
     return SimpleNamespace(
         kv_transfer_config=SimpleNamespace(
-            kv_connector_extra_config=extra, enable_permute_local_kv=permute, kv_connector=connector
+            kv_connector_extra_config=extra, enable_permute_local_kv=permute, kv_connector=connector, kv_role=role
         ),
         parallel_config=SimpleNamespace(
             tensor_parallel_size=tp,
@@ -30,6 +31,7 @@ def _config(extra, tp=2, dp_index=0, pp=1, dcp=1, pcp=1, permute=False, connecto
             prefill_context_parallel_size=pcp,
             pipeline_parallel_size=pp,
             data_parallel_index=dp_index,
+            nnodes_within_dp=nodes,
         ),
     )
 
@@ -156,11 +158,21 @@ def test_nixl_connector_settings_are_honoured():
         ({}, {"dcp": 2}, "decode_context_parallel_size=2"),
         ({}, {"pcp": 2}, "prefill_context_parallel_size=2"),
         ({}, {"permute": True}, "enable_permute_local_kv"),
+        ({}, {"nodes": 2, "role": "kv_producer"}, "across 2 nodes needs .*etcd_endpoint"),
+        ({}, {"nodes": 2}, "across 2 nodes"),  # kv_both: dialled as a producer
+        ({}, {"nodes": 2, "role": "kv_consumer", "connector": "NixlAsyncPushConnector"}, "across 2 nodes"),
     ],
 )
 def test_unsupported_settings_are_refused_by_name(extra, knobs, named):
     with pytest.raises(UnsupportedSetting, match=named):
         AdapterSettings.from_vllm(_config(extra, **knobs))
+
+
+def test_tp_across_nodes_is_taken_where_no_rank_is_dialled_at_remote_host():
+    """Before session 37 it was taken everywhere, and readers' handshakes to the second node's ranks timed out."""
+    assert AdapterSettings.from_vllm(_config({}, nodes=2, role="kv_consumer")).etcd is None  # pull: it dials
+    found_by_id = AdapterSettings.from_vllm(_config({"etcd_endpoint": "127.0.0.1:2379"}, nodes=2))
+    assert found_by_id.etcd is not None
 
 
 @pytest.mark.parametrize(
