@@ -111,6 +111,19 @@ def _mistyped(params: dict[str, Any], groups: int) -> list[str]:
     return bad
 
 
+def _lacking(params: dict[str, Any], groups: int, etcd: bool, *, blocks: bool) -> str:
+    """What a request whose KV comes from a producer lacks (or mistypes) to be served ("" if nothing);
+    `blocks`: the producer's block ids must be named (pull; push learns them from prefill)."""
+    lacking = [key for key in ("remote_engine_id", "remote_request_id", "tp_size") if params.get(key) is None]
+    lacking += [key for key in ("remote_host", "remote_port") if key not in params]  # null: found through etcd
+    if blocks and _no_blocks(params.get("remote_block_ids")):
+        lacking.append("remote_block_ids")
+    lacking += _mistyped(params, groups)
+    if not lacking and not etcd and None in (params["remote_host"], params["remote_port"]):
+        lacking.append("remote_host/remote_port (or an etcd_endpoint to find the producer by id)")
+    return ", ".join(lacking)
+
+
 class _StagesWrittenBlocks:
     """Host staging (``kv_buffer_device=cpu`` with CUDA caches), pull and push alike: after each step
     the workers copy to the registered host copy every block the step wrote. vLLM's schedulers copy
@@ -191,14 +204,8 @@ class AdapterScheduler(_MarksIdleSteps, _StagesWrittenBlocks, _WorkersServeHands
 
     def _unreadable(self, params: dict[str, Any]) -> str:
         """What a request to pull lacks to be read ("" if nothing)."""
-        lacking = [key for key in ("remote_engine_id", "remote_request_id", "tp_size") if params.get(key) is None]
-        lacking += [key for key in ("remote_host", "remote_port") if key not in params]  # null: found through etcd
-        if _no_blocks(params.get("remote_block_ids")):
-            lacking.append("remote_block_ids")
-        lacking += _mistyped(params, len(self.kv_cache_config.transfer_group_ids))
-        if not lacking and self.settings.etcd is None and None in (params["remote_host"], params["remote_port"]):
-            lacking.append("remote_host/remote_port (or an etcd_endpoint to find the producer by id)")
-        return ", ".join(lacking)
+        return _lacking(params, len(self.kv_cache_config.transfer_group_ids), self.settings.etcd is not None,
+                        blocks=True)  # fmt: skip
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         super().update_state_after_alloc(request, blocks, num_external_tokens)
@@ -258,6 +265,19 @@ class AdapterPushScheduler(_MarksIdleSteps, _StagesWrittenBlocks, _WorkersServeH
         self._awaiting_push: set[str] = set()  # decode: requests registered with prefill, not yet received
         self._to_withdraw: list[str] = []  # decode: ... that vLLM finished meanwhile (for the next metadata)
         self._held_after_abort: list[str] = []  # prefill: aborted while followed (for the next metadata)
+
+    def on_new_request(self, request: Any) -> None:
+        params = request.kv_transfer_params or {}
+        if params.get("do_remote_prefill") and (
+            lacking := _lacking(params, len(self.kv_cache_config.transfer_group_ids), self.settings.etcd is not None,
+                                blocks=False)
+        ):  # fmt: skip
+            # vLLM 0.32's push scheduler would raise KeyError inside schedule() (or its worker on a
+            # mistyped port), stopping the engine and every request in it: compute it here instead.
+            log.warning("request %s: its kv_transfer_params lack (or mistype) %s: prefilling it here",
+                        request.request_id, lacking)  # fmt: skip
+            params["do_remote_prefill"] = False
+        super().on_new_request(request)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = request.kv_transfer_params or {}

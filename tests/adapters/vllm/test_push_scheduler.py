@@ -137,3 +137,61 @@ def test_a_finished_request_is_no_longer_followed_for_host_staging(scheduler):
     scheduler._saving.follow("p", PROMPT)
     scheduler.request_finished(SimpleNamespace(request_id="p", kv_transfer_params={}), ([1, 2, 3],))
     assert "p" not in scheduler._saving
+
+
+def _decode_scheduler() -> AdapterPushScheduler:
+    """A decode-side push scheduler with what vLLM 0.32's own `on_new_request` and `update_state_after_alloc` read."""
+    sched = object.__new__(AdapterPushScheduler)
+    spec = FullAttentionSpec(block_size=128, num_kv_heads=1, head_size=8, dtype=torch.float16)
+    sched.kv_cache_config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
+                                          kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])  # fmt: skip
+    sched.settings = SimpleNamespace(push_progressive=False, etcd=None)
+    sched.engine_id, sched.side_channel_host, sched.side_channel_port = "decode", "127.0.0.1", 5600
+    sched.vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1))
+    sched.use_host_buffer, sched._is_hma_required = False, False
+    sched.blocks_per_sw, sched._ssm_spec_blocks = [0], [None]
+    sched._push_pending_registrations, sched._push_registration_deadlines = {}, {}
+    sched._push_registration_timeout = 480.0
+    sched._heartbeat_by_engine, sched._heartbeat_req_engine = {}, {}
+    sched._reqs_need_recv, sched._reqs_need_save, sched._reqs_in_batch = {}, {}, set()
+    sched._computing, sched._saving, sched._awaiting_push = PrefillFollower(), PrefillFollower(), set()
+    return sched
+
+
+def _decode_blocks() -> SimpleNamespace:
+    return SimpleNamespace(blocks=([_block(1), _block(2)],), get_unhashed_block_ids_all_groups=lambda: [[1, 2]])
+
+
+WELL_FORMED = {"do_remote_prefill": True, "remote_engine_id": "prefill", "remote_request_id": "p-1",
+               "remote_host": "10.0.0.2", "remote_port": 5600, "tp_size": 1}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"remote_engine_id": None}, "remote_engine_id"),
+        ({"tp_size": None}, "tp_size"),
+        ({"remote_port": "abc"}, "remote_port"),  # vLLM's worker took int("abc") outside its try
+        ({"remote_host": None}, "remote_host/remote_port"),  # no etcd to find prefill by id
+    ],
+)
+def test_a_decode_request_whose_params_name_no_usable_prefill_is_computed_locally(change, named, caplog):
+    """Before session 37 vLLM's push scheduler raised KeyError inside schedule() (or its worker a
+    ValueError), stopping the engine and every request in it."""
+    sched = _decode_scheduler()
+    merged = {**WELL_FORMED, **change}
+    params = {key: value for key, value in merged.items() if value is not None or key == "remote_host"}
+    request = SimpleNamespace(request_id="d-1", num_prompt_tokens=PROMPT, kv_transfer_params=params)
+    sched.on_new_request(request)
+    sched.update_state_after_alloc(request, _decode_blocks(), 256)
+    assert params["do_remote_prefill"] is False and named in caplog.text
+    assert not sched._push_pending_registrations and not sched._heartbeat_req_engine
+
+
+def test_a_well_formed_decode_request_registers_with_prefill():
+    sched = _decode_scheduler()
+    request = SimpleNamespace(request_id="d-1", num_prompt_tokens=PROMPT, kv_transfer_params=dict(WELL_FORMED))
+    sched.on_new_request(request)
+    sched.update_state_after_alloc(request, _decode_blocks(), 256)
+    assert sched._push_pending_registrations["d-1"]["remote_engine_id"] == "prefill"
+    assert "d-1" in sched._awaiting_push and sched._heartbeat_req_engine["d-1"] == ("prefill", "p-1")
