@@ -30,7 +30,7 @@ from typing import Any
 
 import msgspec
 
-from nixl_async import Peer, TransferCancelled, TransferEngine, TransferFailed
+from nixl_async import HandshakeError, Peer, TransferCancelled, TransferEngine, TransferFailed
 
 from .push_book import (
     NOT_HELD,
@@ -71,6 +71,14 @@ class PushFailed(TransferFailed):
 class PushWithdrawn(TransferCancelled):
     """Decode gave up on the request before its push arrived; raised once no prefill rank can write
     into its blocks any more."""
+
+
+class _NotRegistered(Exception):
+    """A registration call failed (`error`): raised to `receive_pushed`, which withdraws the request."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 class _Withdrawal(Exception):
@@ -116,7 +124,9 @@ async def receive_pushed(
     failed rank said its WRITEs all ended DONE, else after `WRITE_MARGIN_S` more: bytes a WRITE
     that ended in error had sent may still be landing). Once
     `withdrawal` is set, the registrations are withdrawn and `PushWithdrawn` is raised as soon as
-    no prefill rank can write into the blocks (see the module's docstring).
+    no prefill rank can write into the blocks (see the module's docstring). A registration call that
+    fails (refused, unanswered, too large to send) withdraws the request from every rank the same way,
+    then raises the call's error.
     """
     write_by = deadline - margin_s
     ranks = remote_ranks(local_tp=geometry.tp_size, local_rank=geometry.tp_rank, remote_tp=job.remote_tp)
@@ -144,6 +154,11 @@ async def receive_pushed(
         except _Withdrawal:
             await _withdraw_registrations(engine, registrations, peers, sent, waits, exposure)
             raise PushWithdrawn(f"request {job.request_id} was given up before its push arrived") from None
+        except _NotRegistered as failed:
+            # Ranks registered before may write: withdraw the request from every rank, so the blocks go
+            # back once none can (not at the deadline), then fail with the registration's own error.
+            await _withdraw_registrations(engine, registrations, peers, sent, waits, exposure)
+            raise failed.error from None
     except BaseException:
         for wait in waits.values():
             wait.cancel()
@@ -165,13 +180,16 @@ async def _register_and_wait(
         if registration.write:  # even if the reply is lost, the registration may have arrived
             sent.append(rank)
             exposure.may_write()
-        if await engine.call(peer, PUSH_TOPIC, encode_registration(registration)) == _GONE_BEFORE:
-            if registration.write:  # this one will not write: only those registered before may
-                sent.pop()
-                if not sent:
-                    exposure.settled(bytes_may_land=False)
-            raise PushFailed(f"prefill {peer.engine_id} no longer holds request {job.remote_request_id}",
-                             peer=peer.engine_id)  # fmt: skip
+        try:
+            reply = await engine.call(peer, PUSH_TOPIC, encode_registration(registration))
+        except (HandshakeError, ValueError) as exc:  # (ValueError: too large, refused before it was sent)
+            if isinstance(exc, ValueError):
+                _not_sent(registration, sent, exposure)
+            raise _NotRegistered(exc) from exc
+        if reply == _GONE_BEFORE:
+            _not_sent(registration, sent, exposure)  # this one will not write: only those registered before may
+            raise _NotRegistered(PushFailed(f"prefill {peer.engine_id} no longer holds request "
+                                            f"{job.remote_request_id}", peer=peer.engine_id))  # fmt: skip
     if waits:
         await asyncio.wait(waits.values())  # (unlike gather, cancelling this leaves the waits to the withdrawal)
     errors = [error for wait in waits.values() if (error := wait.exception()) is not None]
@@ -181,6 +199,14 @@ async def _register_and_wait(
         exposure.settled(bytes_may_land=not all(isinstance(e, PushFailed) and e.landed for e in errors))
     if errors:
         raise errors[0]
+
+
+def _not_sent(registration: PushRegistration, sent: list[int], exposure: _Exposure) -> None:
+    """The registration just tried will not write: only ranks registered before it may."""
+    if registration.write:
+        sent.pop()
+        if not sent:
+            exposure.settled(bytes_may_land=False)
 
 
 async def _unless_withdrawn(work: Coroutine[Any, Any, None], withdrawal: asyncio.Event | None) -> None:

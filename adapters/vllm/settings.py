@@ -79,6 +79,9 @@ ADAPTER_PROTOCOL = "nixl_async-vllm-pull-1"
 # a KV load is CPU taken from the model steps beside the load (bench `small_reads`: 748 -> 497 us
 # per read). It still checks every `waiting_interval_s` while a notification is awaited.
 ADAPTER_POLL = PollConfig(linger_s=0.0, spin=False, follow_busy_hints=False, backoff_start_s=PollConfig.idle_interval_s)
+# A push registration names every decode block of a request (up to 5 bytes each): at the engine's
+# 64 KiB a prompt of ~200 k tokens in 16-token blocks no longer fit, and decode held it to its deadline.
+MAX_CALL_BYTES = 1 << 20
 
 # Keys we read, ours and NixlConnector's (see the module docstring).
 _KNOWN = {
@@ -375,4 +378,5 @@ class AdapterSettings:
             # the reader's next read until the producer's loop polls (see EngineConfig.notify_via).
             notify_via="side_channel",
             poll=ADAPTER_POLL,
+            max_request_bytes=MAX_CALL_BYTES,
         )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import queue
 import threading
 import time
@@ -27,7 +28,7 @@ import msgspec
 import pytest
 import torch
 
-from nixl_async import EngineConfig, FinishedRequests, TransferCancelled, TransferEngine
+from nixl_async import EngineConfig, FinishedRequests, HandshakeError, TransferCancelled, TransferEngine
 from nixl_async.testing import TCP_TLS
 from nixl_async_vllm.progressive import ProgressiveFeed
 from nixl_async_vllm.push_book import (
@@ -55,8 +56,8 @@ LARGE = Case(1, 1, 4, blocks=62, head_dim=128, block_size=256, decode_cache_bloc
 
 
 @contextlib.asynccontextmanager
-async def _decode(case: Case, name: str) -> AsyncIterator[tuple[TransferEngine, tuple[str, int], list[torch.Tensor]]]:
-    async with TransferEngine(EngineConfig(engine_id=name)) as decode:
+async def _decode(case: Case, name: str, **config: Any) -> AsyncIterator[tuple[TransferEngine, tuple[str, int], Any]]:
+    async with TransferEngine(EngineConfig(engine_id=name, **config)) as decode:
         caches = [torch.zeros(case.shape(1, case.decode_block_size, case.decode_cache_blocks), dtype=torch.bfloat16)
                   for _ in range(LAYERS)]  # fmt: skip
         decode.register("kv", caches, num_blocks=case.decode_cache_blocks)
@@ -101,6 +102,45 @@ async def test_a_registration_prefill_holds_is_withdrawn_and_the_blocks_go_back_
         withdrawal.set()
         assert await _given_up(receiving) < 1.0
         assert [r.write for r in book.finished("req-p-0badf00d", ([0, 1],))] == [False], "prefill writes nothing"
+
+
+async def test_a_registration_prefill_refuses_fails_the_request_once_nothing_can_land_not_at_the_deadline():
+    """Before session 37 a failed registration call held decode's blocks until its deadline (480 s by default)."""
+    async with _prefill(SMALL) as prefill, _decode(SMALL, "push-refused") as (decode, address, _caches):
+        engine = prefill.engines[0]
+
+        def refuse(_sender: str, _payload: bytes) -> bytes:
+            raise ValueError("not taking registrations")
+
+        engine.handle_calls(PUSH_TOPIC, refuse)
+        withdrawals: list[PushRegistration] = []
+        engine.handle_calls(PUSH_WITHDRAW_TOPIC, lambda _s, payload: withdrawals.append(decode_registration(payload))
+                            or NOT_HELD)  # fmt: skip
+        began = time.monotonic()
+        receiving = await _receive(SMALL, prefill, decode, address, asyncio.Event(), deadline_s=60)
+        with pytest.raises(HandshakeError):
+            await receiving
+        # the refusal may come after prefill took it (a lost reply): withdrawn, then the margin for bytes in flight
+        assert time.monotonic() - began < 10
+        assert [r.write for r in withdrawals] == [False]
+
+
+async def test_a_registration_too_large_to_send_fails_the_request_at_once():
+    """(A decode whose calls take 2 KiB.) Before session 37 the call refused it unsent, yet decode held the
+    blocks until its deadline; the adapter's engines now take calls of 1 MiB (`MAX_CALL_BYTES`)."""
+    async with _prefill(SMALL) as prefill, _decode(SMALL, "push-too-large", max_request_bytes=2048) as (
+        decode, address, _caches
+    ):  # fmt: skip
+        engine = prefill.engines[0]
+        engine.handle_calls(PUSH_TOPIC, lambda _s, _p: b"ok")
+        engine.handle_calls(PUSH_WITHDRAW_TOPIC, lambda _s, _p: NOT_HELD)
+        job = _job(SMALL, prefill.name, prefill.port, "req-d")
+        job = dataclasses.replace(job, request_id="r" * 3000)  # the registration outgrows the call
+        began = time.monotonic()
+        with pytest.raises(ValueError, match="max_request_bytes"):
+            await receive_pushed(decode, _geometry(SMALL, 1, 0, SMALL.decode_block_size), job, address,
+                                 deadline=time.time() + 60, margin_s=2.0)  # fmt: skip
+        assert time.monotonic() - began < 1.0, "nothing was sent: nothing can land"
 
 
 @pytest.mark.parametrize("cancels", [1, 2])

@@ -262,3 +262,19 @@ async def test_after_a_read_over_tcp_ends_the_adapters_loop_sleeps_until_there_i
     polls = nixl_engine.snapshot().counters["polls"]
     await asyncio.sleep(0.04)
     assert nixl_engine.snapshot().counters["polls"] - polls <= 1  # the engine's own back-off: 4 or more
+
+
+def test_the_adapters_calls_carry_the_push_registration_of_a_million_token_prompt():
+    """16-token blocks, ids past 65,535 (5 bytes each). Before session 37 the engine's 64 KiB took ~13 k ids:
+    the call was refused unsent, and decode held the request's blocks until its deadline."""
+    from nixl_async.engine import _CALL_ENVELOPE
+    from nixl_async_vllm.push_book import PUSH_TOPIC, PushGroup, PushRegistration, encode_registration
+
+    engine_id = "decode-engine-0"
+    config = AdapterSettings.from_vllm(_config({})).engine_config(engine_id, {})
+    ids = list(range(100_000, 100_000 + 1_000_000 // 16))
+    registration = PushRegistration(request_id="r", decode_request_id="d", decode_engine_id=engine_id,
+                                    decode_host="10.0.0.3", decode_port=5600, decode_tp=1, decode_pages=1,
+                                    groups=[PushGroup("full", ids)], write=True)  # fmt: skip
+    room = config.max_request_bytes - len(PUSH_TOPIC) - len(engine_id) - _CALL_ENVELOPE
+    assert len(encode_registration(registration)) <= room
