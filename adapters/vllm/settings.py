@@ -148,10 +148,23 @@ def _refuse_unsupported(vllm_config: Any, extra: dict[str, Any]) -> None:
 
 
 def _registration_timeout(extra: dict[str, Any]) -> float:
-    """Push mode's `push_registration_timeout`; unset, `decoder_kv_blocks_ttl` (if set), as vLLM's push scheduler."""
-    if "push_registration_timeout" not in extra and extra.get("decoder_kv_blocks_ttl") is not None:
-        return _number(extra, "decoder_kv_blocks_ttl", 480)
-    return _number(extra, "push_registration_timeout", 480)
+    """Push mode's `push_registration_timeout`; unset, `decoder_kv_blocks_ttl` (if set), as vLLM's push scheduler.
+
+    Decode lets prefill write until that long after registering less the margin for WRITEs in
+    flight (`WRITE_MARGIN_S` plus the engine's release grace): a timeout within the margin leaves
+    no time to write, and every push would be refused.
+    """
+    from .push_receive import WRITE_MARGIN_S
+
+    key = "push_registration_timeout"
+    if key not in extra and extra.get("decoder_kv_blocks_ttl") is not None:
+        key = "decoder_kv_blocks_ttl"
+    timeout = _number(extra, key, 480)
+    margin = EngineConfig.release_grace_s + WRITE_MARGIN_S
+    if timeout <= margin:
+        raise ValueError(f"kv_connector_extra_config[{key!r}] must be over {margin:g} s (decode's margin for WRITEs "
+                         f"in flight; prefill may write until the timeout less it), got {timeout!r}")  # fmt: skip
+    return timeout
 
 
 def _backends(extra: dict[str, Any]) -> tuple[str, ...]:

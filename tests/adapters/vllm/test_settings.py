@@ -213,6 +213,11 @@ def test_push_mode_takes_the_registration_timeout():
         assert AdapterSettings.from_vllm(_config({"decoder_kv_blocks_ttl": None}, **connector))
     with pytest.raises(ValueError, match="push_registration_timeout"):
         AdapterSettings.from_vllm(_config({"push_registration_timeout": 0}, **push))
+    # Within decode's margin for WRITEs in flight (3 s) prefill would refuse every push (before session 37: taken)
+    with pytest.raises(ValueError, match=r"'push_registration_timeout'\] must be over 3 s"):
+        AdapterSettings.from_vllm(_config({"push_registration_timeout": 2}, **push))
+    with pytest.raises(ValueError, match=r"'decoder_kv_blocks_ttl'\] must be over 3 s"):
+        AdapterSettings.from_vllm(_config({"decoder_kv_blocks_ttl": 3}, **push))
 
 
 def test_push_mode_takes_progressive_push_as_a_flag():
