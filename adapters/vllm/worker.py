@@ -470,12 +470,21 @@ class ConnectorWorker:
 
     def wait_for_save(self, metadata: Any) -> None:
         """Host staging only: copy the blocks a producer just computed to the registered host copy."""
-        if not self._host_caches or self._copy_blocks is None or metadata is None:
+        if not self._host_caches:
             return
-        for req in metadata.reqs_to_save.values():
+        copy = self._staging_copy()
+        for req in metadata.reqs_to_save.values() if metadata is not None else ():
             ids = self._staged_pages([int(b) for group in req.local_block_ids for b in group])
             if ids:
-                self._copy_blocks(self._device_caches, self._host_caches, ids, ids, "d2h")
+                copy(self._device_caches, self._host_caches, ids, ids, "d2h")
+
+    def _staging_copy(self) -> Any:
+        """vLLM's block copy op, which host staging needs (without it a reader would get stale host bytes,
+        or vLLM stale device KV, reported received)."""
+        if self._copy_blocks is None:
+            raise RuntimeError("host staging (kv_buffer_device='cpu' with CUDA caches) needs vLLM's block copy op, "
+                               "and set_host_xfer_buffer_ops() was never called by this model runner")  # fmt: skip
+        return self._copy_blocks
 
     def _staged_pages(self, blocks: list[int]) -> list[int]:
         """The cache rows of logical `blocks`: vLLM's copy op indexes kernel pages, as NixlConnector maps them."""
@@ -484,14 +493,15 @@ class ConnectorWorker:
     def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) since the last step."""
         recving, failed = set(), set()
+        copy = self._staging_copy() if self._host_caches else None  # (raises before any outcome is taken)
         self._wait_if_idle()
         finished = self._own_finished(self.sync.get_finished())
         for request_id in finished.done:
             blocks = self._awaiting.pop(request_id, None)
             if blocks is not None:
-                if self._host_caches and self._copy_blocks is not None and blocks:
+                if copy is not None and blocks:
                     pages = self._staged_pages(blocks)
-                    self._copy_blocks(self._host_caches, self._device_caches, pages, pages, "h2d")
+                    copy(self._host_caches, self._device_caches, pages, pages, "h2d")
                 recving.add(request_id)
         for request_id, error in finished.fenced.items():
             # NIXL still holds a read into this request's blocks: keep them out of vLLM's hands

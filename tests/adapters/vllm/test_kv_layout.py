@@ -174,3 +174,18 @@ def test_host_staging_mirrors_vllms_one_buffer_once_unpinned_and_aliased_as_the_
     for name, view in views.items():
         host = mirror[name]
         assert (host.shape, host.stride(), host.storage_offset()) == (view.shape, view.stride(), view.storage_offset())
+
+
+def test_host_staging_without_vllms_copy_op_fails_loudly_not_with_stale_kv():
+    """A model runner that never calls set_host_xfer_buffer_ops (vLLM 0.32's GPU runner does): before session 37
+    the producer staged nothing and the reader reported loads received without copying them to the device."""
+    from nixl_async_vllm.worker import ConnectorWorker
+
+    worker = ConnectorWorker.__new__(ConnectorWorker)  # only the staging checks run: no vLLM config, no engine
+    worker._host_caches, worker._device_caches, worker._copy_blocks = {"l0": torch.zeros(4)}, {}, None
+    with pytest.raises(RuntimeError, match="set_host_xfer_buffer_ops"):
+        worker.wait_for_save(None)
+    with pytest.raises(RuntimeError, match="set_host_xfer_buffer_ops"):
+        worker.get_transfer_results()
+    worker._host_caches = {}  # no staging: nothing needed
+    worker.wait_for_save(None)
