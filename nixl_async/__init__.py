@@ -12,6 +12,7 @@ from .engine import TransferEngine
 from .exceptions import (
     BackendStartError,
     BatchRowsFailed,
+    CallTooLarge,
     CollectionClosedError,
     DiscoveryUnavailable,
     EngineClosedError,
@@ -49,6 +50,7 @@ __all__ = [
     "BatchRowsFailed",
     "BlockLayout",
     "BlockView",
+    "CallTooLarge",
     "CollectionClosedError",
     "DiscoveryUnavailable",
     "EngineClosedError",

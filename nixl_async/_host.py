@@ -45,7 +45,7 @@ def nvidia_gpus(pci_devices: Path = PCI_DEVICES) -> int:
 def tls_enables_cuda(tls: str) -> bool:
     """Whether NIXL reads ``UCX_TLS=tls`` as enabling CUDA memory (a leading ``^`` is a deny list)."""
     deny = tls.startswith("^")
-    named = {name.strip() for name in tls.removeprefix("^").split(",")}
+    named = set(tls.removeprefix("^").split(","))  # (NIXL matches ",name," exactly: " cuda_copy" is not it)
     return bool(named & _CUDA_TLS) != deny
 
 

@@ -55,6 +55,7 @@ from ._poller import AdaptivePacer, ErrorThrottle
 from ._state import TransferState
 from .config import UCX_TCP_DEFAULT_SEGMENT, EngineConfig, SendBufferLimits, tcp_segment_in_use
 from .exceptions import (
+    CallTooLarge,
     CollectionClosedError,
     EngineClosedError,
     EngineIdMismatch,
@@ -464,8 +465,8 @@ class TransferEngine:
         One request and one reply over the peer's side channel, bounded by `timeout` (default:
         the handshake timeout). Raises `HandshakeTimeout`, `HandshakeRejected`, `ProtocolError`,
         or `EngineIdMismatch` when another engine now answers at the peer's address (refused there
-        before its handler runs); `ValueError` at once for a payload over what a peer takes by
-        default (`EngineConfig.max_request_bytes`).
+        before its handler runs); `CallTooLarge` (a `ValueError`) at once, unsent, for a payload over
+        what a peer takes by default (`EngineConfig.max_request_bytes`).
         """
         self._require_agent()
         assert self._zmq is not None
@@ -474,8 +475,8 @@ class TransferEngine:
             raise HandshakeRejected(f"peer {peer.engine_id!r} (found in etcd) serves no side channel to call")
         room = self.config.max_request_bytes - len(topic.encode()) - len(self.engine_id.encode()) - _CALL_ENVELOPE
         if len(payload) > room:  # (ZMQ would drop it unanswered: the call would wait out its whole timeout)
-            raise ValueError(f"call payload of {len(payload)} bytes is over the {room} a peer takes by default "
-                             "(EngineConfig.max_request_bytes)")  # fmt: skip
+            raise CallTooLarge(f"call payload of {len(payload)} bytes is over the {room} a peer takes by default "
+                               "(EngineConfig.max_request_bytes)")  # fmt: skip
         try:
             reply = await call_peer(
                 self._zmq,

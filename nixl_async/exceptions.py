@@ -6,6 +6,7 @@ remote ones (what a peer said or failed to say), so a caller can tell "fix my ca
     ├── EngineClosedError            the engine is not running (not started, or closed)
     ├── WrongThreadError             a NIXL call from a thread that does not own the agent
     ├── BackendStartError            NIXL could not create a configured backend (start() failed)
+    ├── CallTooLarge (ValueError)    a call's payload is over max_request_bytes: nothing was sent
     ├── LayoutError (ValueError)     bad layout, block ids or memory given by the caller
     ├── HandshakeError               connecting to a peer (or a call over the side channel) failed
     │   ├── HandshakeTimeout         nobody answered within the timeout
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BackendStartError",
     "BatchRowsFailed",
+    "CallTooLarge",
     "CollectionClosedError",
     "DiscoveryUnavailable",
     "EngineClosedError",
@@ -78,6 +80,10 @@ class CollectionClosedError(NixlAsyncError, RuntimeError):
 
 class WrongThreadError(NixlAsyncError, RuntimeError):
     """A NIXL call came from a thread other than the one that owns the agent."""
+
+
+class CallTooLarge(NixlAsyncError, ValueError):
+    """A call's payload is over what a peer takes (`EngineConfig.max_request_bytes`): refused unsent."""
 
 
 class BackendStartError(NixlAsyncError, RuntimeError):

@@ -32,24 +32,32 @@ cd "$ROOT" || exit 1
 rc=0
 {
     echo "== host: $(nproc) cores, $("$PY" -c 'from nixl_async._host import nvidia_gpus; print(nvidia_gpus())') NVIDIA GPU(s) on the PCI bus"
-    echo "== (1) engine start under each UCX_TLS"
-    for tls in tcp "$("$PY" -c 'from nixl_async.testing import TCP_TLS; print(TCP_TLS)')"; do
-        UCX_TLS="$tls" timeout 60 "$PY" - <<'EOF' 2>&1 | grep -v '^E[0-9]' || rc=1
-import asyncio, os
+    echo "== (1) engine start under each UCX_TLS (tcp: refused, naming UCX_TLS, where there is a GPU; TCP_TLS: started)"
+    gpus="$("$PY" -c 'from nixl_async._host import nvidia_gpus; print(nvidia_gpus())')"
+    tcp_tls="$("$PY" -c 'from nixl_async.testing import TCP_TLS; print(TCP_TLS)')"
+    for tls in tcp "$tcp_tls"; do
+        expect=started
+        [[ "$tls" == tcp && "$gpus" != 0 ]] && expect=refused
+        UCX_TLS="$tls" EXPECT="$expect" timeout 60 "$PY" - <<'EOF' 2>&1 | grep -v '^E[0-9]'
+import asyncio, os, sys
 from nixl_async import BackendStartError, EngineConfig, TransferEngine
 
-async def main() -> None:
+async def main() -> str:
     engine = TransferEngine(EngineConfig())
     try:
         await engine.start()
-        print(f"UCX_TLS={os.environ['UCX_TLS']}: started")
+        return "started"
     except BackendStartError as exc:
-        print(f"UCX_TLS={os.environ['UCX_TLS']}: BackendStartError: {exc}")
+        print(f"  BackendStartError: {exc}")
+        return "refused" if "UCX_TLS" in str(exc) else "refused without naming UCX_TLS"
     finally:
         await engine.close()
 
-asyncio.run(main())
+got = asyncio.run(main())
+print(f"UCX_TLS={os.environ['UCX_TLS']}: {got} (expected: {os.environ['EXPECT']})")
+sys.exit(got != os.environ["EXPECT"])
 EOF
+        [[ ${PIPESTATUS[0]} == 0 ]] || rc=1
     done
     echo "== (2) real-NIXL tests over TCP"
     plugin=(-p nixl_async.testing)  # the project's pytest plugin, where no install registered it

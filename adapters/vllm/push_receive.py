@@ -30,7 +30,15 @@ from typing import Any
 
 import msgspec
 
-from nixl_async import HandshakeError, Peer, TransferCancelled, TransferEngine, TransferFailed
+from nixl_async import (
+    CallTooLarge,
+    EngineIdMismatch,
+    HandshakeError,
+    Peer,
+    TransferCancelled,
+    TransferEngine,
+    TransferFailed,
+)
 
 from .push_book import (
     NOT_HELD,
@@ -158,6 +166,8 @@ async def receive_pushed(
             # Ranks registered before may write: withdraw the request from every rank, so the blocks go
             # back once none can (not at the deadline), then fail with the registration's own error.
             await _withdraw_registrations(engine, registrations, peers, sent, waits, exposure)
+            if waits and all(_arrived(wait) for wait in waits.values()):
+                return  # every writing rank's push arrived: only a reply was lost
             raise failed.error from None
     except BaseException:
         for wait in waits.values():
@@ -182,9 +192,10 @@ async def _register_and_wait(
             exposure.may_write()
         try:
             reply = await engine.call(peer, PUSH_TOPIC, encode_registration(registration))
-        except (HandshakeError, ValueError) as exc:  # (ValueError: too large, refused before it was sent)
-            if isinstance(exc, ValueError):
-                _not_sent(registration, sent, exposure)
+        except (CallTooLarge, EngineIdMismatch) as exc:  # refused before prefill's handler could take it
+            _not_sent(registration, sent, exposure)
+            raise _NotRegistered(exc) from exc
+        except (HandshakeError, ValueError) as exc:  # it may have arrived (a lost reply): the rank may write
             raise _NotRegistered(exc) from exc
         if reply == _GONE_BEFORE:
             _not_sent(registration, sent, exposure)  # this one will not write: only those registered before may

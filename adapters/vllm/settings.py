@@ -141,7 +141,8 @@ def _refuse_unsupported(vllm_config: Any, extra: dict[str, Any]) -> None:
         # one node's ranks only (a pull-mode reader is never dialled). Through etcd ranks are found by id.
         raise UnsupportedSetting(
             f"tensor parallelism across {nodes} nodes needs kv_connector_extra_config['etcd_endpoint'] "
-            "(peers reach each rank at remote_host, which names one node)"
+            "(peers reach each rank at remote_host, which names one node), and each node's "
+            "VLLM_NIXL_SIDE_CHANNEL_HOST set to its own address"
         )
     if getattr(vllm_config.kv_transfer_config, "enable_permute_local_kv", False):
         raise UnsupportedSetting("enable_permute_local_kv is not supported: the adapter reads layouts as they are")

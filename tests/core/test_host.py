@@ -40,7 +40,8 @@ def test_nvidia_gpus_is_zero_where_sysfs_is_absent(tmp_path):
         ("tcp,cuda_copy", True),
         ("cuda,tcp", True),
         ("all", True),
-        ("rc, cuda_copy", True),
+        ("rc,cuda_copy", True),
+        ("rc, cuda_copy", False),  # NIXL finds ",cuda_copy," only: a space hides it
         ("\\cuda_copy,tcp", True),
         ("cuda_ipc,tcp", False),  # not what NIXL takes as CUDA support
         ("^cuda_copy", False),  # a deny list naming it

@@ -3,7 +3,7 @@ host shows it, why; the engine then closes cleanly and a new one starts once the
 
 Over real NIXL: an unknown ``UCX_TLS`` leaves UCX no transport, so NIXL's UCX backend fails to
 start with a bare NIXL_ERR_BACKEND (the same exception as its refusal of ``UCX_TLS=tcp`` on a GPU
-host, which only a GPU machine shows: ``scripts/gpu-check.sh`` runs it there, docs/gpu.md).
+host, which only a GPU machine shows: ``scripts/gpu-tcp-check.sh`` runs it there, docs/gpu.md).
 """
 
 import pytest

@@ -11,7 +11,15 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from nixl_async import EngineConfig, EngineIdMismatch, HandshakeRejected, HandshakeTimeout, TransferEngine, messages
+from nixl_async import (
+    CallTooLarge,
+    EngineConfig,
+    EngineIdMismatch,
+    HandshakeRejected,
+    HandshakeTimeout,
+    TransferEngine,
+    messages,
+)
 
 SECRET = b"call secret: sixteen bytes at least"
 
@@ -190,7 +198,7 @@ async def test_handlers_and_payloads_calls_cannot_carry_are_refused_up_front():
             await client.call(peer, "text", b"", timeout=2)
         assert server.stats.counters["calls_answered"] == 0
         started = time.monotonic()
-        with pytest.raises(ValueError, match="max_request_bytes"):
+        with pytest.raises(CallTooLarge, match="max_request_bytes"):  # a ValueError, raised unsent
             await client.call(peer, "text", bytes(8 << 20), timeout=5)
         assert time.monotonic() - started < 0.5
     finally:
