@@ -17,31 +17,9 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT_DIR="${OUT:-$ROOT/out}"
 mkdir -p "$OUT_DIR"
-if [[ -n "${PYTHON:-}" ]]; then
-    PY="$PYTHON"
-elif [[ -x "$ROOT/.venv/bin/python" ]]; then
-    PY="$ROOT/.venv/bin/python"  # a developer's checkout
-else
-    PY=python3  # the device: the image's Python, with CUDA torch
-fi
-
-if ! "$PY" -c 'import nixl, msgspec, zmq' 2>/dev/null; then
-    if ! compgen -G "$ROOT/.whl/*.whl" >/dev/null; then
-        echo "gpu-check.sh: $PY lacks nixl/msgspec/pyzmq and no wheels were carried:" \
-            "run scripts/gpu-wheels.sh here and carry .whl" >&2
-        exit 1
-    fi
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site "$ROOT"/.whl/*.whl || exit 1
-    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-fi
-
-# The packages, as pyproject.toml's package-dir maps them, without installing this checkout.
-SRC="$(mktemp -d /tmp/nixl-async-src.XXXXXX)"
-ln -s "$ROOT/nixl_async" "$SRC/nixl_async"
-ln -s "$ROOT/benchmarks" "$SRC/nixl_async_benchmarks"
-ln -s "$ROOT/adapters/vllm" "$SRC/nixl_async_vllm"
-export PYTHONPATH="$SRC${PYTHONPATH:+:$PYTHONPATH}"
+# shellcheck source=scripts/gpu-env.sh
+source "$ROOT/scripts/gpu-env.sh"
+gpu_env nixl,msgspec,zmq gpu-check.sh || exit 1
 
 # NVIDIA's pip-installed CUDA libraries (nvidia/<pkg>/lib, nvidia/cu13/lib): UCX's CUDA modules
 # link libcudart by name. Only folders that hold a libcudart are added.

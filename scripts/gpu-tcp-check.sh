@@ -14,19 +14,12 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT_DIR="${OUT:-$ROOT/out}"
 mkdir -p "$OUT_DIR"
-PY="${PYTHON:-python3}"
 LOG="$OUT_DIR/gpu-tcp-check.log"
 
-if ! "$PY" -c 'import nixl, msgspec, zmq, pytest_asyncio' 2>/dev/null; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site "$ROOT"/.whl/*.whl || exit 1
-    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-fi
-SRC="$(mktemp -d /tmp/nixl-async-src.XXXXXX)"
-ln -s "$ROOT/nixl_async" "$SRC/nixl_async"
-ln -s "$ROOT/benchmarks" "$SRC/nixl_async_benchmarks"
-ln -s "$ROOT/adapters/vllm" "$SRC/nixl_async_vllm"
-export PYTHONPATH="$SRC${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# shellcheck source=scripts/gpu-env.sh
+source "$ROOT/scripts/gpu-env.sh"
+gpu_env nixl,msgspec,zmq,pytest_asyncio gpu-tcp-check.sh || exit 1
+export PYTHONUNBUFFERED=1
 cd "$ROOT" || exit 1
 
 rc=0

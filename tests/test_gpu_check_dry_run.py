@@ -35,7 +35,7 @@ def test_without_dry_run_it_fails_when_cuda_is_missing(tmp_path):
     assert "CUDA not available: stopping before the GPU checks" in proc.stdout
 
 
-@pytest.mark.parametrize("script", ["gpu-check.sh", "gpu-tcp-check.sh", "gpu-wheels.sh"])
+@pytest.mark.parametrize("script", ["gpu-check.sh", "gpu-env.sh", "gpu-tcp-check.sh", "gpu-wheels.sh"])
 def test_scripts_parse(script):
     proc = subprocess.run(["bash", "-n", str(ROOT / "scripts" / script)], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
