@@ -122,7 +122,7 @@ class PushConnectorWorker(ConnectorWorker):
         self._book = PushBook(grace_s=self.settings.lease_s)
         self._doubt_check: tuple[asyncio.TimerHandle, float] | None = None  # (loop thread) timer, its wall time
         # running push -> (its prefill request, decode ranks reading this rank); both threads, under the lock
-        self._push_ids: dict[str, tuple[str, int]] = {}
+        self._push_ids: dict[str, tuple[str, int, PushRegistration]] = {}
         self._push_lock = threading.Lock()
         self._cancelled: set[str] = set()  # pushes cancelled (lease ran out, decode withdrew them, prefill aborted)
         self._held_after_abort: set[str] = set()  # aborted; vLLM frees the blocks once we report them sent
@@ -283,7 +283,7 @@ class PushConnectorWorker(ConnectorWorker):
         base = base_request_id(registration.request_id)
         suffix = f">{registration.decode_engine_id}>{registration.decode_request_id}"
         with self._push_lock:
-            pushes = [push_id for push_id, (request_id, _) in self._push_ids.items()
+            pushes = [push_id for push_id, (request_id, _, _) in self._push_ids.items()
                       if push_id.endswith(suffix) and base_request_id(request_id) == base]  # fmt: skip
             self._withdrawn_pushes.update(pushes)  # one not begun yet ends at once (`_begin`)
             begun = [push_id for push_id in pushes if push_id in self._pushing]
@@ -359,7 +359,7 @@ class PushConnectorWorker(ConnectorWorker):
             write = registration.write and not self._book.withdrawn(registration)
             repeat = write and push_id in self._push_ids
             if write and not repeat:
-                self._push_ids[push_id] = (request_id, readers)
+                self._push_ids[push_id] = (request_id, readers, registration)
         if not write:  # decode reads nothing from this rank: it only lets it free
             self._served(request_id, readers)
             return None
@@ -406,18 +406,22 @@ class PushConnectorWorker(ConnectorWorker):
             with self._push_lock:
                 entry = self._push_ids.pop(push_id, None)
                 withdrawn = push_id in self._withdrawn_pushes
+                began = push_id in self._pushing
                 self._withdrawn_pushes.discard(push_id)
                 self._pushing.discard(push_id)
             self._cancelled.discard(push_id)
             if entry is None:
                 continue
+            request_id, readers, registration = entry
             if withdrawn:
                 log.info("push %s ended after decode withdrew it (%s)", push_id,
                          "failed" if error is not None else "done")  # fmt: skip
             elif error is not None:
                 log.warning("push %s failed: %s: %s", push_id, type(error).__name__, error)
                 self._record("num_failed_transfers", 1)
-            self._served(*entry)
+                if not began:  # cancelled before its coroutine ran: no `push_or_tell` told decode, nothing was written
+                    self.sync.spawn(self._tell_failed, registration)
+            self._served(request_id, readers)
         return finished
 
     def _release(self, request_id: str) -> bool:
@@ -430,7 +434,7 @@ class PushConnectorWorker(ConnectorWorker):
         closing = self._book.closing()
         for request_id in closing:  # lease ran out while a push reads the blocks: stop it
             with self._push_lock:
-                running = [p for p, (r, _) in self._push_ids.items() if r == request_id and p not in self._cancelled]
+                running = [p for p, (r, _, _) in self._push_ids.items() if r == request_id and p not in self._cancelled]
                 self._cancelled.update(running)
             for push_id in running:
                 self.sync.cancel(push_id)

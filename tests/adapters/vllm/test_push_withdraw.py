@@ -288,6 +288,26 @@ def test_a_push_withdrawn_before_it_began_writes_nothing_and_says_so():
     assert not prefill.worker._begin(push_id), "the push's coroutine returns at once"
 
 
+@pytest.mark.parametrize("began", [False, True])
+def test_a_push_cancelled_before_its_coroutine_ran_tells_decode(began):
+    """(A lease ending, or prefill aborting, right as the push was submitted.) Before session 37 nothing told
+    decode, which held its blocks to the deadline; a push that began tells decode itself (`push_or_tell`)."""
+    prefill, registration = _Prefill(), _registration()
+    worker = prefill.worker
+    spawned: list[tuple[Any, ...]] = []
+    worker.sync.spawn = lambda *args: spawned.append(args)
+    worker._withdrawals, worker._withdrawn_requests, worker._record = {}, set(), lambda *args: None
+    worker._book.finished(REQUEST, ([1],))
+    worker._start_push(*worker._book.register(registration, time.time()))
+    ((push_id, _),) = prefill.submitted
+    if began:
+        assert worker._begin(push_id)
+    finished = worker._own_finished(FinishedRequests(failed={push_id: TransferCancelled("cancelled")}))
+    assert not finished, "a push is the worker's own"
+    assert spawned == ([] if began else [(worker._tell_failed, registration)])
+    assert prefill.freed(), "its decode rank counts as served"
+
+
 def test_a_push_under_way_is_cancelled():
     prefill, registration = _Prefill(), _registration()
     prefill.worker._book.finished(REQUEST, ([1],))
