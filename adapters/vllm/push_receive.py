@@ -52,7 +52,7 @@ from .push_book import (
     push_notification,
 )
 from .push_plan import make_registration, registrations_for
-from .settings import rank_engine_id
+from .settings import WRITE_MARGIN_S, rank_engine_id
 from .tp_mapping import remote_ranks
 from .worker import KVGeometry, RecvJob, connect_job_rank
 
@@ -60,7 +60,6 @@ __all__ = ["WRITE_MARGIN_S", "PushFailed", "PushWithdrawn", "receive_pushed"]
 
 log = logging.getLogger(f"vllm.{__name__}")
 
-WRITE_MARGIN_S = 2.0  # decode waits this long past `write_by` (plus the engine's release grace)
 _GONE_BEFORE = b"gone"  # what a prefill of an earlier version answered for a request it had freed
 
 

@@ -82,6 +82,8 @@ ADAPTER_POLL = PollConfig(linger_s=0.0, spin=False, follow_busy_hints=False, bac
 # A push registration names every decode block of a request (up to 5 bytes each): at the engine's
 # 64 KiB a prompt of ~200 k tokens in 16-token blocks no longer fit, and decode held it to its deadline.
 MAX_CALL_BYTES = 1 << 20
+# Push mode: decode waits this long past `write_by` (plus the engine's release grace) for WRITEs in flight.
+WRITE_MARGIN_S = 2.0
 
 # Keys we read, ours and NixlConnector's (see the module docstring).
 _KNOWN = {
@@ -155,8 +157,6 @@ def _registration_timeout(extra: dict[str, Any]) -> float:
     flight (`WRITE_MARGIN_S` plus the engine's release grace): a timeout within the margin leaves
     no time to write, and every push would be refused.
     """
-    from .push_receive import WRITE_MARGIN_S
-
     key = "push_registration_timeout"
     if key not in extra and extra.get("decoder_kv_blocks_ttl") is not None:
         key = "decoder_kv_blocks_ttl"
