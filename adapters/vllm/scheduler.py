@@ -124,6 +124,24 @@ def _lacking(params: dict[str, Any], groups: int, etcd: bool, *, blocks: bool) -
     return ", ".join(lacking)
 
 
+class _RefusesUnservedProducers:
+    """Both schedulers: a request to receive KV that names no producer it could be served from is
+    computed here, with a warning naming what it lacks."""
+
+    kv_cache_config: Any
+    settings: Any
+
+    def _prefill_here_if_unserved(self, request: Any, *, blocks: bool) -> None:
+        params = request.kv_transfer_params or {}
+        if not params.get("do_remote_prefill"):
+            return
+        groups = len(self.kv_cache_config.transfer_group_ids)
+        if lacking := _lacking(params, groups, self.settings.etcd is not None, blocks=blocks):
+            log.warning("request %s: its kv_transfer_params lack (or mistype) %s: prefilling it here",
+                        request.request_id, lacking)  # fmt: skip
+            params["do_remote_prefill"] = False
+
+
 class _StagesWrittenBlocks:
     """Host staging (``kv_buffer_device=cpu`` with CUDA caches), pull and push alike: after each step
     the workers copy to the registered host copy every block the step wrote. vLLM's schedulers copy
@@ -162,7 +180,13 @@ class _StagesWrittenBlocks:
                 self._saving.forget(request_id)
 
 
-class AdapterScheduler(_MarksIdleSteps, _StagesWrittenBlocks, _WorkersServeHandshakes, NixlPullConnectorScheduler):
+class AdapterScheduler(
+    _MarksIdleSteps,
+    _RefusesUnservedProducers,
+    _StagesWrittenBlocks,
+    _WorkersServeHandshakes,
+    NixlPullConnectorScheduler,
+):
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, engine_id, kv_cache_config)
         self.settings = _adapt(self, vllm_config)
@@ -170,12 +194,9 @@ class AdapterScheduler(_MarksIdleSteps, _StagesWrittenBlocks, _WorkersServeHands
 
     def on_new_request(self, request: Any) -> None:
         params = request.kv_transfer_params or {}
-        if params.get("do_remote_prefill") and (lacking := self._unreadable(params)):
-            # vLLM 0.32 would park it waiting for KV no job ever loads (or stop its engine on an
-            # assert, for empty block lists): compute it here instead.
-            log.warning("request %s: its kv_transfer_params lack (or mistype) %s: prefilling it here",
-                        request.request_id, lacking)  # fmt: skip
-            params["do_remote_prefill"] = False
+        # vLLM 0.32 would park it waiting for KV no job ever loads (or stop its engine on an assert,
+        # for empty block lists): compute it here instead.
+        self._prefill_here_if_unserved(request, blocks=True)
         if params.get("do_remote_decode") and params.get("remote_block_ids"):
             # A turn-2 readback (a NixlConnector decode with bidirectional_kv_xfer names the blocks it
             # kept): vLLM 0.32 would promise the load and never start it, so the request would wait
@@ -201,11 +222,6 @@ class AdapterScheduler(_MarksIdleSteps, _StagesWrittenBlocks, _WorkersServeHands
             )  # fmt: skip
         info.req_ids.add(remote_id)
         self._heartbeat_req_engine[request.request_id] = (engine_id, remote_id)
-
-    def _unreadable(self, params: dict[str, Any]) -> str:
-        """What a request to pull lacks to be read ("" if nothing)."""
-        return _lacking(params, len(self.kv_cache_config.transfer_group_ids), self.settings.etcd is not None,
-                        blocks=True)  # fmt: skip
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         super().update_state_after_alloc(request, blocks, num_external_tokens)
@@ -247,7 +263,13 @@ def prompt_blocks(groups: Any, tokens: int, block_ids: Any) -> tuple[list[int], 
     return tuple(cut)
 
 
-class AdapterPushScheduler(_MarksIdleSteps, _StagesWrittenBlocks, _WorkersServeHandshakes, NixlPushConnectorScheduler):
+class AdapterPushScheduler(
+    _MarksIdleSteps,
+    _RefusesUnservedProducers,
+    _StagesWrittenBlocks,
+    _WorkersServeHandshakes,
+    NixlPushConnectorScheduler,
+):
     """vLLM's push scheduler: decode stages registrations, prefill hands over finished blocks.
 
     Decode's registrations also carry its prefix hit per KV cache group (vLLM's leave it out).
@@ -267,16 +289,9 @@ class AdapterPushScheduler(_MarksIdleSteps, _StagesWrittenBlocks, _WorkersServeH
         self._held_after_abort: list[str] = []  # prefill: aborted while followed (for the next metadata)
 
     def on_new_request(self, request: Any) -> None:
-        params = request.kv_transfer_params or {}
-        if params.get("do_remote_prefill") and (
-            lacking := _lacking(params, len(self.kv_cache_config.transfer_group_ids), self.settings.etcd is not None,
-                                blocks=False)
-        ):  # fmt: skip
-            # vLLM 0.32's push scheduler would raise KeyError inside schedule() (or its worker on a
-            # mistyped port), stopping the engine and every request in it: compute it here instead.
-            log.warning("request %s: its kv_transfer_params lack (or mistype) %s: prefilling it here",
-                        request.request_id, lacking)  # fmt: skip
-            params["do_remote_prefill"] = False
+        # vLLM 0.32's push scheduler would raise KeyError inside schedule() (or its worker on a
+        # mistyped port), stopping the engine and every request in it: compute it here instead.
+        self._prefill_here_if_unserved(request, blocks=False)
         super().on_new_request(request)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
