@@ -23,10 +23,10 @@ export PYTHONUNBUFFERED=1
 cd "$ROOT" || exit 1
 
 rc=0
+gpus="$("$PY" -c 'from nixl_async._host import nvidia_gpus; print(nvidia_gpus())')"
 {
-    echo "== host: $(nproc) cores, $("$PY" -c 'from nixl_async._host import nvidia_gpus; print(nvidia_gpus())') NVIDIA GPU(s) on the PCI bus"
+    echo "== host: $(nproc) cores, $gpus NVIDIA GPU(s) on the PCI bus"
     echo "== (1) engine start under each UCX_TLS (tcp: refused, naming UCX_TLS, where there is a GPU; TCP_TLS: started)"
-    gpus="$("$PY" -c 'from nixl_async._host import nvidia_gpus; print(nvidia_gpus())')"
     tcp_tls="$("$PY" -c 'from nixl_async.testing import TCP_TLS; print(TCP_TLS)')"
     for tls in tcp "$tcp_tls"; do
         expect=started
