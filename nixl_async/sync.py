@@ -28,11 +28,13 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import inspect
 import logging
 import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -175,7 +177,8 @@ class SyncEngine:
         except BaseException:
             portal_cm.__exit__(None, None, None)
             raise
-        self._stopper = _LoopStopper(portal_cm, self._portal, self.engine)
+        self._stopper = _LoopStopper(portal_cm, self._portal, self.engine, self)
+        self._forked = False  # set in a forked child, which has no loop thread
         self._finished: queue.SimpleQueue[tuple[str, str, BaseException | None]] = queue.SimpleQueue()
         self._held_back: collections.deque[tuple[str, str, BaseException | None]] = collections.deque()  # get_finished
         self._inflight: dict[str, object] = {}  # request -> its submission, until reported
@@ -188,19 +191,51 @@ class SyncEngine:
         self._shut = threading.Event()  # set once close() is done
         self._poke_pending = False  # set by the caller's thread, cleared on the loop
         self._activity = threading.Event()  # set when a request ends or a fed notification arrives
+        _ENGINES.add(self)
+
+    def _closed_error(self) -> EngineClosedError:
+        if self._forked:
+            return EngineClosedError(
+                "this sync engine belongs to the process that created it: its loop thread and "
+                "NIXL agent did not come along into this forked child; make a new one here"
+            )
+        return EngineClosedError("the sync engine is closed")
+
+    def _left_behind_by_fork(self) -> None:
+        """In a forked child: the loop thread stayed in the parent, so every call would wait for ever.
+        Calls raise `EngineClosedError` instead, `close()` returns at once and the child's exit leaves
+        the parent's engine alone. (The locks are new: the parent's may have been held at the fork.)"""
+        self._forked = self._closed = True
+        self._lock = threading.Lock()
+        self._shut = threading.Event()
+        self._shut.set()
+        self._activity = threading.Event()
+        self._activity.set()
+        self._stopper.left_behind()
 
     # -- blocking calls -------------------------------------------------------------------
     def call(self, func: Any, *args: Any) -> Any:
-        """Run `func(*args)` (sync or async) on the loop thread and return its result."""
+        """Run `func(*args)` (sync or async) on the loop thread and return its result.
+
+        If this thread is interrupted meanwhile (Ctrl-C), the work on the loop is cancelled too:
+        left running, a `wait_notifications` would take the notification the next caller waits for.
+        """
         if self._closed:
-            raise EngineClosedError("the sync engine is closed")
+            raise self._closed_error()
         self._off_the_loop("call()")
+        future = self._portal.start_task_soon(_outcome_of, func, args)
         try:
-            return self._portal.call(func, *args)
+            failed, value = future.result()
         except concurrent.futures.CancelledError:
             if self._closed:  # cancelled by close(): the caller did not cancel anything
                 raise EngineClosedError(f"the sync engine closed during {func!r}") from None
             raise
+        except BaseException:
+            future.cancel()  # (the interrupted caller: its coroutine on the loop is cancelled)
+            raise
+        if failed:
+            raise value
+        return value
 
     def _off_the_loop(self, what: str) -> None:
         """Blocking calls wait for the loop thread: from that very thread they could never return."""
@@ -265,7 +300,7 @@ class SyncEngine:
     def _submit(self, request_id: str, coro: Coroutine[Any, Any, Any]) -> None:
         if self._closed:
             coro.close()
-            raise EngineClosedError("the sync engine is closed")
+            raise self._closed_error()
         run = object()  # this submission (`cancel` must not reach a later one under the same id)
         with self._lock:
             if request_id in self._inflight:
@@ -278,7 +313,7 @@ class SyncEngine:
             with self._lock:
                 self._inflight.pop(request_id, None)
             coro.close()
-            raise EngineClosedError("the sync engine is closed") from None
+            raise self._closed_error() from None
 
     def _start_run(self, request_id: str, coro: Coroutine[Any, Any, Any]) -> None:
         self._loop.create_task(self._run(request_id, coro))  # (referenced by the loop until it starts)
@@ -294,7 +329,7 @@ class SyncEngine:
                 await coro
             except asyncio.CancelledError:
                 error = asyncio.CancelledError(f"request {request_id} was cancelled")
-            except Exception as exc:
+            except BaseException as exc:  # (SystemExit too: raised on the loop, it would end the loop thread)
                 error = exc
             finally:
                 coro.close()
@@ -368,12 +403,14 @@ class SyncEngine:
         and `close()` cancels what is still running.
         """
         if self._closed:
-            raise EngineClosedError("the sync engine is closed")
+            raise self._closed_error()
 
         async def run() -> None:
             try:
                 await func(self.engine, *args)
-            except Exception:
+            except asyncio.CancelledError:
+                raise
+            except BaseException:  # (SystemExit too: raised on the loop, it would end the loop thread)
                 log.exception("background task %s failed", getattr(func, "__name__", func))
 
         def start() -> None:
@@ -390,7 +427,7 @@ class SyncEngine:
         from a thread that must not wait: no task, no future, one wake-up of the loop.
         """
         if self._closed:
-            raise EngineClosedError("the sync engine is closed")
+            raise self._closed_error()
         self._loop.call_soon_threadsafe(func, *args)
 
     def poke(self) -> None:
@@ -531,9 +568,9 @@ class SyncEngine:
         `poke_every`: meanwhile have the loop progress NIXL that often (`poke`), e.g. so a peer's
         TCP operation on our memory keeps moving. True if something happened.
         """
+        if self._closed:  # (first: once closed, a new thread may have the dead loop thread's ident)
+            raise self._closed_error()
         self._off_the_loop("wait_activity()")
-        if self._closed:
-            raise EngineClosedError("the sync engine is closed")
         if not timeout >= 0:  # (NaN too: it would never pass)
             raise ValueError(f"wait_activity(): timeout must be >= 0 seconds, not {timeout!r}")
         if poke_every is not None and not poke_every > 0:
@@ -629,14 +666,21 @@ class _LoopStopper:
     waits for ever on the loop's thread. Hooks registered with `threading._register_atexit` run
     before the interpreter joins threads; a forked child inherits them and skips ours."""
 
-    def __init__(self, portal_cm: Any, portal: BlockingPortal, engine: TransferEngine) -> None:
+    def __init__(self, portal_cm: Any, portal: BlockingPortal, engine: TransferEngine, owner: SyncEngine) -> None:
         self._parts: tuple[Any, BlockingPortal, TransferEngine] | None = (portal_cm, portal, engine)
+        self._owner = weakref.ref(owner)  # (weak: the hook must not keep a dropped engine's facade alive)
+        self._lock = threading.Lock()
         self._pid = os.getpid()
         with contextlib.suppress(RuntimeError):  # (the interpreter is already shutting down)
             threading._register_atexit(self._at_exit)  # type: ignore[attr-defined]
 
+    def _take_parts(self) -> tuple[Any, BlockingPortal, TransferEngine] | None:
+        with self._lock:  # (close() and the exit hook may race: one stops the loop)
+            parts, self._parts = self._parts, None  # (dropped: a closed engine is not kept until exit)
+        return parts
+
     def stop(self) -> None:
-        parts, self._parts = self._parts, None  # (dropped: a closed engine is not kept until exit)
+        parts = self._take_parts()
         if parts is None:
             return
         portal_cm, portal, engine = parts
@@ -651,10 +695,60 @@ class _LoopStopper:
     def _at_exit(self) -> None:
         if os.getpid() != self._pid or self._parts is None:
             return
+        owner = self._owner()
         try:  # an error here would skip the interpreter's other exit hooks
-            self.stop()
+            if owner is not None:  # through close(): threads still running get `EngineClosedError` from now on
+                owner.close()
+            else:
+                self.stop()
         except BaseException:
             log.exception("closing an engine nobody closed, at exit, failed")
+
+    def left_behind(self) -> None:
+        """In a forked child: forget the parent's loop without calling it (it would never answer).
+        Marked not running (anyio's own mark), the portal's context can end here at once; left to the
+        child's exit, it would wait for the loop or fail noisily as the interpreter shuts down."""
+        self._lock = threading.Lock()
+        parts = self._take_parts()
+        if parts is None:
+            return
+        portal_cm, portal, _ = parts
+        portal._event_loop_thread_id = None  # type: ignore[attr-defined]
+        try:
+            portal._check_running()  # type: ignore[attr-defined]
+        except RuntimeError:  # (it took the mark: ending the context no longer calls the loop)
+            with contextlib.suppress(Exception):
+                portal_cm.__exit__(None, None, None)
+        except Exception:  # (an anyio without that mark: keep the context, never end it here)
+            _LEFT_BEHIND.append(portal_cm)
+        else:
+            _LEFT_BEHIND.append(portal_cm)
+
+
+_ENGINES: weakref.WeakSet[SyncEngine] = weakref.WeakSet()  # this process's, for a fork
+_LEFT_BEHIND: list[Any] = []  # portal contexts a forked child inherited and could not end
+
+
+def _after_fork_in_child() -> None:
+    for engine in list(_ENGINES):
+        engine._left_behind_by_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+async def _outcome_of(func: Callable[..., Any], args: tuple[Any, ...]) -> tuple[bool, Any]:
+    """``(failed, value)`` of `func(*args)` (sync or async) on the loop: an exception comes back as a value.
+    (anyio re-raises on the loop a base exception such as `SystemExit`, which would end the loop thread.)"""
+    try:
+        value = func(*args)
+        if inspect.isawaitable(value):
+            value = await value
+    except asyncio.CancelledError:
+        raise
+    except BaseException as exc:
+        return True, exc
+    return False, value
 
 
 async def _unwrap_group(coro: Coroutine[Any, Any, None]) -> None:
