@@ -538,9 +538,9 @@ class TransferDriver:
             try:
                 handle = agent.make_xfer(transfer.op, transfer.local_dlist, lidx, transfer.remote_dlist, ridx,
                                          notif or b"")  # fmt: skip
-            except NIXL_ERRORS as exc:  # a transfer ends here; a batch's row fails alone, the next one goes on
-                moved = True
-                self._apply(transfer, core.post_failed(index, str(exc)))
+            except Exception as exc:  # a transfer ends here; a batch's row fails alone, the next one goes on
+                moved = True  # (NIXL's errors, or a binding refusing an argument: NIXL took nothing)
+                self._apply(transfer, core.post_failed(index, str(exc) if isinstance(exc, NIXL_ERRORS) else repr(exc)))
                 continue
             self._handles[base + index] = handle
             # The core counts the handle running before the post: whatever raises from here on (a

@@ -143,11 +143,19 @@ class MemoryRegistry:
         return [h for k, h in self._local_dlists.items() if k[0] == name]
 
     def deregister(self, agent: OwnedAgent, name: str) -> None:
-        """Release the layout's descriptor lists and deregister it. The engine checked it is unused."""
-        registered = self._registered.pop(name)
-        for key in [k for k in self._local_dlists if k[0] == name]:
-            agent.release_dlist(self._local_dlists.pop(key))
-        agent.deregister(registered.memory)
+        """Release the layout's descriptor lists and deregister it. The engine checked it is unused.
+
+        If NIXL refuses, the layout stays registered, offered to peers and referenced (`LayoutError`).
+        """
+        registered = self._registered[name]
+        try:
+            for key in [k for k in self._local_dlists if k[0] == name]:
+                agent.release_dlist(self._local_dlists[key])
+                del self._local_dlists[key]  # (released: prepared again if the layout stays)
+            agent.deregister(registered.memory)
+        except NIXL_ERRORS as exc:
+            raise LayoutError(f"NIXL refused to deregister layout {name!r}: it stays registered ({exc})") from exc
+        del self._registered[name]
         del self.layouts[name]
         self._views.clear()
         self._deregistered.append(registered.keepalive)

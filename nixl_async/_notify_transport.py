@@ -89,6 +89,8 @@ class NotificationTransport:
         """
         if not isinstance(message, bytes):
             raise TypeError(f"a notification must be bytes, not {type(message).__name__}")
+        if op == "WRITE" and not message:  # (NIXL attaches none to a WRITE, yet the caller would be told it went)
+            raise ValueError("an empty notification cannot ride a WRITE: NIXL sends none; give it a message")
         if op != "WRITE" and not self._via_nixl and len(message) > self._max_side_message:
             raise ValueError(f"a notification of {len(message)} bytes exceeds the side channel's "
                              f"{self._max_side_message} (peers refuse larger requests: max_request_bytes)")  # fmt: skip

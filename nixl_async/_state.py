@@ -237,7 +237,7 @@ class SliceCore:
 class TransferCore(SliceCore):
     """One transfer's slices and state. Every method returns the actions to carry out, in order."""
 
-    __slots__ = ("_landed", "_running", "_unreleased", "chain_last", "max_running", "notifies")
+    __slots__ = ("_landed", "_last_posted", "_running", "_unreleased", "chain_last", "max_running", "notifies")
 
     def __init__(
         self,
@@ -258,6 +258,7 @@ class TransferCore(SliceCore):
         self.notifies = chain_last
         self.chain_last = chain_last and num_slices > 1
         self._landed = False  # ended, yet every slice landed, the notifying one included (see _settled_if_quiet)
+        self._last_posted = False  # the last slice (a notifying WRITE's notification) reached NIXL
         # Bit masks (bit i = slice i), not sets or tuples: with 10 k transfers in flight every
         # container the garbage collector tracks makes its full collections slower; ints are not tracked.
         self._running = 0  # posted, not yet seen DONE/ERR
@@ -303,6 +304,8 @@ class TransferCore(SliceCore):
     # -- events from NIXL ---------------------------------------------------------------------
     def posted(self, index: int, state: str) -> list[Action]:
         bit = 1 << index
+        if index == self.num_slices - 1:
+            self._last_posted = True
         self._unreleased |= bit
         self._running |= bit
         return self.checked(index, state)
@@ -342,7 +345,8 @@ class TransferCore(SliceCore):
         # meanwhile (a cancel, a deadline): reporting that error would leave the two sides disagreeing.
         # The engine checks it as any completion (`Complete`): past a lease it is refused, as when a
         # lease that ran out ended it. A caller already told it is fenced keeps that outcome.
-        landed = self.notifies and self._next == self.num_slices > 0 and not self._errored
+        # (Handed out is not enough: a post that raised before NIXL took the slice sent nothing.)
+        landed = self.notifies and self._last_posted and not self._errored
         if not landed or self._held() or self.state is not TransferState.RELEASING:
             return super()._settled_if_quiet()
         if isinstance(self._error, LeaseExpired):  # (what ended it: its data came too late)

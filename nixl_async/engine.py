@@ -205,6 +205,8 @@ class TransferEngine:
         """
         if self._agent is None:
             return
+        if asyncio.get_running_loop() is not self._loop:  # (its poller and closer would run on the wrong loop)
+            raise WrongThreadError("close() this engine on the event loop that started it")
         if self._closer is None:
             self._closing = True
             self._dialer.stop()  # no follower adopts peers, none starts, from here on
@@ -1059,6 +1061,35 @@ class TransferEngine:
             self._wake = self._wake_timer = None
 
     async def _poll_forever(self) -> None:
+        try:
+            await self._poll_until_cancelled()
+        except asyncio.CancelledError:
+            if not self._closing and self._agent is not None:
+                await self._close_as_poller()
+            raise
+
+    async def _close_as_poller(self) -> None:
+        """The poller was cancelled, not by `close()`: `asyncio.run`'s shutdown cancels every task left,
+        this one with the tasks awaiting transfers. Nothing else progresses NIXL, so their transfers
+        (cancelled meanwhile, waiting for NIXL to let go) would never end: the process hung at exit.
+        Close the engine here, polling on until that is done (bounded by the release grace)."""
+        log.warning("the engine's poller was cancelled before close(): closing the engine now")
+        self._poller = None  # (close() must neither wait for nor cancel this task)
+        closing = asyncio.ensure_future(self.close())
+        loop = self._loop
+        assert loop is not None
+        while not closing.done():
+            try:
+                await self._poll_once(loop) if self._agent is not None else await asyncio.sleep(0.001)
+            except asyncio.CancelledError:  # (cancelled again: the close still needs us)
+                continue
+            except Exception as exc:  # (the close fails what is left after its grace)
+                log.debug("poller error while closing: %r", exc)
+                await asyncio.sleep(0.001)
+        if not closing.cancelled() and closing.exception() is not None:
+            log.error("closing the engine after its poller was cancelled failed", exc_info=closing.exception())
+
+    async def _poll_until_cancelled(self) -> None:
         loop = self._loop
         assert loop is not None
         errors = ErrorThrottle(log, "engine poller error; failing the transfers in flight")

@@ -1,0 +1,156 @@
+"""The engine where a caller least expects trouble: a post that raises, an empty notification, a refused
+deregister, `asyncio.run`'s shutdown, and a close from the wrong loop (real NIXL, a peer process)."""
+
+import asyncio
+import subprocess
+import sys
+import threading
+import weakref
+
+import numpy as np
+import pytest
+
+from nixl_async import LayoutError, TransferFailed, WrongThreadError
+from nixl_async._agent import NIXL_ERRORS
+from nixl_async.testing import Checksums, PeerCommandError, WaitNotifications, transfers_settled
+
+BLOCK = 1 << 20
+
+
+@pytest.mark.parametrize("blocks", [1, 8], ids=["one_slice", "eight_slices"])
+@pytest.mark.nixl_engine_config(max_post_bytes=BLOCK, min_post_bytes=BLOCK)
+async def test_a_notifying_write_whose_last_post_raises_fails(nixl_engine, nixl_peer_factory, monkeypatch, blocks):
+    """A WRITE's notification rides on its last slice; a post of that slice that raises an error not NIXL's
+    (a binding refusing an argument) sent nothing: the WRITE fails, and the peer hears nothing. Before, the
+    slice counted as handed out, so the WRITE "landed": the caller was told it succeeded and notified."""
+    proc = nixl_peer_factory(num_regions=1, num_blocks=blocks, block_len=BLOCK, tcp=True)
+    nixl_engine.register("kv", [np.full(blocks * BLOCK, 7, np.uint8)], block_len=BLOCK)
+    peer = await nixl_engine.connect(*proc.address)
+    before = await proc.request(Checksums(blocks=[blocks - 1]))
+    agent = nixl_engine._agent
+    make_xfer = agent.make_xfer
+
+    def refuses_notifications(op, local, lidx, remote, ridx, notif=b""):
+        if notif:
+            raise TypeError("a binding refused an argument")
+        return make_xfer(op, local, lidx, remote, ridx, notif)
+
+    monkeypatch.setattr(agent, "make_xfer", refuses_notifications)
+    transfer = await nixl_engine.start_write(peer, list(range(blocks)), list(range(blocks)), notify=b"written")
+    with pytest.raises(TransferFailed, match="TypeError"):
+        await asyncio.wait_for(transfer, 30)
+    assert transfer.slices_errored >= 1
+    assert await proc.request(Checksums(blocks=[blocks - 1])) == before  # the last block was never written
+    with pytest.raises(PeerCommandError, match="NotificationTimeout"):
+        await proc.request(WaitNotifications(message=b"written", timeout=1.0))
+    monkeypatch.setattr(agent, "make_xfer", make_xfer)
+    assert (await nixl_engine.write(peer, [0], [0], notify=b"again")).notified
+    assert await proc.request(WaitNotifications(message=b"again", timeout=10)) == [nixl_engine.engine_id]
+    assert await transfers_settled(nixl_engine) == 0
+
+
+async def test_an_empty_notification_on_a_write_is_refused(nixl_engine, nixl_peer):
+    """NIXL attaches no empty notification to a WRITE: the caller would be told `notified` while the peer,
+    waiting for it, heard nothing. Refused at the submit, nothing posted (a READ's empty one is sent)."""
+    nixl_engine.register("kv", [np.zeros(64 * 4096, np.uint8) for _ in range(2)], block_len=4096)
+    peer = await nixl_engine.connect(*nixl_peer.address)
+    with pytest.raises(ValueError, match="empty notification"):
+        await nixl_engine.start_write(peer, [0], [0], notify=b"")
+    with pytest.raises(ValueError, match="empty notification"):
+        await nixl_engine.start_writes(peer, [[0]], [[0]], notify=[b""])
+    assert nixl_engine.stats.counters["transfers_submitted"] == 0
+    assert (await nixl_engine.read(peer, [0], [0], notify=b"")).notified
+    assert await nixl_peer.request(WaitNotifications(message=b"", timeout=10)) == [nixl_engine.engine_id]
+
+
+async def test_a_deregister_nixl_refuses_leaves_the_layout_registered(nixl_engine, nixl_peer, monkeypatch):
+    """NIXL refusing to deregister: a typed error, and the layout stays registered, offered and referenced
+    (before: its memory was no longer referenced, so it could be freed while NIXL still had it registered
+    and peers could reach it, and a second deregister said there was no such layout)."""
+    region = np.zeros(64 * 4096, np.uint8)
+    alive = weakref.ref(region)
+    nixl_engine.register("kv", [region, np.zeros(64 * 4096, np.uint8)], block_len=4096)
+    peer = await nixl_engine.connect(*nixl_peer.address)
+    await nixl_engine.read(peer, [0], [1])  # (a prepared descriptor list over it)
+    agent = nixl_engine._agent
+
+    def refuses(memory):
+        raise NIXL_ERRORS[0]("NIXL_ERR_BACKEND (refused by the test)")
+
+    monkeypatch.setattr(agent, "deregister", refuses)
+    with pytest.raises(LayoutError, match="refused to deregister"):
+        nixl_engine.deregister("kv")
+    del region
+    assert alive() is not None and "kv" in nixl_engine._memory.layouts
+    assert (await nixl_engine.read(peer, [2], [3])).nbytes == 2 * 4096
+    monkeypatch.undo()
+    nixl_engine.deregister("kv")
+    assert "kv" not in nixl_engine._memory.layouts
+
+
+_SHUTDOWN = """
+import asyncio, os, sys, threading, time
+import numpy as np
+from nixl_async import EngineConfig, TransferEngine
+from nixl_async.testing import TCP_ENV
+from nixl_async.testing.peer_process import PeerProcess, PeerSpec
+
+os.environ.update(TCP_ENV)
+BLOCK, BLOCKS = 1 << 20, 96
+proc = PeerProcess(PeerSpec(engine_id="shutdown-peer", num_regions=1, num_blocks=BLOCKS, block_len=BLOCK),
+                   env=TCP_ENV).start()
+seen = {}
+
+async def serve():
+    async with TransferEngine(EngineConfig(engine_id="shutdown-reader")) as engine:
+        engine.register("kv", [np.zeros(BLOCKS * BLOCK, np.uint8)], block_len=BLOCK)
+        peer = await engine.connect(*proc.address)
+        while True:  # a service reading again and again, until the process ends
+            seen["transfer"] = await engine.start_read(peer, list(range(BLOCKS)), list(range(BLOCKS)))
+            await seen["transfer"]
+
+async def main():
+    asyncio.get_running_loop().create_task(serve())
+    while "transfer" not in seen or not seen["transfer"].core.has_running:
+        await asyncio.sleep(0.0005)
+
+def watchdog():
+    time.sleep(30)
+    print("hung", flush=True)
+    proc.kill()
+    os._exit(3)
+
+threading.Thread(target=watchdog, daemon=True).start()
+asyncio.run(main())
+print("returned", seen["transfer"].state.name, seen["transfer"].quiet, flush=True)
+proc.stop(timeout=5)
+"""
+
+
+def test_asyncio_run_returns_while_a_task_awaits_a_transfer_in_flight():
+    """`asyncio.run`'s shutdown cancels every task left, the poller among them, while a task awaits a READ in
+    flight over TCP: the poller closes the engine (its transfers end once NIXL lets go) and the run returns.
+    Before, nothing progressed NIXL any more: the transfer never ended, nor did the process."""
+    done = subprocess.run([sys.executable, "-c", _SHUTDOWN], capture_output=True, text=True, timeout=90)
+    assert "returned CANCELLED True" in done.stdout, done.stdout + done.stderr[-3000:]
+    assert "closing the engine now" in done.stderr
+
+
+async def test_close_from_another_loop_is_refused_and_leaves_the_engine_working(nixl_engine, nixl_peer):
+    """Before, `close()` awaited on another thread's loop cancelled the poller and stored a closer that failed
+    there: the engine refused all work yet held its agent and memory for good."""
+    nixl_engine.register("kv", [np.zeros(64 * 4096, np.uint8) for _ in range(2)], block_len=4096)
+    peer = await nixl_engine.connect(*nixl_peer.address)
+    raised: list[BaseException] = []
+
+    def elsewhere() -> None:
+        try:
+            asyncio.run(nixl_engine.close())
+        except BaseException as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=elsewhere)
+    thread.start()
+    await asyncio.to_thread(thread.join)
+    assert len(raised) == 1 and isinstance(raised[0], WrongThreadError)
+    assert (await nixl_engine.read(peer, [0], [1])).nbytes == 2 * 4096
