@@ -195,7 +195,12 @@ class HandshakeServer:
                 await asyncio.sleep(0)
                 yielded = loop.time()
             frames = await sock.recv_multipart(copy=True)
-            reply = self._answer(frames)
+            try:
+                reply = self._answer(frames)
+            except Exception:  # one message must not restart the server (and drop the handshakes under way)
+                log.exception("a side-channel message could not be answered; dropped")
+                self.rejected += 1
+                continue
             if reply is None:
                 continue
             identity, delimiter, payload = reply

@@ -143,3 +143,13 @@ def test_a_request_on_ucx_default_segments_signs_as_older_engines_sign():
     # asking for a signed reply is covered (an older server, which drops the field, refuses it: it cannot sign)
     assert messages.request_mac(secret, messages.CallRequest(**call, signed_reply=True)) != older_call
     assert messages.request_mac(secret, messages.MetadataRequest(**fields, signed_reply=True)) != older
+
+
+@pytest.mark.parametrize("payload", [b"\x81\xa4type\xa2\xff\xfe",  # a string that is not UTF-8
+                                     b"\x82\xa4type\xb0metadata_request\xa1x" + b"\x91" * 1000 + b"\xc0"],  # deep
+                         ids=["not_utf8", "deep"])  # fmt: skip
+def test_input_msgspec_raises_oddly_on_is_a_decode_error(payload):
+    """msgspec raises `UnicodeDecodeError` / `RecursionError` for these; every caller catches `DecodeError`."""
+    for decode in (messages.decode_request, messages.decode_reply, messages.decode_published):
+        with pytest.raises(msgspec.DecodeError):
+            decode(payload)

@@ -18,6 +18,7 @@ from nixl_async import (
     HandshakeRejected,
     IncompatiblePeerError,
     PeerNotPublished,
+    ProtocolError,
     TransferEngine,
     discovery,
     messages,
@@ -146,12 +147,15 @@ async def test_a_record_under_another_engines_key_is_refused(etcd, nixl_peer_fac
     assert value is not None
     etcd.put(_key("impostor"), value)  # someone else's record
     etcd.put(_key("garbage"), b"\x00not msgpack")
+    etcd.put(_key("not-utf8"), b"\x81\xa4type\xa2\xff\xfe")  # msgspec: UnicodeDecodeError, not DecodeError
+    etcd.put(_key("deep"), b"\x82\xa4type\xb0published_engine\xa1x" + b"\x91" * 1000 + b"\xc0")  # RecursionError
     engine = await _engine(_etcd_config(etcd))
     try:
         with pytest.raises(EngineIdMismatch, match="impostor"):
             await engine.connect(engine_id="impostor")
-        with pytest.raises(Exception, match="undecodable etcd record"):
-            await engine.connect(engine_id="garbage")
+        for name in ("garbage", "not-utf8", "deep"):  # (before: the last two raised msgspec's own errors untyped)
+            with pytest.raises(ProtocolError, match="undecodable etcd record"):
+                await engine.connect(engine_id=name)
         assert not engine.peers
     finally:
         await engine.close()

@@ -10,6 +10,12 @@ from nixl_async.config import TCP_SEGMENT_BYTES
 from nixl_async.testing import Stats
 
 MESSAGES = 10_000
+# {"type": "metadata_request", "x": ...}: msgspec skips an unknown field's value, recursing into it
+_UNKNOWN_FIELD = b"\x82" + msgspec.msgpack.encode("type") + msgspec.msgpack.encode("metadata_request") + b"\xa1x"
+POISON = {
+    "not_utf8": b"\x81\xa4type\xa2\xff\xfe",  # 9 bytes
+    "deep": _UNKNOWN_FIELD + b"\x91" * 1000 + b"\xc0",  # ~1 KiB
+}
 
 json_like = st.recursive(
     st.none()
@@ -37,6 +43,8 @@ payloads = st.one_of(
         optional={"version": json_like, "engine_id": json_like, "tcp_segment_bytes": json_like},
     ).map(msgspec.msgpack.encode),  # right tag, wrong fields
     st.integers(64 << 10, 1 << 20).map(lambda n: b"\x91" * n),  # oversized request (below ZMQ's frame limit)
+    st.binary(min_size=1, max_size=31).map(lambda b: b"\x81\xa4type" + bytes([0xA0 | len(b)]) + b),  # str, not UTF-8
+    st.integers(900, 20_000).map(lambda n: _UNKNOWN_FIELD + b"\x91" * n + b"\xc0"),  # nested deep, within the size
 )
 frames = st.one_of(payloads.map(lambda p: [p]), st.lists(payloads, min_size=2, max_size=3))  # some with extra frames
 
@@ -93,6 +101,28 @@ def test_listener_answers_every_malformed_message(nixl_peer):
     counters = nixl_peer.request_sync(Stats())["counters"]
     assert counters["handshakes_served"] == counts["metadata"] and counters["handshakes_rejected"] == counts["errors"]
     assert rss[-1] - rss[0] < 32 * 1024, f"listener RSS grew {rss[-1] - rss[0]} KiB over {MESSAGES} messages"
+
+
+def test_messages_msgspec_fails_on_oddly_are_answered_and_never_restart_the_listener(nixl_peer):
+    """A string that is not UTF-8, or nesting ~1000 deep: msgspec raises `UnicodeDecodeError` and
+    `RecursionError` for them, not `DecodeError`. Before, each one restarted the listener (dropping the
+    handshakes under way) and six in a row stopped it for good: anyone who could reach the port, secret
+    or not, could end an engine's handshakes, calls and side-channel notifications."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    sock.connect(f"tcp://{nixl_peer.host}:{nixl_peer.port}")
+    try:
+        for _ in range(8):
+            for payload in POISON.values():
+                sock.send(payload)
+                reply = messages.decode_reply(sock.recv())
+                assert isinstance(reply, messages.ErrorReply) and reply.code == "bad_request", reply
+        sock.send(messages.encode(messages.MetadataRequest(engine_id="after", tcp_segment_bytes=TCP_SEGMENT_BYTES)))
+        assert isinstance(messages.decode_reply(sock.recv()), messages.MetadataReply)
+    finally:
+        ctx.destroy(0)
+    assert nixl_peer.request_sync(Stats())["counters"]["handshake_server_restarts"] == 0
 
 
 def test_frames_over_the_zmq_limit_drop_only_that_sender(nixl_peer):
