@@ -126,7 +126,11 @@ class HandshakeServer:
         self.failed: BaseException | None = None  # set when it could not be restarted: nobody answers
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
-        self._bind(host, port)
+        """Bind and serve; `OSError` (with the errno, e.g. EADDRINUSE) if the address cannot be bound."""
+        try:
+            self._bind(host, port)
+        except zmq.ZMQError as exc:
+            raise OSError(exc.errno, f"cannot serve handshakes on {host}:{port}: {exc.strerror}") from exc
         self._task = asyncio.get_running_loop().create_task(self._supervise(), name=f"handshake-server:{self.port}")
         return self.host, self.port
 

@@ -23,7 +23,7 @@ from .kv_layout import no_head_window
 from .progressive import LayerReady
 from .push_book import PushGroup, PushRegistration
 from .tp_mapping import RankRead, plan_reads, split_for_block_ratio
-from .worker import LAYOUT, KVGeometry, RecvJob, plan_request
+from .worker import LAYOUT, KVGeometry, RecvJob, check_bytes_meaning, plan_request
 
 __all__ = ["WHOLE", "WritePart", "layer_parts", "make_registration", "plan_push", "registrations_for", "write_parts"]
 
@@ -81,6 +81,7 @@ def plan_push(geometry: KVGeometry, job: RecvJob, first: Peer) -> list[RankRead]
     ratio = _block_ratio(prefill_block_size, geometry.block_size)
     if ratio == 1:
         return plan_request(geometry, job, first).steps
+    check_bytes_meaning(geometry, first)
     _refuse_cut(geometry, [g.kind for g in job.groups], prefill_block_size, geometry.block_size)
     steps = plan_reads(
         local_tp=geometry.tp_size, local_rank=geometry.tp_rank, remote_tp=job.remote_tp, mla=geometry.mla,

@@ -148,6 +148,11 @@ def _refuse_unsupported(vllm_config: Any, extra: dict[str, Any]) -> None:
         )
     if getattr(vllm_config.kv_transfer_config, "enable_permute_local_kv", False):
         raise UnsupportedSetting("enable_permute_local_kv is not supported: the adapter reads layouts as they are")
+    if getattr(getattr(vllm_config, "aux_output_config", None), "enabled", False):
+        # (vLLM 0.32 refuses it for its own NIXL connectors by their names: ours would start, and decode would
+        # answer without the routed experts prefill computed)
+        raise UnsupportedSetting("--enable-return-routed-experts is not supported: the adapter moves KV only, "
+                                 "not auxiliary outputs (as vLLM's NIXL connectors)")  # fmt: skip
 
 
 def _registration_timeout(extra: dict[str, Any]) -> float:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import queue
 import time
@@ -51,7 +52,7 @@ from .kv_layout import CacheLayout, describe_cache, no_head_window, packing_name
 from .leases import LEASE_TOPIC, LearnedLeases, RequestLease, answer_renewal, heartbeat
 from .push_book import PUSH_FAILED_PREFIX, PUSH_PREFIX
 from .send_book import SendBook
-from .settings import AdapterSettings, connect_rank, rank_engine_id
+from .settings import AdapterSettings, UnsupportedSetting, connect_rank, rank_engine_id
 from .tp_mapping import RankRead, expected_consumers, plan_reads, remote_ranks, split_for_block_ratio
 
 __all__ = [
@@ -88,6 +89,8 @@ class KVGeometry:
     ratio_refusal: str | None = None  # why smaller remote blocks cannot be placed, if they cannot
     pages_per_block: int = 1  # kernel pages vLLM split each logical block into (block_size is a page's)
     group_kinds: tuple[str, ...] = ("full",)  # vLLM's KV cache groups that transfer, in order (see block_pairs)
+    bytes_meaning: tuple[tuple[str, str], ...] = ()  # what a block's bytes mean here (`check_bytes_meaning`)
+    compat_enforced: bool = True  # the compatibility hash, which covers `bytes_meaning` too, is enforced
 
 
 @dataclass(frozen=True)
@@ -263,17 +266,15 @@ class ConnectorWorker:
         attention_layers = [name for group in kv_cache_config.transfer_groups for name in group.layer_names
                             if name not in self.state_layers]  # fmt: skip
         self.attention = AttentionChoice.of(vllm_config, attention_layers or None)
-        self.sync = SyncEngine(
-            self.settings.engine_config(
-                rank_engine_id(engine_id, self.tp_rank),
-                _compat(vllm_config, self.attention, self.TRANSFER_MODE, has_state="state" in self.group_kinds),
-            )
-        )
+        compat = _compat(vllm_config, self.attention, self.TRANSFER_MODE, has_state="state" in self.group_kinds)
+        self._bytes_meaning = tuple((key, compat[key]) for key in BYTES_MEANING_KEYS if key in compat)
+        self.sync = SyncEngine(self.settings.engine_config(rank_engine_id(engine_id, self.tp_rank), compat))
         self._notifications: queue.SimpleQueue[Notification] = self.sync.feed_notifications()
         self.geometry: KVGeometry | None = None
         self.address: tuple[str, int] = ("", 0)  # where this rank's engine answers handshakes
         self._regions: list[Any] = []  # vLLM's tensors; the engine does not own them, so keep them referenced
         self._device_caches: dict[str, Any] = {}
+        self._sync_direct_receives = False  # set at registration: see get_transfer_results
         self._host_caches: dict[str, Any] = {}
         self._copy_blocks: Any = None
         # reader side
@@ -302,6 +303,11 @@ class ConnectorWorker:
             raise LayoutError(f"{pages} kernel pages do not divide a block of {self.block_size} tokens")
         page_size = self.block_size // pages
         first = regions[0]
+        if first.device.type not in ("cpu", "cuda"):  # (ROCm's tensors say "cuda" too)
+            raise UnsupportedSetting(
+                f"KV caches on {first.device.type!r} devices are not supported by the adapter "
+                "(CPU, CUDA and ROCm only): their memory would be registered as host memory"
+            )
         if first.device.type == "cuda" and self.buffer_device == "cpu":
             if self.state_layers:
                 raise LayoutError("kv_buffer_device 'cpu' (host staging) with state (Mamba) layers is not supported")
@@ -311,6 +317,7 @@ class ConnectorWorker:
             regions, block_len, pages = _kv_regions(self._host_caches, num_blocks)
             first = regions[0]
         mem_type, device = (MemType.VRAM, first.device.index or 0) if first.device.type == "cuda" else (MemType.DRAM, 0)
+        self._sync_direct_receives = mem_type is MemType.VRAM and bool(self.state_layers) and _on_rocm()
         layout = BlockLayout.from_regions(
             LAYOUT, [r.data_ptr() for r in regions], num_blocks=num_blocks * pages, block_len=block_len,
             mem_type=mem_type, device_id=device, block_size=page_size,
@@ -320,17 +327,25 @@ class ConnectorWorker:
         self.geometry = KVGeometry(
             self.tp_size, self.tp_rank, page_size, layout.part_len, cache.run_len, self.use_mla,
             self.vllm_config.model_config.get_total_num_kv_heads(), cache.head_window, cache.ratio_refusal, pages,
-            self.group_kinds,
+            self.group_kinds, self._bytes_meaning, self.settings.enforce_compat,
         )  # fmt: skip
         self.sync.set_extra(block_size=str(page_size), pages_per_block=str(pages), tp_size=str(self.tp_size),
-                            tp_rank=str(self.tp_rank))  # fmt: skip
-        host, port = self.address = self.sync.serve(self.settings.bind_host(),
-                                                    self.settings.side_channel_port + self.tp_rank)  # fmt: skip
+                            tp_rank=str(self.tp_rank), **dict(self._bytes_meaning))  # fmt: skip
+        host, port = self.address = self._serve(self.settings.bind_host(), self.settings.side_channel_port)
         if self.settings.etcd is not None:
             self.sync.publish()  # readers find this rank by engine id (DiscoveryUnavailable: vLLM fails to start)
         log.info("nixl_async worker %s rank %d: %d layers x %d blocks of %d bytes, KV cache groups %s, serving %s:%d",
                  self.engine_id, self.tp_rank, len(regions), num_blocks, block_len, ",".join(self.group_kinds), host,
                  port)  # fmt: skip
+
+    def _serve(self, host: str, base_port: int) -> tuple[str, int]:
+        """Serve this rank's side channel at base + rank; a taken port says what to change."""
+        try:
+            return cast(tuple[str, int], self.sync.serve(host, base_port + self.tp_rank))
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            raise OSError(exc.errno, _port_taken_hint(base_port, self.tp_size, self.tp_rank)) from exc
 
     def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:
         self._copy_blocks = copy_operation
@@ -519,6 +534,10 @@ class ConnectorWorker:
                     self._invalid_blocks.update(blocks)
                 recving.add(request_id)
                 failed.add(request_id)
+        if self._sync_direct_receives and recving - failed:
+            # ROCm with state (Mamba) layers: NIXL's writes into device memory are made visible to the
+            # next step's kernels only by a device synchronize (vLLM's worker does the same)
+            torch.accelerator.synchronize()
         return self._finished_sending(), recving, failed
 
     def _wait_if_idle(self) -> None:
@@ -680,12 +699,47 @@ class RequestPlan:
     groups: tuple[GroupBlocks, ...]  # the request's blocks per KV cache group (in kernel pages when paged)
 
 
+# What a block's bytes mean beyond vLLM's hash (see `_compat`): compared even with the hash's opt-out.
+BYTES_MEANING_KEYS = ("kv_cache_layout", "cpu_attn_isa", "ssm_conv_state_layout", "mamba_cache_dtype",
+                      "mamba_ssm_cache_dtype")  # fmt: skip
+
+
+def _on_rocm() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_rocm())
+
+
+def _port_taken_hint(base: int, tp_size: int, rank: int) -> str:
+    """Why a rank's side-channel port may be taken: vLLM's NixlConnector listens once per instance, at
+    base + dp_index, so its docs put two instances on one host one port apart; we listen once per rank."""
+    return (f"port {base + rank} (VLLM_NIXL_SIDE_CHANNEL_PORT {base} + TP rank {rank}) is taken: nixl_async serves "
+            f"one side channel per TP rank, ports {base}..{base + tp_size - 1} here, so instances on one host need "
+            f"VLLM_NIXL_SIDE_CHANNEL_PORT values at least their TP size apart (NixlConnector's 1 apart is not enough "
+            "from TP 2 on)")  # fmt: skip
+
+
+def check_bytes_meaning(geometry: KVGeometry, first: Peer) -> None:
+    """`LayoutError` unless peer rank `first`'s blocks mean here what they mean there (cache layout, CPU ISA,
+    state layout and dtypes). ``enforce_handshake_compat: false`` skips vLLM's hash, as in vLLM, never these:
+    an LBHNC block read into an LBNHC cache holds tokens and heads transposed (wrong output, no error)."""
+    if geometry.compat_enforced and not any(key in first.extra for key, _ in geometry.bytes_meaning):
+        return  # (an adapter from before these were published: the enforced hash compared them)
+    for key, ours in geometry.bytes_meaning:
+        theirs = first.extra.get(key)
+        if theirs != ours:
+            said = "is not published" if theirs is None else f"is {theirs!r}"
+            raise LayoutError(f"engine {first.engine_id!r}'s {key} {said}, ours is {ours!r}: its blocks cannot be "
+                              "used here (checked even with enforce_handshake_compat off)")  # fmt: skip
+
+
 def plan_request(geometry: KVGeometry, job: RecvJob, first: Peer) -> RequestPlan:
     """Plan `job` from the layout of one producer rank (`first`; every rank has the same geometry).
 
     Raises `LayoutError` for what cannot be read correctly (block sizes that do not divide,
     head windows of a packing that has none, state groups across unequal TP...).
     """
+    check_bytes_meaning(geometry, first)
     remote_pages = int(first.extra.get("pages_per_block", "1"))
     paged = geometry.pages_per_block > 1 or remote_pages > 1
     groups = job.groups

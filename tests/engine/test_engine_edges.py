@@ -154,3 +154,21 @@ async def test_close_from_another_loop_is_refused_and_leaves_the_engine_working(
     await asyncio.to_thread(thread.join)
     assert len(raised) == 1 and isinstance(raised[0], WrongThreadError)
     assert (await nixl_engine.read(peer, [0], [1])).nbytes == 2 * 4096
+
+
+async def test_serving_on_a_taken_port_raises_oserror_and_serving_elsewhere_works():
+    """A bind that fails is an `OSError` with its errno (before: ZMQ's own `ZMQError`), and nothing is left
+    half-serving: the engine serves on another port right after."""
+    import errno
+    import socket
+
+    from nixl_async import EngineConfig, TransferEngine
+
+    async with TransferEngine(EngineConfig(engine_id="taken")) as engine:
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            with pytest.raises(OSError, match="cannot serve handshakes") as info:
+                await engine.serve("127.0.0.1", taken.getsockname()[1])
+            assert info.value.errno == errno.EADDRINUSE
+        assert (await engine.serve("127.0.0.1", 0))[1] > 0

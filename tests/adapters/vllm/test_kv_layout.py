@@ -189,3 +189,74 @@ def test_host_staging_without_vllms_copy_op_fails_loudly_not_with_stale_kv():
         worker.get_transfer_results()
     worker._host_caches = {}  # no staging: nothing needed
     worker.wait_for_save(None)
+
+
+def test_a_taken_side_channel_port_says_how_to_space_instances():
+    """vLLM's docs put two NixlConnector instances on one host one port apart (it listens once per
+    instance); the adapter listens once per TP rank, so from TP 2 on the second instance's port is the
+    first one's rank 1. Before, vLLM failed to start with ZMQ's bare "Address already in use"."""
+    import errno
+    import socket
+
+    from nixl_async import EngineConfig, SyncEngine
+    from nixl_async_vllm.worker import ConnectorWorker
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        base = taken.getsockname()[1] - 1  # rank 1's port is the taken one
+        worker = ConnectorWorker.__new__(ConnectorWorker)  # only the serving runs: no vLLM config
+        worker.tp_rank, worker.tp_size = 1, 2
+        worker.sync = SyncEngine(EngineConfig(engine_id="taken-port"))
+        try:
+            with pytest.raises(OSError, match="at least their TP size apart") as info:
+                worker._serve("127.0.0.1", base)
+            assert info.value.errno == errno.EADDRINUSE
+        finally:
+            worker.sync.close()
+
+
+def test_kv_caches_on_another_accelerator_are_refused_by_name():
+    """Tensors on a device that is neither CPU nor CUDA/ROCm (XPU, say; here "meta"): before, registered as host
+    memory (vLLM registers XPU caches as device memory, or stages them through the host)."""
+    from types import SimpleNamespace
+
+    from nixl_async_vllm.settings import UnsupportedSetting
+    from nixl_async_vllm.worker import AttentionChoice, ConnectorWorker
+
+    name, view = _views("FLASH_ATTN", "LBHNC")
+    worker = ConnectorWorker.__new__(ConnectorWorker)  # what register_kv_caches reads, without a vLLM server
+    worker.kv_cache_config = SimpleNamespace(num_blocks=BLOCKS)
+    worker.state_layers = frozenset()
+    worker.block_size = BLOCK_SIZE
+    worker.attention = AttentionChoice(name, "LBHNC", None)
+    worker.vllm_config = SimpleNamespace(model_config=SimpleNamespace(get_num_kv_heads=lambda _: HEADS, use_mla=False),
+                                         parallel_config=None)  # fmt: skip
+    elsewhere = view.to("meta")
+    with pytest.raises(UnsupportedSetting, match="'meta' devices are not supported"):
+        worker.register_kv_caches({"l0": elsewhere, "l1": elsewhere})
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_received_state_on_rocm_is_synchronized_before_vllm_hears(monkeypatch, direct):
+    """ROCm with state (Mamba) layers read straight into device memory: vLLM's worker synchronizes the device
+    before it reports receives, so the next step's kernels see NIXL's writes; so does the adapter now."""
+    from types import SimpleNamespace
+
+    from nixl_async import FinishedRequests
+    from nixl_async_vllm.worker import ConnectorWorker
+
+    synchronized: list[bool] = []
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda *a: synchronized.append(True))
+    worker = ConnectorWorker.__new__(ConnectorWorker)  # only the reporting runs: no vLLM config, no engine
+    worker._host_caches, worker._sync_direct_receives, worker._awaiting = {}, direct, {"r": [3]}
+    worker.sync = SimpleNamespace(get_finished=lambda: FinishedRequests(done={"r"}))
+    worker._wait_if_idle = lambda: None
+    worker._own_finished = lambda finished: finished
+    worker._finished_sending = set
+    assert worker.get_transfer_results() == (set(), {"r"}, set())
+    assert synchronized == ([True] if direct else [])
+    worker._awaiting = {}
+    worker.sync = SimpleNamespace(get_finished=FinishedRequests)
+    worker.get_transfer_results()  # nothing received: no synchronize
+    assert synchronized == ([True] if direct else [])

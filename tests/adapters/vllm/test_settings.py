@@ -20,8 +20,9 @@ SECRET = "correct horse battery staple"
 
 
 def _config(extra, tp=2, dp_index=0, pp=1, dcp=1, pcp=1, permute=False, connector="NixlAsyncConnector", nodes=1,
-            role="kv_both"):  # fmt: skip
+            role="kv_both", routed_experts=False):  # fmt: skip
     return SimpleNamespace(
+        aux_output_config=SimpleNamespace(enabled=routed_experts),
         kv_transfer_config=SimpleNamespace(
             kv_connector_extra_config=extra, enable_permute_local_kv=permute, kv_connector=connector, kv_role=role
         ),
@@ -158,6 +159,7 @@ def test_nixl_connector_settings_are_honoured():
         ({}, {"dcp": 2}, "decode_context_parallel_size=2"),
         ({}, {"pcp": 2}, "prefill_context_parallel_size=2"),
         ({}, {"permute": True}, "enable_permute_local_kv"),
+        ({}, {"routed_experts": True}, "enable-return-routed-experts"),  # vLLM refuses it for its NIXL connectors
         ({}, {"nodes": 2, "role": "kv_producer"}, "across 2 nodes needs .*etcd_endpoint"),
         ({}, {"nodes": 2}, "across 2 nodes"),  # kv_both: dialled as a producer
         ({}, {"nodes": 2, "role": "kv_consumer", "connector": "NixlAsyncPushConnector"}, "across 2 nodes"),

@@ -97,7 +97,7 @@ def _expected(rank, tp_p, tp_d, mla, ratio, layer, local_index, backend="CPU_ATT
 
 async def _decode_rank(
     rank, tp_p, tp_d, mla, ratio, port, local_blocks, expires_at=None, backend="CPU_ATTN", kv_heads=HEADS,
-    notice_failed=None, lease=None, **engine_options,
+    notice_failed=None, lease=None, bytes_meaning=(), compat_enforced=True, **engine_options,
 ):  # fmt: skip
     heads_d = _heads(kv_heads, tp_d)
     shape = (
@@ -108,6 +108,7 @@ async def _decode_rank(
     geometry = KVGeometry(
         tp_size=tp_d, tp_rank=rank, block_size=LOCAL_BLOCK_SIZE, part_len=cache.block_len, run_len=cache.run_len,
         mla=mla, kv_heads=kv_heads, head_window=cache.head_window, ratio_refusal=cache.ratio_refusal,
+        bytes_meaning=bytes_meaning, compat_enforced=compat_enforced,
     )  # fmt: skip
     job = RecvJob(
         request_id="req-d", remote_request_id="req-p", remote_engine_id="prefill", host="127.0.0.1", port=port,
@@ -119,7 +120,7 @@ async def _decode_rank(
     return [c.view(torch.uint8).numpy().reshape(NUM_BLOCKS, -1) for c in caches], results
 
 
-def _spawn_prefill(factory, tp_p, mla, ratio, kv_heads=HEADS, tcp=False):
+def _spawn_prefill(factory, tp_p, mla, ratio, kv_heads=HEADS, tcp=False, extra=None):
     """(base port, prefill rank processes); `tcp`: UCX over TCP only, so reads are really in flight."""
     port = free_port_base(4)
     bs_p = LOCAL_BLOCK_SIZE // ratio
@@ -127,7 +128,7 @@ def _spawn_prefill(factory, tp_p, mla, ratio, kv_heads=HEADS, tcp=False):
         factory(
             engine_id=rank_engine_id("prefill", p), port=port + p, num_regions=LAYERS, num_blocks=NUM_BLOCKS,
             block_len=_page(_heads(kv_heads, tp_p), bs_p, mla), seed=100 if mla else _seed(p, tp_p, kv_heads),
-            extra={"block_size": str(bs_p)}, tcp=tcp,
+            extra={"block_size": str(bs_p), **(extra or {})}, tcp=tcp,
         )
         for p in range(tp_p)
     ]  # fmt: skip
@@ -368,6 +369,35 @@ async def test_a_block_size_ratio_into_the_cpu_backend_is_refused_before_reading
     with pytest.raises(LayoutError, match="CPU backend"):
         await _decode_rank(0, 1, 1, False, 2, port, local)
     await _assert_told_once(prefill, 1)  # connected before the refusal: it frees the blocks at once
+
+
+@pytest.mark.parametrize(
+    "published, enforced, refused",
+    [
+        ({"kv_cache_layout": "LBHNC"}, False, "'LBHNC', ours is 'LBNHC'"),  # the hash's opt-out: still compared
+        ({"kv_cache_layout": "LBHNC"}, True, "'LBHNC', ours is 'LBNHC'"),
+        ({}, False, "kv_cache_layout is not published"),  # nothing to compare, and no hash compared it
+        ({}, True, None),  # an adapter from before these were published: the enforced hash compared them
+        ({"kv_cache_layout": "LBNHC"}, False, None),
+    ],
+    ids=["other_layout_opted_out", "other_layout", "unpublished_opted_out", "unpublished_hash_enforced", "same"],
+)
+async def test_a_producer_whose_blocks_mean_something_else_is_refused(nixl_peer_factory, published, enforced,
+                                                                       refused):  # fmt: skip
+    """What a block's bytes mean (cache layout, CPU ISA, state layout and dtypes) is compared before reading, even
+    with ``enforce_handshake_compat: false``, which skips vLLM's hash only (as in vLLM). Before, the opt-out made a
+    layout mismatch a warning: LBHNC blocks read into an LBNHC cache, tokens and heads transposed, no error."""
+    port, prefill = _spawn_prefill(nixl_peer_factory, 1, False, 1, extra=published)
+    local = LOCAL_CANDIDATES[: len(REMOTE_BLOCKS) - LOCAL_HIT]
+    meaning = (("kv_cache_layout", "LBNHC"),)
+    if refused is None:
+        _caches, results = await _decode_rank(0, 1, 1, False, 1, port, local, bytes_meaning=meaning,
+                                              compat_enforced=enforced)  # fmt: skip
+        assert results
+    else:
+        with pytest.raises(LayoutError, match=refused):
+            await _decode_rank(0, 1, 1, False, 1, port, local, bytes_meaning=meaning, compat_enforced=enforced)
+        await _assert_told_once(prefill, 1)  # connected before the refusal: it frees the blocks at once
 
 
 async def test_full_prefix_hit_only_notifies(nixl_peer_factory):
