@@ -4,6 +4,7 @@ remote ones (what a peer said or failed to say), so a caller can tell "fix my ca
 
     NixlAsyncError
     ├── EngineClosedError            the engine is not running (not started, or closed)
+    ├── CollectionClosedError        a task submitted after its `collect_transfers()` block ended
     ├── WrongThreadError             a NIXL call from a thread that does not own the agent
     ├── BackendStartError            NIXL could not create a configured backend (start() failed)
     ├── CallTooLarge (ValueError)    a call's payload is over max_request_bytes: nothing was sent
@@ -13,15 +14,19 @@ remote ones (what a peer said or failed to say), so a caller can tell "fix my ca
     │   ├── HandshakeRejected        the peer answered with an error reply
     │   ├── IncompatiblePeerError    compatibility hashes or UCX/TCP segment sizes do not allow the pair
     │   ├── EngineIdMismatch         the peer is not the engine the caller expected
-    │   └── ProtocolError            the reply was malformed or of an unknown version
+    │   ├── ProtocolError            the reply was malformed or of an unknown version
+    │   ├── DiscoveryUnavailable     etcd did not answer (or failed) the lookup
+    │   └── PeerNotPublished         etcd holds no record of that engine
     ├── TransferError                a transfer did not complete
     │   ├── TransferFailed           NIXL reported an error (dead peer, cut link, ...)
+    │   │   ├── BatchRowsFailed      some rows of a `TransferBatch` failed (the others landed)
     │   │   └── NotificationFailed   a notification could not be sent
     │   ├── TransferTimeout          the transfer's deadline passed first
     │   ├── TransferCancelled        the transfer was cancelled
     │   ├── TransferFenced           it ended, but NIXL may still touch its memory: keep it aside
     │   └── LeaseExpired             the producer's lease on the blocks ran out: not read
     ├── NotificationTimeout          awaited notifications did not all arrive in time
+    ├── NotificationsLost            a subscriber fell behind and notifications were dropped
     └── PeerUnknownError (KeyError)  no peer with that engine id is connected
 """
 
@@ -50,6 +55,7 @@ __all__ = [
     "NixlAsyncError",
     "NotificationFailed",
     "NotificationTimeout",
+    "NotificationsLost",
     "PeerNotPublished",
     "PeerUnknownError",
     "ProtocolError",

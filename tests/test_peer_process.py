@@ -2,6 +2,7 @@
 
 import asyncio
 import os
+import signal
 import socket
 
 import numpy as np
@@ -76,3 +77,36 @@ async def test_a_peer_logging_after_it_is_ready_keeps_serving(nixl_engine, nixl_
     assert (await proc.request(Stats(), timeout=30))["counters"]["polls"] > 0
     assert os.fstat(proc._stderr.fileno()).st_size > 1 << 16, "less logged than a pipe holds: this proves nothing"
     assert "UCX" in proc.stderr(), "the peer's log goes to its stderr file"
+
+
+_PAUSED_THEN_KILLED = """
+import os, signal, sys
+from nixl_async.testing.peer_process import PeerProcess, PeerSpec
+peer = PeerProcess(PeerSpec(engine_id="paused-orphan")).start()
+print(peer.pid, flush=True)
+peer.pause()
+os.kill(os.getpid(), signal.SIGKILL)  # a run killed from outside, its peer paused
+"""
+
+
+def test_a_paused_peer_goes_when_the_run_is_killed():
+    """A paused (stopped) peer cannot see its parent die: before, it stayed for good, holding its ports and
+    memory. Its watcher kills it within a second or so."""
+    import subprocess
+    import sys
+    import time
+
+    done = subprocess.run([sys.executable, "-c", _PAUSED_THEN_KILLED], capture_output=True, text=True, timeout=60)
+    pid = int(done.stdout.split()[0])
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().split(") ")[1].startswith("Z"):
+                    break  # (a zombie until init reaps it: gone)
+        except FileNotFoundError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail(f"the paused peer {pid} outlived the run that paused it")

@@ -129,6 +129,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.host in ("0.0.0.0", "::", ""):  # its answers name this address for readers to dial
         parser.error(f"--host {args.host!r} cannot be dialled by readers: give this machine's address")
+    if not 0 < args.lease_s < float("inf"):  # (NaN too: its answers would not be JSON, its lease task would fail)
+        parser.error(f"--lease-s must be a finite number of seconds > 0, not {args.lease_s!r}")
     logging.basicConfig(level=logging.INFO)
     web.run_app(make_app(args.host, args.handshake_port, args.lease_s), host=args.host, port=args.http_port,
                 print=lambda *_: print("prefill ready", flush=True))  # fmt: skip

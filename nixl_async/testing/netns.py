@@ -103,12 +103,14 @@ def network(count: int, *, tag: str | None = None, subnet: str = "10.213.0") -> 
     tag = tag or str(os.getpid() % 100000)
     bridge = f"nxbr{tag}"
     made: list[Host] = []
+    bridge_made = False  # (one that existed is another run's: never deleted here)
     try:
         try:
             _run("ip", "link", "add", bridge, "type", "bridge")
         except (OSError, subprocess.CalledProcessError) as exc:
             detail = (getattr(exc, "stderr", b"") or b"").decode(errors="replace").strip()
-            raise NetnsUnavailable(f"cannot create a bridge here: {exc} {detail}") from exc
+            raise NetnsUnavailable(f"cannot create bridge {bridge} here: {exc} {detail}") from exc
+        bridge_made = True
         _run("ip", "addr", "add", f"{subnet}.1/24", "dev", bridge)
         _run("ip", "link", "set", bridge, "up")
         for index in range(count):
@@ -127,7 +129,8 @@ def network(count: int, *, tag: str | None = None, subnet: str = "10.213.0") -> 
         for host in made:
             subprocess.run(["ip", "netns", "del", host.name], capture_output=True, timeout=10)
             subprocess.run(["ip", "link", "del", host.root_device], capture_output=True, timeout=10)
-        subprocess.run(["ip", "link", "del", bridge], capture_output=True, timeout=10)
+        if bridge_made:
+            subprocess.run(["ip", "link", "del", bridge], capture_output=True, timeout=10)
 
 
 @contextlib.contextmanager

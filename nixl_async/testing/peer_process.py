@@ -55,6 +55,17 @@ __all__ = [
 ]
 
 _MODULE = "nixl_async.testing.peer_process"  # what the child runs (``python -m``)
+# Run beside a paused peer: kill it once the process that paused it is gone (argv: that process, the peer).
+_KILL_IF_ORPHANED = """
+import os, signal, sys, time
+parent, peer = int(sys.argv[1]), int(sys.argv[2])
+while os.getppid() == parent:
+    time.sleep(0.2)
+try:
+    os.kill(peer, signal.SIGKILL)
+except OSError:
+    pass
+"""
 _READY = "NIXL_ASYNC_PEER_READY"
 _ORPHAN_CHECK_S = 0.5
 _PAUSED: weakref.WeakSet[PeerProcess] = weakref.WeakSet()  # stopped by `pause`, not resumed since
@@ -369,6 +380,7 @@ class PeerProcess:
         self.env = dict(env or {})
         self.startup_timeout = startup_timeout
         self.proc: subprocess.Popen[bytes] | None = None
+        self._pause_watch: subprocess.Popen[bytes] | None = None  # while paused: see `pause`
         self.host = ""
         self.port = 0
         self.control_port = 0
@@ -547,23 +559,41 @@ class PeerProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self._wait_sync()
+        self._end_pause_watch()
 
     async def akill(self) -> None:
         """`kill` for coroutines."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             await self._wait()
+        self._end_pause_watch()
 
     def pause(self) -> None:
-        """SIGSTOP: the peer stops answering but its sockets stay open."""
+        """SIGSTOP: the peer stops answering but its sockets stay open.
+
+        A stopped peer cannot notice that this process died (its own check is what stopped), so a
+        small watcher does meanwhile: if this process goes, it kills the peer (SIGKILL reaches a
+        stopped process)."""
         assert self.proc is not None
         self.proc.send_signal(signal.SIGSTOP)
         _PAUSED.add(self)
+        if self._pause_watch is None:
+            self._pause_watch = subprocess.Popen(
+                [sys.executable, "-S", "-c", _KILL_IF_ORPHANED, str(os.getpid()), str(self.proc.pid)],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )  # fmt: skip
 
     def resume(self) -> None:
         assert self.proc is not None
         self.proc.send_signal(signal.SIGCONT)
         _PAUSED.discard(self)
+        self._end_pause_watch()
+
+    def _end_pause_watch(self) -> None:
+        watch, self._pause_watch = self._pause_watch, None
+        if watch is not None:
+            watch.kill()
+            watch.wait()
 
     @staticmethod
     def resume_all() -> None:
@@ -604,6 +634,7 @@ class PeerProcess:
 
     def _close(self) -> None:
         assert self.proc is not None
+        self._end_pause_watch()
         if self.proc.stdout is not None:
             self.proc.stdout.close()
         self._stderr.close()

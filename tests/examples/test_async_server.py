@@ -315,3 +315,12 @@ async def test_decode_names_a_handshake_timeout_and_passes_prefill_busy_on(ports
     finally:
         decode.stop()
         await runner.cleanup()
+
+
+@pytest.mark.parametrize("lease", ["nan", "inf", "0", "-5"])
+def test_prefill_refuses_a_lease_that_is_not_a_positive_number(lease):
+    """Before, `--lease-s nan` started: the first answer was not JSON (`NaN`) and the lease task then ended the
+    server; 0 or less expired every lease at once."""
+    done = subprocess.run([sys.executable, str(EXAMPLE / "prefill.py"), "--lease-s", lease], capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 2 and "--lease-s must be a finite number of seconds > 0" in done.stderr
