@@ -23,6 +23,7 @@ import zmq
 import zmq.asyncio
 
 from . import messages
+from ._zmq_tcp import endpoint, for_host
 
 __all__ = ["SideChannelNotifier"]
 
@@ -68,7 +69,8 @@ class SideChannelNotifier:
         try:
             sock.setsockopt(zmq.LINGER, 0)  # (closed explicitly; one never closed must not hold up the term)
             sock.setsockopt(zmq.SNDHWM, _SNDHWM)
-            sock.connect(f"tcp://{address[0]}:{address[1]}")
+            for_host(sock, address[0])
+            sock.connect(endpoint(address[0], address[1]))
         except zmq.ZMQError:
             sock.close(0)
             raise

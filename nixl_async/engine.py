@@ -369,7 +369,7 @@ class TransferEngine:
     async def serve(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
         """Answer handshakes on host:port (port 0 picks a free one); returns the address."""
         self._require_agent()
-        if self._server is not None:
+        if self._server is not None and self._server.failed is None:
             raise RuntimeError(f"already serving on {self._server.host}:{self._server.port}")
         if _unreachable_host(host) and self._dialer.directory is not None and self._dialer.directory.published:
             raise ValueError(f"serve({host!r}): this engine is published in etcd, and peers cannot dial {host!r}; "
@@ -385,8 +385,11 @@ class TransferEngine:
             on_busy_hint=self._on_busy_hint,
             on_call=self._answer_call,
             secret=self.config.auth_secret,
+            on_failed=self._changed,  # (our etcd record then names no address: readers stop dialling it)
         )
         address = await server.start(host, port)
+        if self._server is not None:  # one that failed for good: this one serves instead
+            await self._server.close()
         self._server = server
         self._changed()  # a published record now names our side channel
         return address

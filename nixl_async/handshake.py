@@ -46,6 +46,7 @@ import zmq.asyncio
 
 from . import messages
 from ._notify_guard import NotifyGuard
+from ._zmq_tcp import bare_host, endpoint, for_host
 from .exceptions import EngineIdMismatch, HandshakeRejected, HandshakeTimeout, IncompatiblePeerError, ProtocolError
 
 __all__ = ["HandshakeServer", "Refusal", "call_peer", "fetch_metadata"]
@@ -100,6 +101,7 @@ class HandshakeServer:
         on_call: CallHandler | None = None,
         secret: bytes | None = None,
         max_notify_sessions: int = _MAX_NOTIFY_SESSIONS,
+        on_failed: Callable[[], None] | None = None,
     ) -> None:
         self._context = context
         self._secret = secret
@@ -115,6 +117,7 @@ class HandshakeServer:
         self._on_notify = on_notify
         self._on_busy_hint = on_busy_hint
         self._on_call = on_call
+        self._on_failed = on_failed
         self.notifications = 0
         self._socket: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
@@ -140,14 +143,15 @@ class HandshakeServer:
         sock.setsockopt(zmq.MAXMSGSIZE, self._max_frame_bytes)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         try:
+            for_host(sock, host)
             if port:
-                sock.bind(f"tcp://{host}:{port}")
+                sock.bind(endpoint(host, port))
             else:
-                port = sock.bind_to_random_port(f"tcp://{host}")
+                port = sock.bind_to_random_port(endpoint(host))
         except zmq.ZMQError:
             sock.close(0)
             raise
-        self._socket, self.host, self.port = sock, host, port
+        self._socket, self.host, self.port = sock, bare_host(host), port
 
     async def _supervise(self) -> None:
         """Keep serving: if the loop dies (a bug, a broken socket), rebind the same address and go on.
@@ -185,6 +189,8 @@ class HandshakeServer:
                 self.failed = error
                 log.error("handshake server on %s:%d could not be restarted: no longer serving", self.host, self.port)
                 self.host, self.port = "", 0
+                if self._on_failed is not None:
+                    self._on_failed()
                 return
 
     async def _serve(self) -> None:
@@ -402,7 +408,8 @@ async def _ask(
     signed: messages.Authenticated | None = None
     reply: messages.Reply
     try:
-        sock.connect(f"tcp://{address}")
+        for_host(sock, host)
+        sock.connect(endpoint(host, port))
         try:
             async with asyncio.timeout(timeout):
                 reply = await _exchange(sock, request, address)

@@ -16,6 +16,7 @@ from nixl_async import (
     EngineIdMismatch,
     EtcdConfig,
     HandshakeRejected,
+    HandshakeTimeout,
     IncompatiblePeerError,
     PeerNotPublished,
     ProtocolError,
@@ -684,3 +685,50 @@ async def test_a_watch_that_cannot_connect_gives_up_at_its_connect_bound():
         await client.close()
         for sock in (*fillers, listener):
             sock.close()
+
+
+async def test_a_server_that_fails_for_good_leaves_etcd_and_can_serve_again(etcd, monkeypatch):
+    """The handshake server dies and cannot rebind: the published record stops naming its address (before: readers
+    kept dialling a dead address, through every lease renewal), and `serve()` works again (before: "already
+    serving on :0", so only a new engine could serve)."""
+    import zmq
+
+    engine = await _engine(_etcd_config(etcd), engine_id="fails-for-good")
+    try:
+        engine.register("kv", _regions(1, 4), block_len=BLOCK)
+        await engine.serve("127.0.0.1", 0)
+        await engine.publish()
+        assert messages.decode_published(await _etcd_value(etcd, engine.engine_id)).port == engine.address[1]
+        server = engine._server
+        sock = server._socket
+
+        async def broken(*args, **kwargs):
+            raise RuntimeError("a bug in replying")
+
+        def no_bind(host, port):
+            raise zmq.ZMQError(98, "address in use")
+
+        monkeypatch.setattr(sock, "send_multipart", broken)
+        monkeypatch.setattr(server, "_bind", no_bind)
+        asker = await _engine(_etcd_config(etcd), engine_id="asker-of-the-dead")
+        try:
+            with pytest.raises(HandshakeTimeout):
+                await asker.connect("127.0.0.1", server.port, timeout=1)
+            for _ in range(500):
+                record = messages.decode_published(await _etcd_value(etcd, engine.engine_id))
+                if record.port == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert server.failed is not None and engine.address is None and (record.host, record.port) == ("", 0)
+            host, port = await engine.serve("127.0.0.1", 0)
+            for _ in range(500):
+                record = messages.decode_published(await _etcd_value(etcd, engine.engine_id))
+                if record.port == port:
+                    break
+                await asyncio.sleep(0.01)
+            assert (record.host, record.port) == (host, port)
+            assert (await asker.connect(host, port, timeout=5)).engine_id == engine.engine_id
+        finally:
+            await asker.close()
+    finally:
+        await engine.close()

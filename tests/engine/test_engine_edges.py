@@ -172,3 +172,37 @@ async def test_serving_on_a_taken_port_raises_oserror_and_serving_elsewhere_work
                 await engine.serve("127.0.0.1", taken.getsockname()[1])
             assert info.value.errno == errno.EADDRINUSE
         assert (await engine.serve("127.0.0.1", 0))[1] > 0
+
+
+def _ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+@pytest.mark.parametrize("via", ["nixl", "side_channel"])
+@pytest.mark.parametrize("given", ["::1", "[::1]"])
+async def test_an_ipv6_side_channel_serves_handshakes_and_notifications(via, given):
+    """ZMQ speaks IPv4 alone unless each socket is told, and wants IPv6 hosts in brackets: before, `serve("::1")`
+    raised ZMQ's "No such device" and a connect to an IPv6 address waited out its timeout (`HandshakeTimeout`)."""
+    from nixl_async import EngineConfig, TransferEngine
+
+    async with (
+        TransferEngine(EngineConfig(engine_id="v6-reader", notify_via=via)) as reader,
+        TransferEngine(EngineConfig(engine_id="v6-server", notify_via=via)) as server,
+    ):
+        reader.register("kv", [np.zeros(4 * 4096, np.uint8)], block_len=4096)
+        server.register("kv", [np.arange(4 * 4096, dtype=np.uint8)], block_len=4096)
+        host, port = await server.serve(given, 0)
+        assert host == "::1"
+        peer = await reader.connect(given, port, timeout=5)
+        await reader.notify(peer, b"over-ipv6")
+        assert await server.wait_notifications(b"over-ipv6", timeout=5) == ["v6-reader"]
+        assert (await reader.read(peer, [0], [1], notify=b"read-v6")).nbytes == 4096
+        assert await server.wait_notifications(b"read-v6", timeout=5) == ["v6-reader"]

@@ -20,15 +20,18 @@ async def asker():
 
 
 def _break_answering(monkeypatch, server, times):
-    real, calls = server._answer, []
+    """The serving loop dies sending its next `times` replies (a failure no one message owns: since session 38
+    an error answering a message drops that message alone, never the loop)."""
+    sock = server._socket
+    real, calls = sock.send_multipart, []
 
-    def broken(frames):
+    async def broken(parts, *args, **kwargs):
         calls.append(1)
         if len(calls) <= times:
-            raise RuntimeError("a bug in answering")
-        return real(frames)
+            raise RuntimeError("a bug in replying")
+        return await real(parts, *args, **kwargs)
 
-    monkeypatch.setattr(server, "_answer", broken)
+    monkeypatch.setattr(sock, "send_multipart", broken)
 
 
 async def test_server_restarts_on_the_same_address_after_its_loop_dies(nixl_engine, asker, monkeypatch):
