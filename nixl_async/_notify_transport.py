@@ -89,11 +89,16 @@ class NotificationTransport:
         """
         if not isinstance(message, bytes):
             raise TypeError(f"a notification must be bytes, not {type(message).__name__}")
-        if op == "WRITE" and not message:  # (NIXL attaches none to a WRITE, yet the caller would be told it went)
-            raise ValueError("an empty notification cannot ride a WRITE: NIXL sends none; give it a message")
         if op != "WRITE" and not self._via_nixl and len(message) > self._max_side_message:
             raise ValueError(f"a notification of {len(message)} bytes exceeds the side channel's "
                              f"{self._max_side_message} (peers refuse larger requests: max_request_bytes)")  # fmt: skip
+
+    @staticmethod
+    def check_rides(message: bytes | None, op: str) -> None:
+        """Refuse an empty notification riding a WRITE with blocks: NIXL attaches none, yet the caller would be
+        told it went (one with no blocks travels alone, and may be empty)."""
+        if op == "WRITE" and message == b"":
+            raise ValueError("an empty notification cannot ride a WRITE: NIXL sends none; give it a message")
 
     def send(self, peer: Peer, message: bytes) -> None:
         """Send `message` to `peer` (raises one of `NOTIFY_ERRORS`; `zmq.Again` when its queue is full)."""

@@ -53,6 +53,7 @@ from ._notify_transport import WIREUP_BRISK_S, NotificationTransport
 from ._peers import Peer, PeerTable, pick_layout, reply_fingerprint
 from ._poller import AdaptivePacer, ErrorThrottle
 from ._state import TransferState
+from ._zmq_tcp import bare_host
 from .config import UCX_TCP_DEFAULT_SEGMENT, EngineConfig, SendBufferLimits, tcp_segment_in_use
 from .exceptions import (
     CallTooLarge,
@@ -101,7 +102,7 @@ _CALL_ENVELOPE = 512  # a call's msgpack fields beside its topic, engine id and 
 
 def _unreachable_host(host: str) -> bool:
     """A bind address no peer can dial (all interfaces): published, readers would dial their own host."""
-    return host in ("", "0.0.0.0", "::", "*")
+    return bare_host(host) in ("", "0.0.0.0", "::", "*")
 
 
 class TransferEngine:
@@ -852,6 +853,8 @@ class TransferEngine:
                     self._notify.check(notify, "NOTIFY")
                 return self._driver.notify_only(op, peer, notify)
             lidx, ridx = pair_descriptor_ids(local_view, lids, remote_view, rids)
+        if len(lidx):
+            self._notify.check_rides(notify, op)
         nbytes = len(lidx) * local_view.piece_len
         deadline, lease_deadline = self._deadlines(peer, timeout, lease_expires_at)
         if self._admission.try_acquire(nbytes):  # room now: no coroutine to wait in
@@ -890,6 +893,10 @@ class TransferEngine:
             for row, message in zip(lidx, notes, strict=True):
                 if message is not None and not len(row):  # it only notifies, as configured (even a WRITE)
                     self._notify.check(message, "NOTIFY")
+        if op == "WRITE" and notify is not None:
+            for row, message in zip(lidx, notes, strict=True):
+                if len(row):
+                    self._notify.check_rides(message, op)
         piece_len = local_view.piece_len
         if isinstance(lidx, np.ndarray):  # rows of one length
             sizes = [lidx.shape[1] * piece_len] * len(lidx) if lidx.shape[1] else []

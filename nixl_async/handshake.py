@@ -46,6 +46,7 @@ import zmq.asyncio
 
 from . import messages
 from ._notify_guard import NotifyGuard
+from ._poller import ErrorThrottle
 from ._zmq_tcp import bare_host, endpoint, for_host
 from .exceptions import EngineIdMismatch, HandshakeRejected, HandshakeTimeout, IncompatiblePeerError, ProtocolError
 
@@ -118,6 +119,7 @@ class HandshakeServer:
         self._on_busy_hint = on_busy_hint
         self._on_call = on_call
         self._on_failed = on_failed
+        self._unanswerable = ErrorThrottle(log, "a side-channel message could not be answered; dropped")
         self.notifications = 0
         self._socket: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
@@ -207,8 +209,8 @@ class HandshakeServer:
             frames = await sock.recv_multipart(copy=True)
             try:
                 reply = self._answer(frames)
-            except Exception:  # one message must not restart the server (and drop the handshakes under way)
-                log.exception("a side-channel message could not be answered; dropped")
+            except Exception as exc:  # one message must not restart the server (and drop the handshakes under way)
+                self._unanswerable.record(exc)  # (logged once per interval: a flood must not flood the log)
                 self.rejected += 1
                 continue
             if reply is None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import msgspec
@@ -208,6 +208,12 @@ def _decoded(decoder: msgspec.msgpack.Decoder[Any], data: bytes) -> Any:
         return decoder.decode(data)
     except (UnicodeDecodeError, RecursionError) as exc:
         raise msgspec.DecodeError(f"malformed message ({type(exc).__name__}: {exc})") from None
+
+
+def decoder(of: Any) -> Callable[[bytes], Any]:
+    """A msgpack decoder for type `of` whose every refusal of bad input is a `msgspec.DecodeError`."""
+    raw = msgspec.msgpack.Decoder(of)
+    return lambda data: _decoded(raw, data)
 
 
 def decode_request(data: bytes) -> Request:

@@ -207,6 +207,9 @@ class SyncEngine:
         the parent's engine alone. (The locks are new: the parent's may have been held at the fork.)"""
         self._forked = self._closed = True
         self._lock = threading.Lock()
+        self._inflight.clear()  # (the parent's requests: nothing here reports them)
+        self._finished = queue.SimpleQueue()
+        self._held_back.clear()
         self._shut = threading.Event()
         self._shut.set()
         self._activity = threading.Event()
@@ -223,7 +226,10 @@ class SyncEngine:
         if self._closed:
             raise self._closed_error()
         self._off_the_loop("call()")
-        future = self._portal.start_task_soon(_outcome_of, func, args)
+        try:
+            future = self._portal.start_task_soon(_outcome_of, func, args)
+        except RuntimeError:  # (the loop stopped since `_closed` was read: the exit hook, say)
+            raise self._closed_error() from None
         try:
             failed, value = future.result()
         except concurrent.futures.CancelledError:
@@ -259,7 +265,16 @@ class SyncEngine:
 
     def handle_calls(self, topic: str, handler: Callable[[str, bytes], bytes]) -> None:
         """Answer peers' calls on `topic` (see `TransferEngine.handle_calls`; `handler` runs on the loop)."""
-        self.call(lambda: self.engine.handle_calls(topic, handler))
+
+        def guarded(sender: str, payload: bytes) -> bytes:
+            try:
+                return handler(sender, payload)
+            except (Exception, asyncio.CancelledError):
+                raise
+            except BaseException as exc:  # (SystemExit too: raised on the loop, it would end the loop thread)
+                raise RuntimeError(f"the call handler raised {exc!r}") from exc
+
+        self.call(lambda: self.engine.handle_calls(topic, guarded))
 
     def serve(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
         return self.call(self.engine.serve, host, port)
@@ -428,7 +443,7 @@ class SyncEngine:
         """
         if self._closed:
             raise self._closed_error()
-        self._loop.call_soon_threadsafe(func, *args)
+        self._loop.call_soon_threadsafe(_logged_if_raising, func, args)
 
     def poke(self) -> None:
         """Have the loop progress NIXL and drain notifications soon (`TransferEngine.poll_soon`).
@@ -540,6 +555,8 @@ class SyncEngine:
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a request's work; it then shows as failed in `get_finished()` once its memory is quiet."""
+        if self._forked:
+            raise self._closed_error()
         with self._lock:
             run = self._inflight.get(request_id)
         if run is None:
@@ -735,6 +752,15 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _logged_if_raising(func: Callable[..., object], args: tuple[Any, ...]) -> None:
+    """Run a `call_soon` callable on the loop; what it raises is logged (a base exception such as
+    `SystemExit` raised out of a callback would end the loop thread)."""
+    try:
+        func(*args)
+    except BaseException:
+        log.exception("a call_soon callable %s raised", getattr(func, "__name__", func))
 
 
 async def _outcome_of(func: Callable[..., Any], args: tuple[Any, ...]) -> tuple[bool, Any]:

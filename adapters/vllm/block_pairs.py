@@ -62,15 +62,18 @@ def kernel_pages(blocks: list[int], k: int) -> list[int]:
     return [b * k + j for b in blocks for j in range(k)]
 
 
-def in_kernel_pages(group: GroupBlocks, local_pages: int, remote_pages: int) -> GroupBlocks:
+def in_kernel_pages(group: GroupBlocks, local_pages: int, remote_pages: int, *, same_page_tokens: bool = True
+                    ) -> GroupBlocks:  # fmt: skip
     """`group` with logical block ids turned into kernel page ids on each side.
 
-    A full-attention group with other pages per block on each side needs the prefix hit: paired
-    from the end instead, the producer's empty trailing pages would count as prompt and every page
+    A full-attention group with other pages per block on each side, or pages of other token counts
+    (`same_page_tokens` False: other ``--block-size``), needs the prefix hit: paired from the end
+    instead, the empty trailing pages of each side's last block differ in number, and every page
     would take its neighbour's tokens."""
-    if group.kind == "full" and group.local_hit is None and local_pages != remote_pages:
+    if group.kind == "full" and group.local_hit is None and (local_pages != remote_pages or not same_page_tokens):
         raise LayoutError(f"a full-attention group in blocks of {local_pages} kernel pages cannot be read from "
-                          f"blocks of {remote_pages} without the prefix hit (local_num_computed_blocks)")  # fmt: skip
+                          f"blocks of {remote_pages}{'' if same_page_tokens else ' of another page size'} without "
+                          "the prefix hit (local_num_computed_blocks)")  # fmt: skip
     hit = None if group.local_hit is None else group.local_hit * local_pages
     return dataclasses.replace(group, local=kernel_pages(group.local, local_pages),
                                remote=kernel_pages(group.remote, remote_pages), local_hit=hit)  # fmt: skip

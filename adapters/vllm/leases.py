@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from nixl_async import HandshakeError, Transfer, TransferEngine
+from nixl_async import HandshakeError, Transfer, TransferEngine, messages
 
 from .send_book import SendBook
 from .settings import connect_rank
@@ -37,8 +37,8 @@ log = logging.getLogger(f"vllm.{__name__}")
 LEASE_TOPIC = "kv_lease"
 GONE = 0.0  # the producer no longer holds the request's blocks
 IDS_PER_CALL = 512  # a call stays far below the side channel's request size limit (64 KiB by default)
-_ids = msgspec.msgpack.Decoder(list[str])
-_expiries = msgspec.msgpack.Decoder(dict[str, float])
+_ids = messages.decoder(list[str])  # (every bad input a DecodeError: msgspec's own raise some as they are)
+_expiries = messages.decoder(dict[str, float])
 _encode = msgspec.msgpack.Encoder().encode
 
 
@@ -47,7 +47,7 @@ def answer_renewal(book: SendBook, payload: bytes, extension_s: float) -> bytes:
 
     Raises `msgspec.DecodeError` (a `ValueError`: the call is refused) for a malformed payload.
     """
-    request_ids = _ids.decode(payload)
+    request_ids = _ids(payload)
     now, wall = time.perf_counter(), time.time()  # sampled together: the reply converts between them
     held = book.renew(request_ids, now + extension_s)
     return _encode({request_id: wall + (deadline - now) for request_id, deadline in held.items()})
@@ -170,7 +170,7 @@ async def heartbeat(
         peer = await connect_rank(engine, host, port, rank_engine_id)
         reply: dict[str, float] = {}
         for chunk in chunks:
-            reply.update(_expiries.decode(await engine.call(peer, LEASE_TOPIC, _encode(chunk))))
+            reply.update(_expiries(await engine.call(peer, LEASE_TOPIC, _encode(chunk))))
         return reply
 
     try:

@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import msgspec
 
-from nixl_async import ViewSpec
+from nixl_async import ViewSpec, messages
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id as base_request_id
 
 __all__ = [
@@ -129,7 +129,7 @@ class PushRegistration(msgspec.Struct, frozen=True, kw_only=True):
 
 
 encode_registration = msgspec.msgpack.Encoder().encode
-decode_registration = msgspec.msgpack.Decoder(PushRegistration).decode
+decode_registration = messages.decoder(PushRegistration)  # (every bad input a DecodeError)
 
 
 def _decode_key(registration: PushRegistration) -> tuple[str, str]:

@@ -198,7 +198,7 @@ def write_parts(geometry: KVGeometry, blocks: tuple[list[int], ...], reg: PushRe
     for group, mine in zip(reg.groups, blocks, strict=True):
         pair = GroupBlocks(group.kind, list(group.blocks), list(mine), group.hit)  # as decode sees it
         if paged:
-            pair = in_kernel_pages(pair, reg.decode_pages, geometry.pages_per_block)
+            pair = in_kernel_pages(pair, reg.decode_pages, geometry.pages_per_block, same_page_tokens=ratio == 1)
             if pair.kind == "window":  # (decode's plan refuses it the same way: no prompt length either side)
                 pair = window_pages_of_prompt(pair, None, 0, reg.decode_pages, geometry.pages_per_block)
         pairs.append(pair)

@@ -54,6 +54,7 @@ bounds reading KV back from decode) or refused at startup with an error naming t
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 import socket
@@ -375,8 +376,12 @@ class AdapterSettings:
             sys.setswitchinterval(self.switch_interval_s)
 
     def bind_host(self) -> str:
-        """The address to listen on: ZMQ binds IPs, so a host name is resolved first."""
-        return socket.gethostbyname(self.side_channel_host)
+        """The address to listen on: ZMQ binds IPs, so a host name is resolved first (IPv6 too)."""
+        host = self.side_channel_host.removeprefix("[").removesuffix("]")  # ([::1] as a URL has it)
+        try:
+            return str(ipaddress.ip_address(host))
+        except ValueError:  # a name: its first TCP address, IPv4 or IPv6 (gethostbyname knows IPv4 alone)
+            return str(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
 
     def engine_config(self, engine_id: str, compat: dict[str, str]) -> EngineConfig:
         return EngineConfig(

@@ -700,8 +700,8 @@ class RequestPlan:
 
 
 # What a block's bytes mean beyond vLLM's hash (see `_compat`): compared even with the hash's opt-out.
-BYTES_MEANING_KEYS = ("kv_cache_layout", "cpu_attn_isa", "ssm_conv_state_layout", "mamba_cache_dtype",
-                      "mamba_ssm_cache_dtype")  # fmt: skip
+# (The state dtypes stay in the hash alone: published as configured, "auto" and the dtype it stands for differ.)
+BYTES_MEANING_KEYS = ("kv_cache_layout", "cpu_attn_isa", "ssm_conv_state_layout")
 
 
 def _on_rocm() -> bool:
@@ -720,12 +720,15 @@ def _port_taken_hint(base: int, tp_size: int, rank: int) -> str:
 
 
 def check_bytes_meaning(geometry: KVGeometry, first: Peer) -> None:
-    """`LayoutError` unless peer rank `first`'s blocks mean here what they mean there (cache layout, CPU ISA,
-    state layout and dtypes). ``enforce_handshake_compat: false`` skips vLLM's hash, as in vLLM, never these:
-    an LBHNC block read into an LBNHC cache holds tokens and heads transposed (wrong output, no error)."""
+    """`LayoutError` unless peer rank `first`'s blocks mean here what they mean there: cache layout (not
+    with MLA, whose one latent "head" makes LBHNC and LBNHC the same bytes), CPU ISA, state layout.
+    ``enforce_handshake_compat: false`` skips vLLM's hash; vLLM still compares the layout after it, and
+    so do we, these too: an LBHNC block read into an LBNHC cache holds tokens and heads transposed."""
     if geometry.compat_enforced and not any(key in first.extra for key, _ in geometry.bytes_meaning):
         return  # (an adapter from before these were published: the enforced hash compared them)
     for key, ours in geometry.bytes_meaning:
+        if key == "kv_cache_layout" and geometry.mla:
+            continue
         theirs = first.extra.get(key)
         if theirs != ours:
             said = "is not published" if theirs is None else f"is {theirs!r}"
@@ -743,15 +746,17 @@ def plan_request(geometry: KVGeometry, job: RecvJob, first: Peer) -> RequestPlan
     remote_pages = int(first.extra.get("pages_per_block", "1"))
     paged = geometry.pages_per_block > 1 or remote_pages > 1
     groups = job.groups
+    remote_block_size = int(first.extra.get("block_size", geometry.block_size))  # (a kernel page's tokens)
     if paged:  # read kernel pages: block sizes, ratios and head windows below are a page's
-        groups = tuple(in_kernel_pages(g, geometry.pages_per_block, remote_pages) for g in groups)
+        same = remote_block_size == geometry.block_size
+        groups = tuple(in_kernel_pages(g, geometry.pages_per_block, remote_pages, same_page_tokens=same)
+                       for g in groups)  # fmt: skip
         groups = tuple(
             window_pages_of_prompt(g, job.num_tokens, geometry.block_size, geometry.pages_per_block, remote_pages)
             if g.kind == "window" else g
             for g in groups
         )  # fmt: skip
     remote_layout = first.layout(LAYOUT)
-    remote_block_size = int(first.extra.get("block_size", geometry.block_size))
     if remote_block_size <= 0 or geometry.block_size % remote_block_size:
         raise LayoutError(f"remote block size {remote_block_size} does not divide ours ({geometry.block_size})")
     ratio = geometry.block_size // remote_block_size

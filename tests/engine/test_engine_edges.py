@@ -57,8 +57,10 @@ async def test_an_empty_notification_on_a_write_is_refused(nixl_engine, nixl_pee
     with pytest.raises(ValueError, match="empty notification"):
         await nixl_engine.start_write(peer, [0], [0], notify=b"")
     with pytest.raises(ValueError, match="empty notification"):
-        await nixl_engine.start_writes(peer, [[0]], [[0]], notify=[b""])
+        await nixl_engine.start_writes(peer, [[0], []], [[0], []], notify=[b"", b""])
     assert nixl_engine.stats.counters["transfers_submitted"] == 0
+    await nixl_engine.write(peer, [], [], notify=b"")  # no blocks: it travels alone, and may be empty
+    assert await nixl_peer.request(WaitNotifications(message=b"", timeout=10)) == [nixl_engine.engine_id]
     assert (await nixl_engine.read(peer, [0], [0], notify=b"")).notified
     assert await nixl_peer.request(WaitNotifications(message=b"", timeout=10)) == [nixl_engine.engine_id]
 

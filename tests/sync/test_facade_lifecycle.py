@@ -82,7 +82,7 @@ pid = os.fork()
 if pid == 0:
     signal.alarm(10)  # a hang shows as SIGALRM
     for name, call in [("stats", engine.stats), ("submit", lambda: engine.submit_read("r", "127.0.0.1", 1, [0], [0])),
-                       ("wait_activity", lambda: engine.wait_activity(0.1))]:
+                       ("wait_activity", lambda: engine.wait_activity(0.1)), ("cancel", lambda: engine.cancel("r"))]:
         try:
             call()
         except EngineClosedError as exc:
@@ -104,7 +104,7 @@ def test_a_forked_child_gets_engine_closed_instead_of_hanging():
     (before: the child's calls waited for ever, and its exit printed anyio's traceback)."""
     done = _run(_FORKED)
     lines = done.stdout.splitlines()
-    for name in ("stats", "submit", "wait_activity"):
+    for name in ("stats", "submit", "wait_activity", "cancel"):
         assert f"{name} closed: True" in lines, done.stdout + done.stderr[-2000:]
     assert "child done" in lines and "child status 0" in lines, done.stdout + done.stderr[-2000:]
     assert "parent still works: True" in lines and done.returncode == 0
@@ -153,9 +153,13 @@ def test_a_base_exception_on_the_loop_fails_its_request_and_keeps_the_loop(raise
     async def boom(engine):
         raise raised
 
+    def plain() -> None:
+        raise raised
+
     engine = SyncEngine(EngineConfig(engine_id="base-exceptions"))
     try:
         engine.spawn(boom)
+        engine.call_soon(plain)
         engine.submit("r", boom)
         deadline = time.monotonic() + 10
         failed: dict = {}
@@ -190,3 +194,28 @@ def test_after_close_every_thread_gets_engine_closed():
         thread.start()
         thread.join()
     assert seen == {EngineClosedError.__name__}
+
+
+def test_a_call_handler_raising_a_base_exception_answers_an_error_and_keeps_the_loop():
+    """A `handle_calls` handler raising `SystemExit` on the loop: the caller hears an error, the loop runs on."""
+    from nixl_async import HandshakeRejected
+
+    def handler(sender: str, payload: bytes) -> bytes:
+        raise SystemExit(1)
+
+    server = SyncEngine(EngineConfig(engine_id="calls-server"))
+    client = SyncEngine(EngineConfig(engine_id="calls-client"))
+    try:
+        server.handle_calls("t", handler)
+        host, port = server.serve("127.0.0.1", 0)
+
+        async def ask(engine):
+            peer = await engine.connect(host, port)
+            return await engine.call(peer, "t", b"x")
+
+        with pytest.raises(HandshakeRejected):
+            client.call(lambda: ask(client.engine))
+        assert server.call(lambda: 1) == 1
+    finally:
+        client.close()
+        server.close()

@@ -164,6 +164,29 @@ def test_logical_blocks_become_kernel_pages():
     with pytest.raises(LayoutError, match="without the prefix hit"):
         in_kernel_pages(GroupBlocks("full", [7], [3]), local_pages=1, remote_pages=2)
     assert pair_blocks(in_kernel_pages(GroupBlocks("full", [7], [3]), 2, 2), 1, paged=True) == ([14, 15], [6, 7])
+    # Equal pages per block but other block sizes (pages of 2 tokens here, 1 there; a 5-token prompt, decode's
+    # first block cached but not said): each side's last block has its own count of empty trailing pages, and
+    # paired from the end local pages 14-15 (tokens 4-7) took remote pages 22-25 (tokens 2-5). Found by an audit.
+    with pytest.raises(LayoutError, match="of another page size without the prefix hit"):
+        in_kernel_pages(GroupBlocks("full", [7], [10, 11, 12]), 2, 2, same_page_tokens=False)
+    told = in_kernel_pages(GroupBlocks("full", [7], [10, 11, 12], 1), 2, 2, same_page_tokens=False)
+    assert pair_blocks(told, 2, paged=True)[1][:2] == [24, 25]  # with the hit: tokens 4 and 5
+
+
+def test_the_read_planner_refuses_pages_of_another_size_without_the_prefix_hit():
+    """`plan_request` tells the page conversion when the producer's pages hold other token counts (its
+    ``block_size`` extra, a kernel page's), so the case above is refused there, not read scrambled."""
+    from types import SimpleNamespace
+
+    from nixl_async_vllm.worker import plan_request
+
+    geometry = KVGeometry(tp_size=1, tp_rank=0, block_size=2, part_len=64, run_len=32, mla=False, kv_heads=1,
+                          pages_per_block=2)  # fmt: skip
+    producer = SimpleNamespace(engine_id="p", extra={"block_size": "1", "pages_per_block": "2"})
+    job = RecvJob(request_id="r", remote_request_id="r", remote_engine_id="p", host="h", port=1, remote_tp=1,
+                  groups=(GroupBlocks("full", [7], [10, 11, 12]),), expires_at=None)  # fmt: skip
+    with pytest.raises(LayoutError, match="of another page size without the prefix hit"):
+        plan_request(geometry, job, producer)
 
 
 def _window_side(num_tokens, block, page, window, first_id, hit=0):

@@ -234,3 +234,25 @@ def test_a_registration_superseded_by_vllm_s_stub_is_withdrawn_without_being_tol
     assert book.withdraw(_withdrawal(_attempt("r", "cmpl-r-0-0badf00d")))
     assert book.expire(NOW) == ([], []) and book.next_doubt() is None, "nobody to tell"
     assert [r.decode_request_id for r in book.finished("r-0feedbee", BLOCKS)] == ["r"], "the stub lets it be freed"
+
+
+@pytest.mark.parametrize(
+    "registration, renewal",
+    [(b"\x81\xb0decode_engine_id\xa2\xff\xfe", b"\x91\xa2\xff\xfe"),  # a string that is not UTF-8
+     (b"\x81\xa1x" + b"\x91" * 1000 + b"\xc0", None)],  # an unknown field nested ~1000 deep
+    ids=["not_utf8", "deep"],
+)  # fmt: skip
+def test_registrations_and_renewals_msgspec_raises_oddly_on_are_decode_errors(registration, renewal):
+    """A string that is not UTF-8, or nesting ~1000 deep: msgspec raises `UnicodeDecodeError` / `RecursionError`,
+    not `DecodeError`, so the adapter's handlers logged a traceback per call and a renewal round skipped telling
+    its caller (found by a review)."""
+    import msgspec
+
+    from nixl_async_vllm.leases import answer_renewal
+    from nixl_async_vllm.send_book import SendBook
+
+    with pytest.raises(msgspec.DecodeError):
+        decode_registration(registration)
+    if renewal is not None:
+        with pytest.raises(msgspec.DecodeError):
+            answer_renewal(SendBook(), renewal, 30.0)

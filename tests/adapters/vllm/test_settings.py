@@ -285,3 +285,12 @@ def test_the_adapters_calls_carry_the_push_registration_of_a_million_token_promp
                                     groups=[PushGroup("full", ids)], write=True)  # fmt: skip
     room = config.max_request_bytes - len(PUSH_TOPIC) - len(engine_id) - _CALL_ENVELOPE
     assert len(encode_registration(registration)) <= room
+
+
+@pytest.mark.parametrize("given, bound", [("127.0.0.1", "127.0.0.1"), ("::1", "::1"), ("[::1]", "::1"),
+                                          ("localhost", None)])  # fmt: skip
+def test_the_side_channel_binds_ipv4_and_ipv6_hosts(monkeypatch, given, bound):
+    """`gethostbyname` knew IPv4 alone: an IPv6 VLLM_NIXL_SIDE_CHANNEL_HOST failed vLLM's start (found by a review)."""
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_HOST", given)
+    host = AdapterSettings.from_vllm(_config({})).bind_host()
+    assert host == bound if bound is not None else host in ("127.0.0.1", "::1")

@@ -400,6 +400,16 @@ async def test_a_producer_whose_blocks_mean_something_else_is_refused(nixl_peer_
         await _assert_told_once(prefill, 1)  # connected before the refusal: it frees the blocks at once
 
 
+async def test_mla_blocks_are_read_whatever_layout_the_producer_names(nixl_peer_factory):
+    """With MLA one latent "head" makes LBHNC and LBNHC the same bytes: vLLM skips its layout check there, and so
+    does the adapter (it refused such a producer under the opt-out before this was found by a review)."""
+    port, _prefill = _spawn_prefill(nixl_peer_factory, 1, True, 1, extra={"kv_cache_layout": "LBHNC"})
+    local = LOCAL_CANDIDATES[: len(REMOTE_BLOCKS) - LOCAL_HIT]
+    _caches, results = await _decode_rank(0, 1, 1, True, 1, port, local, bytes_meaning=(("kv_cache_layout", "LBNHC"),),
+                                          compat_enforced=False)  # fmt: skip
+    assert results
+
+
 async def test_full_prefix_hit_only_notifies(nixl_peer_factory):
     port, prefill = _spawn_prefill(nixl_peer_factory, 1, False, 1)
     caches, results = await _decode_rank(0, 1, 1, False, 1, port, [])
