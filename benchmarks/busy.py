@@ -76,7 +76,8 @@ async def _engine_reads(address: tuple[str, int], region: np.ndarray, blocks: in
             transfer = await engine.start_read(peer, ids, ids)
             await transfer
             resumed = time.perf_counter()
-            seen = (transfer.last_pending_at + transfer.done_seen_at) / 2 if transfer.last_pending_at else None
+            pending = transfer.last_pending_at or transfer.first_post_at  # (as the raw loop: from its post if no
+            seen = (pending + transfer.done_seen_at) / 2 if pending else None  # check saw it in flight)
             out.append((resumed - t0, time.process_time() - cpu0, None if seen is None else resumed - seen))
     return out
 

@@ -49,8 +49,11 @@ async def _engine_latency(address: tuple[str, int], reads: int, idle_s: float) -
                 transfer = await engine.start_read(peer, ids, ids)
                 await transfer
                 resumed = time.perf_counter()
-                if transfer.last_pending_at:  # it was really in flight
-                    samples.append(resumed - (transfer.last_pending_at + transfer.done_seen_at) / 2)
+                # From the last check that saw it in flight, or (none did: the first saw it done) its post, as
+                # the raw loop counts: dropping those reads left out the engine's late-seen ones.
+                pending = transfer.last_pending_at or transfer.first_post_at
+                if pending:
+                    samples.append(resumed - (pending + transfer.done_seen_at) / 2)
         await asyncio.sleep(0.2)  # let the post-activity linger and backoff settle
         with cpu_meter() as idle:
             await asyncio.sleep(idle_s)

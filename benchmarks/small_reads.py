@@ -154,6 +154,9 @@ def _raw(address: tuple[str, int], picks: list[tuple[list[int], float]]) -> tupl
         raw.read(index, index, check_every_s=0.001, notify=b"read-%d" % i)
 
     try:
+        # Warmed up as the engine and the facade are: the connection's wire-up is no read's cost.
+        raw.read(np.zeros(1, np.int64), np.zeros(1, np.int64), check_every_s=0.001, notify=b"warm-up")
+        time.sleep(0.2)
         return asyncio.run(_per_read(picks, read, _blocking_pause))
     finally:
         raw.close()

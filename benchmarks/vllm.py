@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import statistics
 import subprocess
 import sys
@@ -70,12 +71,21 @@ async def _one(session: Any, url: str, model: str, prompt: str) -> tuple[float, 
             "ignore_eos": True}  # fmt: skip
     started = time.perf_counter()
     stamps: list[float] = []
+    finished = None
     async with session.post(f"{url}/v1/completions", json=body) as reply:
         if reply.status != 200:
             raise RuntimeError(f"{url} answered {reply.status}: {await reply.text()}")
         async for line in reply.content:
             if line.startswith(b"data: {"):
-                stamps.append(time.perf_counter())
+                now = time.perf_counter()
+                chunk = json.loads(line[len(b"data: ") :])
+                if "error" in chunk:  # (an error streamed as data would count as a token, and a fast one as TTFT)
+                    raise RuntimeError(f"{url} streamed an error: {chunk['error']}")
+                stamps.append(now)
+                finished = next((c.get("finish_reason") for c in chunk.get("choices", []) if c.get("finish_reason")),
+                                finished)  # fmt: skip
+    if finished != "length":  # all MAX_TOKENS tokens (ignore_eos): a stream cut short is no served request
+        raise RuntimeError(f"{url} ended a stream without its {MAX_TOKENS} tokens (finish_reason {finished!r})")
     ttft = stamps[0] - started if stamps else float("nan")
     return ttft, time.perf_counter() - started, list(itertools.pairwise(stamps))
 
@@ -214,7 +224,7 @@ def measure(connector: str | None, spec: ModelSpec, model: str, prompts: dict[in
         try:
             if proxy is not None:
                 proxy.start()
-            asyncio.run(_load(url, model, [make_prompt(f"warm-up {tag}", spec.prompt_words)], 1))
+            asyncio.run(_load(url, model, paired_prompts(0, spec.prompt_words, 1, (0,), label="warm-up ")[0], 1))
             for concurrency, batch in prompts.items():
                 out[concurrency] = asyncio.run(_load(url, model, batch, concurrency))
         finally:
@@ -259,6 +269,22 @@ STATE = ModelSpec("hybrid-state", ("--arch", "qwen3_next", "--layers", "4"), 200
 # Transports between P and D on this host: UCX's choice (CMA: a READ is a copy inside the post), and
 # TCP only (transfers really in flight).
 TRANSPORTS: dict[str, dict[str, str]] = {"tcp": {"UCX_TLS": TCP_TLS}, "cma": {}}
+
+
+def paired_prompts(run: int, words: int, count: int, concurrencies: tuple[int, ...] = (1, 4), label: str = ""
+                   ) -> dict[int, list[str]]:  # fmt: skip
+    """Each concurrency's prompts for the `run`-th run of every set-up: the same whatever the set-up, so the
+    connectors compared serve the same tokens (a tag naming the set-up made the adapter's prompts ~5 tokens
+    longer than NixlConnector's, past vLLM's 128-token CPU block: two blocks per request moved against one),
+    and unique per concurrency and request, so no prefix cache hits (each run's servers are fresh)."""
+    return {c: [make_prompt(f"{label}k{run:02d} c{c} #{i:04d}", words) for i in range(count)] for c in concurrencies}
+
+
+def nth_run(plan: list[Any], index: int) -> int:
+    """How many runs of `plan[index]`'s set-up came before it: the prompts it shares with other set-ups."""
+    return plan[:index].count(plan[index])
+
+
 COLUMNS = ["model transport setup (median of runs)", "c1 TTFT p50", "c1 TTFT p99", "c4 TTFT p50", "c4 TTFT p99",
            "c4 ITL p50", "c4 ITL p99", "c4 req/s"]  # fmt: skip
 
@@ -278,9 +304,7 @@ def run(quick: bool = False) -> Result:
     for index, (spec, transport, setup) in enumerate(plan):
         _progress(index, len(plan), f"{spec.name} {transport}: {setup}")
         count = n if spec is TINY else 12
-        # Unique prompts per run and concurrency: no prefix cache helps anyone.
-        prompts = {c: [make_prompt(f"{setup} {transport} r{index} c{c} #{i}", spec.prompt_words) for i in range(count)]
-                   for c in (1, 4)}  # fmt: skip
+        prompts = paired_prompts(nth_run(plan, index), spec.prompt_words, count, label=f"{transport} ")
         # The P/D set-ups run clocked connectors: decode logs each KV load, so gaps can be told apart by loads.
         connector = None if setup == "single" else f"{setup}_clocked"
         load_log = work / f"run{index}-loads.txt"
@@ -360,7 +384,7 @@ def run_models(specs: list[ModelSpec], scenario: str) -> Result:
         n = 24
         for setup in setups:
             _progress(step, total, f"{spec.name}: {setup}")
-            prompts = {c: [make_prompt(f"{setup} c{c} #{i}", spec.prompt_words) for i in range(n)] for c in (1, 4)}
+            prompts = paired_prompts(0, spec.prompt_words, n)
             found = summarize(measure(None if setup == "single" else setup, spec, model, prompts, work,
                                       f"{spec.name}-{setup}"))  # fmt: skip
             metrics.update({f"{spec.name}_{setup}_{k}": v for k, v in found.items()})

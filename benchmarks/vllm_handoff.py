@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from nixl_async.testing import TCP_TLS
-from nixl_async_vllm.launch import PushTarget, make_prompt
+from nixl_async_vllm.launch import PushTarget
 
 from .common import Result
-from .vllm import LARGE, _progress, _require_vllm, make_model, pd_servers
+from .vllm import LARGE, _progress, _require_vllm, make_model, nth_run, paired_prompts, pd_servers
 from .vllm_push import RATE_MBIT, ROLES, SETUPS, _placement
 
 ORDER = ["pull", "push", "progressive", "progressive", "push", "pull"]
@@ -95,8 +95,7 @@ def run(quick: bool = False) -> Result:
                 host.shape(RATE_MBIT)
             for index, setup in enumerate(order):
                 _progress(index, len(order), setup)
-                prompts = [make_prompt(f"handoff {setup} r{index} #{i}", LARGE.prompt_words)
-                           for i in range(REQUESTS + 1)]  # fmt: skip
+                prompts = paired_prompts(nth_run(order, index), LARGE.prompt_words, REQUESTS + 1, (1,))[1]
                 samples.setdefault(setup, []).extend(_run_setup(setup, model, net, work, f"run{index}-{setup}",
                                                                 prompts))  # fmt: skip
             _progress(len(order), len(order), "done")

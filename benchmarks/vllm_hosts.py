@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from nixl_async.testing import TCP_TLS
-from nixl_async_vllm.launch import make_prompt
 
 from .common import Result
 from .vllm import (
@@ -34,6 +33,8 @@ from .vllm import (
     make_model,
     measure,
     medians,
+    nth_run,
+    paired_prompts,
     summarize,
     summarize_loads,
 )
@@ -97,8 +98,7 @@ def run(quick: bool = False) -> Result:
                 host.shape(RATE_MBIT)
             for index, setup in enumerate(order):
                 _progress(index, len(order), f"run {index + 1}: {setup}")
-                prompts = {c: [make_prompt(f"{setup} r{index} c{c} #{i}", spec.prompt_words) for i in range(n)]
-                           for c in (1, 4)}  # fmt: skip
+                prompts = paired_prompts(nth_run(order, index), spec.prompt_words, n)
                 runs[setup].append(_run_once(setup, spec, str(model), net, prompts, work, f"run{index}-{setup}"))
             _progress(len(order), len(order), "done")
     except NetnsUnavailable as exc:
