@@ -23,6 +23,7 @@ from nixl_async.exceptions import LayoutError
 __all__ = [
     "KINDS",
     "GroupBlocks",
+    "full_pages_of_prompt",
     "in_kernel_pages",
     "kernel_pages",
     "pair_blocks",
@@ -77,6 +78,21 @@ def in_kernel_pages(group: GroupBlocks, local_pages: int, remote_pages: int, *, 
     hit = None if group.local_hit is None else group.local_hit * local_pages
     return dataclasses.replace(group, local=kernel_pages(group.local, local_pages),
                                remote=kernel_pages(group.remote, remote_pages), local_hit=hit)  # fmt: skip
+
+
+def full_pages_of_prompt(group: GroupBlocks, num_tokens: int, local_page_tokens: int, remote_page_tokens: int,
+                         local_pages: int, remote_pages: int) -> GroupBlocks:  # fmt: skip
+    """A full-attention group in kernel pages, without the prefix hit, each side cut to the pages that hold prompt
+    tokens. With pages of other token counts on each side, the empty trailing pages of each side's last block
+    differ in number: paired from the end as they stand, every page would take its neighbour's tokens."""
+
+    def of_prompt(ids: list[int], page_tokens: int, per_block: int) -> list[int]:
+        pages = -(-num_tokens // page_tokens)
+        past = -(-pages // per_block) * per_block - pages  # empty pages in the last block
+        return ids[: len(ids) - past] if past else ids
+
+    return dataclasses.replace(group, local=of_prompt(group.local, local_page_tokens, local_pages),
+                               remote=of_prompt(group.remote, remote_page_tokens, remote_pages))  # fmt: skip
 
 
 def window_pages_of_prompt(group: GroupBlocks, num_tokens: int | None, page_tokens: int, local_pages: int,

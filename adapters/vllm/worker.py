@@ -47,7 +47,14 @@ from nixl_async import (
 )
 
 from . import cpu_quirks
-from .block_pairs import GroupBlocks, in_kernel_pages, kernel_pages, pair_blocks, window_pages_of_prompt
+from .block_pairs import (
+    GroupBlocks,
+    full_pages_of_prompt,
+    in_kernel_pages,
+    kernel_pages,
+    pair_blocks,
+    window_pages_of_prompt,
+)
 from .kv_layout import CacheLayout, describe_cache, no_head_window, packing_name
 from .leases import LEASE_TOPIC, LearnedLeases, RequestLease, answer_renewal, heartbeat
 from .push_book import PUSH_FAILED_PREFIX, PUSH_PREFIX
@@ -748,9 +755,18 @@ def plan_request(geometry: KVGeometry, job: RecvJob, first: Peer) -> RequestPlan
     groups = job.groups
     remote_block_size = int(first.extra.get("block_size", geometry.block_size))  # (a kernel page's tokens)
     if paged:  # read kernel pages: block sizes, ratios and head windows below are a page's
-        same = remote_block_size == geometry.block_size
+        # Pages of other token counts on each side, no prefix hit: pairable from the end once each side is cut to
+        # its prompt pages, which needs the prompt's length (refused without it).
+        same = remote_block_size == geometry.block_size or job.num_tokens is not None
         groups = tuple(in_kernel_pages(g, geometry.pages_per_block, remote_pages, same_page_tokens=same)
                        for g in groups)  # fmt: skip
+        if remote_block_size != geometry.block_size and job.num_tokens is not None and remote_block_size > 0:
+            groups = tuple(
+                full_pages_of_prompt(g, job.num_tokens, geometry.block_size, remote_block_size,
+                                     geometry.pages_per_block, remote_pages)
+                if g.kind == "full" and g.local_hit is None else g
+                for g in groups
+            )  # fmt: skip
         groups = tuple(
             window_pages_of_prompt(g, job.num_tokens, geometry.block_size, geometry.pages_per_block, remote_pages)
             if g.kind == "window" else g

@@ -21,6 +21,7 @@ from nixl_async import EngineConfig, LayoutError, TransferEngine
 from nixl_async.testing import WaitNotifications, free_port_base, pattern_block
 from nixl_async_vllm.block_pairs import (
     GroupBlocks,
+    full_pages_of_prompt,
     in_kernel_pages,
     kernel_pages,
     pair_blocks,
@@ -171,6 +172,12 @@ def test_logical_blocks_become_kernel_pages():
         in_kernel_pages(GroupBlocks("full", [7], [10, 11, 12]), 2, 2, same_page_tokens=False)
     told = in_kernel_pages(GroupBlocks("full", [7], [10, 11, 12], 1), 2, 2, same_page_tokens=False)
     assert pair_blocks(told, 2, paged=True)[1][:2] == [24, 25]  # with the hit: tokens 4 and 5
+    # Without the hit but with the prompt's length, each side is cut to its prompt pages first: page 14 (token 4)
+    # takes page 24 (token 4). A prompt that fills its last blocks is paired as it stands.
+    cut = full_pages_of_prompt(in_kernel_pages(GroupBlocks("full", [7], [10, 11, 12]), 2, 2), 5, 2, 1, 2, 2)
+    assert pair_blocks(cut, 2, paged=True) == ([14], [24])
+    whole = in_kernel_pages(GroupBlocks("full", [7], [10, 11, 12, 13]), 2, 2)
+    assert full_pages_of_prompt(whole, 8, 2, 1, 2, 2) == whole
 
 
 def test_the_read_planner_refuses_pages_of_another_size_without_the_prefix_hit():
