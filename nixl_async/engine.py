@@ -853,7 +853,7 @@ class TransferEngine:
                     self._notify.check(notify, "NOTIFY")
                 return self._driver.notify_only(op, peer, notify)
             lidx, ridx = pair_descriptor_ids(local_view, lids, remote_view, rids)
-        if len(lidx):
+        if notify is not None and len(lidx):  # (most submits notify nothing: no call for them)
             self._notify.check_rides(notify, op)
         nbytes = len(lidx) * local_view.piece_len
         deadline, lease_deadline = self._deadlines(peer, timeout, lease_expires_at)

@@ -736,10 +736,10 @@ class _LoopStopper:
         except RuntimeError:  # (it took the mark: ending the context no longer calls the loop)
             with contextlib.suppress(Exception):
                 portal_cm.__exit__(None, None, None)
+            return
         except Exception:  # (an anyio without that mark: keep the context, never end it here)
-            _LEFT_BEHIND.append(portal_cm)
-        else:
-            _LEFT_BEHIND.append(portal_cm)
+            pass
+        _LEFT_BEHIND.append(portal_cm)
 
 
 _ENGINES: weakref.WeakSet[SyncEngine] = weakref.WeakSet()  # this process's, for a fork
