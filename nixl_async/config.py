@@ -139,7 +139,16 @@ def tcp_segment_in_use(configured: int | None, environ: Mapping[str, str]) -> in
     """
     if _environment_sets_segment(environ):
         given = environ.get("UCX_TCP_RX_SEG_SIZE")
-        return UCX_TCP_DEFAULT_SEGMENT if given is None else _memunits(given)
+        if given is None:
+            return UCX_TCP_DEFAULT_SEGMENT
+        try:
+            size = _memunits(given)
+        except ValueError:
+            size = 0
+        if size <= 0:
+            raise ValueError(f"UCX_TCP_RX_SEG_SIZE={given!r} in the environment: not a UCX size in bytes > 0 "
+                             "(e.g. 65536 or 512k)")  # fmt: skip
+        return size
     return UCX_TCP_DEFAULT_SEGMENT if configured is None else configured
 
 
@@ -205,7 +214,8 @@ class EtcdConfig:
                 f"EtcdConfig.endpoint and namespace must be strings, got {self.endpoint!r}, {self.namespace!r}"
             )
         host, sep, port = self.endpoint.rpartition(":")
-        if "," in self.endpoint or "://" in self.endpoint or not sep or not host or not port.isdigit():
+        if ("," in self.endpoint or "://" in self.endpoint or not sep or not host or not port.isascii()
+                or not port.isdigit() or not 0 < int(port) < 65536):  # fmt: skip
             raise ValueError(f"EtcdConfig.endpoint must be one 'host:port', got {self.endpoint!r}")
         if not self.namespace or self.namespace.endswith("/"):
             raise ValueError(f"EtcdConfig.namespace must be non-empty without a trailing '/', got {self.namespace!r}")
@@ -373,9 +383,15 @@ class EngineConfig:
         for name, (low, high) in (("tcp_segment_bytes", TCP_SEGMENT_RANGE),
                                   ("tcp_send_buffer_bytes", TCP_SEND_BUFFER_RANGE)):  # fmt: skip
             value = getattr(self, name)
-            whole = isinstance(value, int) and not isinstance(value, bool)
+            whole = isinstance(value, numbers.Integral) and not isinstance(value, bool)
             if value is not None and not (whole and low <= value <= high):
                 raise ValueError(f"EngineConfig.{name} must be whole bytes in {[low, high]} or None, got {value!r}")
+            if value is not None:
+                object.__setattr__(self, name, int(value))  # (numpy's ints: UCX's settings are Python strings)
+        if not isinstance(self.backend_params, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in self.backend_params.items()
+        ):
+            raise ValueError(f"EngineConfig.backend_params must map strings to strings, got {self.backend_params!r}")
         if clash := sorted(_named_keys(self.backend_params.get("engine_config", "")) & set(_SEGMENT_KEYS)):
             raise ValueError(
                 f"backend_params['engine_config'] sets {', '.join(clash)}: set EngineConfig.tcp_segment_bytes "
@@ -383,8 +399,12 @@ class EngineConfig:
             )
         if self.min_post_bytes > self.max_post_bytes:
             raise ValueError("EngineConfig.min_post_bytes must not exceed max_post_bytes")
-        if isinstance(self.auth_secret, str):
-            object.__setattr__(self, "auth_secret", self.auth_secret.encode())
+        if isinstance(self.auth_secret, str | bytearray | memoryview):
+            secret = self.auth_secret
+            object.__setattr__(self, "auth_secret", secret.encode() if isinstance(secret, str) else bytes(secret))
+        if self.auth_secret is not None and not isinstance(self.auth_secret, bytes):
+            kind = type(self.auth_secret).__name__  # (never the secret itself)
+            raise ValueError(f"EngineConfig.auth_secret must be bytes or a string (or None), got a {kind}")
         if self.auth_secret is not None and len(self.auth_secret) < 16:
             raise ValueError("EngineConfig.auth_secret must be at least 16 bytes")
         # Freeze the mappings so the config stays hashable-in-spirit and immutable.

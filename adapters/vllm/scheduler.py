@@ -49,9 +49,12 @@ __all__ = ["AdapterPushScheduler", "AdapterScheduler"]
 log = logging.getLogger(f"vllm.{__name__}")  # under "vllm", so it shows in vLLM's log
 
 
-def _adapt(scheduler: Any, vllm_config: Any) -> AdapterSettings:
-    """Our settings on vLLM's scheduler: side channel address, lease, heartbeat cadence."""
-    settings = AdapterSettings.from_vllm(vllm_config)
+def _adapt(scheduler: Any, settings: AdapterSettings) -> AdapterSettings:
+    """Our settings on vLLM's scheduler: side channel address, lease, heartbeat cadence.
+
+    The settings are read before vLLM's constructor runs: it reads some keys itself (the lease with
+    ``//``, ``kv_recompute_threshold`` with ``int()``) and would fail first, naming none.
+    """
     scheduler.side_channel_host = settings.side_channel_host
     scheduler.side_channel_port = settings.side_channel_port
     scheduler._kv_lease_duration = settings.lease_s
@@ -188,8 +191,9 @@ class AdapterScheduler(
     NixlPullConnectorScheduler,
 ):
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
+        settings = AdapterSettings.from_vllm(vllm_config)
         super().__init__(vllm_config, engine_id, kv_cache_config)
-        self.settings = _adapt(self, vllm_config)
+        self.settings = _adapt(self, settings)
         self._saving = PrefillFollower()  # host staging: requests for decode still computing
 
     def on_new_request(self, request: Any) -> None:
@@ -279,8 +283,9 @@ class AdapterPushScheduler(
     """
 
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
+        settings = AdapterSettings.from_vllm(vllm_config)
         super().__init__(vllm_config, engine_id, kv_cache_config)
-        self.settings = _adapt(self, vllm_config)
+        self.settings = _adapt(self, settings)
         self._push_registration_timeout = self.settings.push_registration_timeout_s
         self._computing = PrefillFollower()  # prefill's requests for decode, with progressive push
         self._saving = PrefillFollower()  # host staging: requests for decode still computing

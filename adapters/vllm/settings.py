@@ -44,7 +44,8 @@ NixlConnector; our own knobs live in ``kv_connector_extra_config``:
   different in two.
   So the process keeps Python's interval unless a deployment asks for the trade.
 
-NixlConnector's own keys are honoured (``backends``, ``num_threads``, ``engine_ttl``,
+NixlConnector's own keys are honoured (``backends``, ``num_threads`` (unset: NIXL's default, no extra
+UCX threads, where NixlConnector passes 4: our loop progresses the worker), ``engine_ttl``,
 ``enforce_handshake_compat``, ``kv_lease_duration``; ``kv_recompute_threshold`` is accepted as
 NixlConnector accepts it without ``bidirectional_kv_xfer``, where it changes nothing: it only
 bounds reading KV back from decode) or refused at startup with an error naming the key
@@ -195,6 +196,24 @@ def _backend_params(extra: dict[str, Any], backends: tuple[str, ...]) -> dict[st
     return {"num_threads": str(threads)} if threads else {}
 
 
+def _recompute_threshold(extra: dict[str, Any]) -> None:
+    """vLLM's scheduler reads it with ``int()`` before ours runs: checked here to name the key."""
+    value = extra.get("kv_recompute_threshold", 64)
+    if isinstance(value, bool) or not isinstance(value, int | str) or not str(value).strip().lstrip("-").isdigit():
+        raise ValueError(f"kv_connector_extra_config['kv_recompute_threshold'] must be a whole number, got {value!r}")
+
+
+def _side_channel(host: str, base_port: int, tp: int) -> str:
+    """vLLM's ``VLLM_NIXL_SIDE_CHANNEL_HOST``/``_PORT``, checked: rank r listens at base + r, and port 0
+    would make rank 0 listen on a random port while the scheduler announces 0."""
+    if not host.strip():
+        raise ValueError("VLLM_NIXL_SIDE_CHANNEL_HOST is empty: set it to this host's address (or unset it)")
+    if not 0 < base_port <= 65536 - tp:
+        raise ValueError(f"VLLM_NIXL_SIDE_CHANNEL_PORT: this instance's ranks would listen at ports {base_port}.."
+                         f"{base_port + tp - 1}, outside 1..65535")  # fmt: skip
+    return host
+
+
 def _flag(extra: dict[str, Any], key: str, default: bool) -> bool:
     value = extra.get(key, default)
     if not isinstance(value, bool):
@@ -224,21 +243,36 @@ def _etcd(extra: dict[str, Any]) -> EtcdConfig | None:
             if key in extra:
                 raise ValueError(f"kv_connector_extra_config[{key!r}] needs 'etcd_endpoint'")
         return None
+    ttl = extra.get("etcd_lease_ttl", 10)
+    whole = isinstance(ttl, int | float) and not isinstance(ttl, bool) and math.isfinite(ttl) and ttl == int(ttl)
+    if not whole:
+        raise ValueError(f"kv_connector_extra_config['etcd_lease_ttl'] must be whole seconds, got {ttl!r}")
     try:
-        return EtcdConfig(str(endpoint), namespace=extra.get("etcd_namespace", "nixl_async"),
-                          lease_ttl_s=extra.get("etcd_lease_ttl", 10))  # fmt: skip
+        return EtcdConfig(str(endpoint), namespace=extra.get("etcd_namespace", "nixl_async"), lease_ttl_s=int(ttl))
     except ValueError as exc:
-        raise ValueError(f"kv_connector_extra_config: {exc}") from None
+        raise ValueError(f"kv_connector_extra_config (etcd_endpoint, etcd_namespace): {exc}") from None
 
 
-def _number(extra: dict[str, Any], key: str, default: float) -> float:
+# Keys vLLM's own scheduler reads too, with arithmetic (``//``, ``int()``): a string there stops vLLM's
+# constructor with an error naming no key, so these must be JSON numbers.
+_READ_BY_VLLM = ("kv_lease_duration", "push_registration_timeout", "decoder_kv_blocks_ttl")
+
+
+def _number(extra: dict[str, Any], key: str, default: float, *, zero: bool = False) -> float:
+    """A finite number > 0 (>= 0 with `zero`): a JSON number, or a numeric string where vLLM does not read the key."""
     value = extra.get(key, default)
+    numeric = isinstance(value, int | float) and not isinstance(value, bool)
+    text = isinstance(value, str) and key not in _READ_BY_VLLM
     try:
+        if not (numeric or text):
+            raise ValueError(value)
         number = float(value)
-    except (TypeError, ValueError):
+    except ValueError:
         raise ValueError(f"kv_connector_extra_config[{key!r}] must be a number, got {value!r}") from None
-    if not 0 < number < math.inf:  # (NaN too)
-        raise ValueError(f"kv_connector_extra_config[{key!r}] must be a finite number > 0, got {value!r}")
+    if not ((number >= 0 if zero else number > 0) and number < math.inf):  # (NaN fails both)
+        raise ValueError(
+            f"kv_connector_extra_config[{key!r}] must be a finite number {'>=' if zero else '>'} 0, got {value!r}"
+        )
     return number
 
 
@@ -248,9 +282,7 @@ def _optional_number(extra: dict[str, Any], key: str) -> float | None:
 
 
 def _idle_wait(extra: dict[str, Any]) -> float:
-    if extra.get("idle_step_wait_s", 0.002) == 0:
-        return 0.0
-    wait = _number(extra, "idle_step_wait_s", 0.002)
+    wait = _number(extra, "idle_step_wait_s", 0.002, zero=True)  # 0: off
     if wait > 0.1:
         raise ValueError(f"kv_connector_extra_config['idle_step_wait_s'] must be <= 0.1 (seconds), got {wait}")
     return wait
@@ -277,23 +309,30 @@ def _bytes_or_null(extra: dict[str, Any], key: str, default: int, bounds: tuple[
 
 def _secret(extra: dict[str, Any]) -> bytes | None:
     """The shared secret from the value, an environment variable or a file (never logged)."""
-    given = [key for key in ("auth_secret", "auth_secret_env", "auth_secret_file") if extra.get(key)]
+    # Present means set (an empty one is refused, never read as "no authentication").
+    given = [key for key in ("auth_secret", "auth_secret_env", "auth_secret_file") if extra.get(key) is not None]
     if len(given) > 1:
         raise ValueError(f"kv_connector_extra_config: give only one of {given}")
     if not given:
         return None
     key = given[0]
     value = extra[key]
+    if key == "auth_secret" and isinstance(value, bytes) and value:
+        return value
+    if not isinstance(value, str) or not value:
+        what = "the secret" if key == "auth_secret" else "a name" if key == "auth_secret_env" else "a path"
+        shown = f"a {type(value).__name__}" if key == "auth_secret" else repr(value)  # (never the secret itself)
+        raise ValueError(f"kv_connector_extra_config[{key!r}] must be {what} as a non-empty string, got {shown}")
     if key == "auth_secret_env":
         if value not in os.environ:
             raise ValueError(f"kv_connector_extra_config[{key!r}]: environment variable {value!r} is not set")
-        value = os.environ[value]
-    elif key == "auth_secret_file":
+        return os.environ[value].encode()
+    if key == "auth_secret_file":
         try:
-            value = Path(value).read_bytes().strip()
+            return Path(value).read_bytes().strip()
         except OSError as exc:
             raise ValueError(f"kv_connector_extra_config[{key!r}]: cannot read {value!r}: {exc.strerror}") from None
-    return value.encode() if isinstance(value, str) else bytes(value)
+    return value.encode()
 
 
 @dataclass(frozen=True)
@@ -345,10 +384,12 @@ class AdapterSettings:
                 f"kv_connector_extra_config['push_progressive'] needs the UCX backend alone, not backends {backends}"
             )
         ttl = extra.get("engine_ttl", 3600.0)
-        if isinstance(ttl, bool) or not isinstance(ttl, int | float):
+        if isinstance(ttl, bool) or not isinstance(ttl, int | float) or math.isnan(ttl):
             raise ValueError(f"kv_connector_extra_config['engine_ttl'] must be a number of seconds, got {ttl!r}")
+        _recompute_threshold(extra)
+        host = _side_channel(envs.VLLM_NIXL_SIDE_CHANNEL_HOST, port, tp)
         return cls(
-            side_channel_host=envs.VLLM_NIXL_SIDE_CHANNEL_HOST,
+            side_channel_host=host,
             side_channel_port=port,
             lease_s=_number(extra, "kv_lease_duration", 30),
             transfer_timeout_s=_number(extra, "transfer_timeout", 120),
@@ -357,7 +398,7 @@ class AdapterSettings:
             switch_interval_s=_optional_number(extra, "switch_interval_s"),
             backends=backends,
             backend_params=tuple(_backend_params(extra, backends).items()),
-            peer_ttl_s=float(ttl) if ttl > 0 else None,  # as NixlConnector: <= 0 turns eviction off
+            peer_ttl_s=float(ttl) if 0 < ttl < math.inf else None,  # as NixlConnector: <= 0 turns eviction off
             enforce_compat=_flag(extra, "enforce_handshake_compat", True),
             link_timeout_s=_link_timeout(extra),
             tcp_segment_bytes=_bytes_or_null(extra, "tcp_segment_bytes", TCP_SEGMENT_BYTES, TCP_SEGMENT_RANGE),

@@ -79,6 +79,9 @@ __all__ = [
 log = logging.getLogger(f"vllm.{__name__}")  # under "vllm", so it shows in vLLM's log
 
 LAYOUT = "kv"
+# kv_buffer_device values per device the KV caches live on (vLLM's NixlConnector takes the same for CUDA and CPU):
+# "cpu" with CUDA caches stages them through host copies.
+_BUFFER_DEVICES = {"cuda": ("cuda", "cpu"), "cpu": ("cpu",)}
 
 
 @dataclass(frozen=True)
@@ -315,6 +318,10 @@ class ConnectorWorker:
                 f"KV caches on {first.device.type!r} devices are not supported by the adapter "
                 "(CPU, CUDA and ROCm only): their memory would be registered as host memory"
             )
+        if self.buffer_device not in _BUFFER_DEVICES[first.device.type]:
+            # (as vLLM's NixlConnector: "CPU" or "host" on a GPU registered the device caches, unstaged)
+            raise UnsupportedSetting(f"kv_buffer_device {self.buffer_device!r} with KV caches on {first.device.type!r}"
+                                     f": use one of {_BUFFER_DEVICES[first.device.type]}")  # fmt: skip
         if first.device.type == "cuda" and self.buffer_device == "cpu":
             if self.state_layers:
                 raise LayoutError("kv_buffer_device 'cpu' (host staging) with state (Mamba) layers is not supported")

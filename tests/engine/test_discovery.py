@@ -529,7 +529,10 @@ async def test_a_stale_record_naming_another_engines_address_loads_nothing_of_it
         await engine.close()
 
 
-@pytest.mark.parametrize("endpoint", ["", "etcd", "etcd:", ":2379", "a:1,b:2", "http://etcd:2379", "etcd:port"])
+@pytest.mark.parametrize(
+    "endpoint",
+    ["", "etcd", "etcd:", ":2379", "a:1,b:2", "http://etcd:2379", "etcd:port", "etcd:0", "etcd:99999", "etcd:\u0661"],
+)  # (the last three taken before)
 def test_etcd_config_refuses_what_it_cannot_use(endpoint):
     with pytest.raises(ValueError, match="endpoint"):
         EtcdConfig(endpoint)

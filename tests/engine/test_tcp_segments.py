@@ -53,9 +53,10 @@ def test_the_segment_in_use_follows_the_environment_then_the_config(configured, 
     assert tcp_segment_in_use(configured, environ) == expected
 
 
-@pytest.mark.parametrize("given", ["lots", "512q", "\u0665\u0661\u0662k", "", "-1k"])
+@pytest.mark.parametrize("given", ["lots", "512q", "\u0665\u0661\u0662k", "", "-1k", "0", "0k"])
 def test_an_unreadable_environment_segment_is_refused(given):
-    with pytest.raises(ValueError, match="not a UCX size"):
+    """... naming the variable (before: "not a UCX size: 'auto'"; and "0" was taken as a 0-byte segment)."""
+    with pytest.raises(ValueError, match=r"UCX_TCP_RX_SEG_SIZE=.*not a UCX size"):
         tcp_segment_in_use(TCP_SEGMENT_BYTES, {"UCX_TCP_RX_SEG_SIZE": given})
 
 
@@ -63,6 +64,23 @@ def test_an_unreadable_environment_segment_is_refused(given):
 def test_config_refuses_segments_it_cannot_use(value):
     with pytest.raises(ValueError, match="tcp_segment_bytes"):
         EngineConfig(tcp_segment_bytes=value)
+
+
+def test_config_takes_numpys_whole_numbers_and_refuses_fields_of_the_wrong_kind():
+    """An audit of session 39: numpy's ints were refused here alone; a list of backend parameters raised
+    AttributeError and an int secret TypeError, neither naming the field."""
+    import numpy as np
+
+    config = EngineConfig(tcp_segment_bytes=np.int64(1 << 20), tcp_send_buffer_bytes=np.int32(16 << 20))
+    assert type(config.tcp_segment_bytes) is int and config.tcp_segment_bytes == 1 << 20
+    assert type(config.tcp_send_buffer_bytes) is int
+    for fields, named in (({"backend_params": [("num_threads", "2")]}, "backend_params"),
+                          ({"backend_params": {"num_threads": 2}}, "backend_params"),
+                          ({"auth_secret": 12345678901234567890}, "auth_secret")):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"EngineConfig\.{named}") as refused:
+            EngineConfig(**fields)
+        assert "1234567890" not in str(refused.value)  # the secret never shows
+    assert EngineConfig(auth_secret=bytearray(b"s" * 16)).auth_secret == b"s" * 16
 
 
 def test_config_refuses_segment_settings_that_would_bypass_the_handshake_check():

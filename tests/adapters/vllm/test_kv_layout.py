@@ -237,6 +237,28 @@ def test_kv_caches_on_another_accelerator_are_refused_by_name():
         worker.register_kv_caches({"l0": elsewhere, "l1": elsewhere})
 
 
+@pytest.mark.parametrize("buffer_device", ["CPU", "host", "cuda"])
+def test_a_kv_buffer_device_the_caches_device_does_not_take_is_refused(buffer_device):
+    """An audit of session 39: only an exact "cpu" meant host staging, so "CPU" or "host" on a GPU registered
+    the device caches unstaged, and "cuda" on a CPU host was taken (vLLM's NixlConnector refuses all three)."""
+    from types import SimpleNamespace
+
+    from nixl_async_vllm.settings import UnsupportedSetting
+    from nixl_async_vllm.worker import AttentionChoice, ConnectorWorker
+
+    name, view = _views("FLASH_ATTN", "LBHNC")
+    worker = ConnectorWorker.__new__(ConnectorWorker)  # what register_kv_caches reads, without a vLLM server
+    worker.kv_cache_config = SimpleNamespace(num_blocks=BLOCKS)
+    worker.state_layers = frozenset()
+    worker.block_size = BLOCK_SIZE
+    worker.buffer_device = buffer_device
+    worker.attention = AttentionChoice(name, "LBHNC", None)
+    worker.vllm_config = SimpleNamespace(model_config=SimpleNamespace(get_num_kv_heads=lambda _: HEADS, use_mla=False),
+                                         parallel_config=None)  # fmt: skip
+    with pytest.raises(UnsupportedSetting, match=f"kv_buffer_device '{buffer_device}' with KV caches on 'cpu'"):
+        worker.register_kv_caches({"l0": view, "l1": view})
+
+
 @pytest.mark.parametrize("direct", [True, False])
 def test_received_state_on_rocm_is_synchronized_before_vllm_hears(monkeypatch, direct):
     """ROCm with state (Mamba) layers read straight into device memory: vLLM's worker synchronizes the device

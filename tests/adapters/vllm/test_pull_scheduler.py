@@ -293,3 +293,10 @@ def test_a_request_to_read_kv_back_from_decode_is_prefilled_here(caplog, blocks)
     allocated = SimpleNamespace(blocks=([],), get_unhashed_block_ids_all_groups=lambda: ([7, 8, 9],))
     sched.update_state_after_alloc(request, allocated, 0)
     assert not sched._reqs_need_recv and request.request_id in sched._reqs_in_batch  # a prefill for decode
+
+
+@pytest.mark.parametrize("extra", [{"kv_lease_duration": "30"}, {"kv_recompute_threshold": "abc"}])
+def test_the_schedulers_refuse_bad_settings_by_key_before_vllm_reads_them(extra):
+    """vLLM's constructor reads these itself (``//``, ``int()``) and failed first, with an error naming no key."""
+    with pytest.raises(ValueError, match=next(iter(extra))):
+        _configured(extra)

@@ -294,3 +294,55 @@ def test_the_side_channel_binds_ipv4_and_ipv6_hosts(monkeypatch, given, bound):
     monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_HOST", given)
     host = AdapterSettings.from_vllm(_config({})).bind_host()
     assert host == bound if bound is not None else host in ("127.0.0.1", "::1")
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"auth_secret": 20},  # (before: bytes(20), twenty zero bytes, passed the 16-byte minimum)
+        {"auth_secret": [1] * 16},
+        {"auth_secret": ""},  # (before: read as "no secret": authentication quietly off)
+        {"auth_secret_env": ""},
+        {"auth_secret_file": ""},
+        {"auth_secret_env": 5},  # (before: a bare TypeError naming no key)
+        {"transfer_timeout": True},  # (before: a 1 s timeout)
+        {"kv_lease_duration": True},
+        {"kv_lease_duration": "30"},  # vLLM's scheduler divides it: a string stopped its constructor
+        {"push_registration_timeout": "9", "connector": "NixlAsyncPushConnector"},
+        {"kv_recompute_threshold": "abc"},
+        {"kv_recompute_threshold": 1.5},
+        {"engine_ttl": float("nan")},  # (before: eviction quietly off)
+        {"idle_step_wait_s": False},  # (before: taken as 0, off)
+        {"etcd_endpoint": "etcd:99999"},
+        {"etcd_endpoint": "etcd:0"},
+        {"etcd_endpoint": "etcd:2379", "etcd_lease_ttl": 10.5},
+    ],
+)
+def test_settings_of_the_wrong_kind_are_refused_naming_the_key(extra):
+    """A settings audit of session 39: each of these was taken as something else, or failed naming no key."""
+    extra = dict(extra)
+    knobs = {"connector": extra.pop("connector")} if "connector" in extra else {}
+    key = next(k for k in extra if k != "etcd_endpoint" or len(extra) == 1)
+    with pytest.raises(ValueError, match=key) as refused:
+        AdapterSettings.from_vllm(_config(extra, **knobs)).engine_config("e", {})
+    assert SECRET not in str(refused.value)
+
+
+def test_settings_of_a_near_kind_are_taken_as_meant():
+    assert AdapterSettings.from_vllm(_config({"engine_ttl": float("inf")})).peer_ttl_s is None  # never evict
+    etcd = AdapterSettings.from_vllm(_config({"etcd_endpoint": "etcd:2379", "etcd_lease_ttl": 10.0})).etcd
+    assert etcd is not None and etcd.lease_ttl_s == 10  # (before: refused, naming EtcdConfig.lease_ttl_s)
+    assert AdapterSettings.from_vllm(_config({"idle_step_wait_s": "0"})).idle_step_wait_s == 0  # (before: refused)
+    assert AdapterSettings.from_vllm(_config({"transfer_timeout": "7.5"})).transfer_timeout_s == 7.5  # ours alone
+    assert AdapterSettings.from_vllm(_config({"kv_recompute_threshold": "32"}))  # vLLM's int() takes it
+
+
+@pytest.mark.parametrize(("variable", "value"), [("VLLM_NIXL_SIDE_CHANNEL_PORT", "0"),
+                                                 ("VLLM_NIXL_SIDE_CHANNEL_PORT", "65535"),  # rank 1 at 65536
+                                                 ("VLLM_NIXL_SIDE_CHANNEL_HOST", " ")])  # fmt: skip
+def test_side_channel_addresses_no_rank_can_serve_are_refused_naming_the_variable(monkeypatch, variable, value):
+    """Port 0 made rank 0 listen on a random port while the scheduler announced 0 (readers failed later,
+    "remote_host/remote_port unset"); an empty host failed with a bare gaierror."""
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError, match=variable):
+        AdapterSettings.from_vllm(_config({}, tp=2))
