@@ -116,6 +116,7 @@ class MemoryRegistry:
         # Deregistered memory stays referenced until the engine closes: a peer holding our older
         # metadata may still reach it (UCX over TCP checks no keys), and must not reach freed memory.
         self._deregistered: list[list[Any]] = []
+        self._retired: list[BlockLayout] = []  # ...and where it lies: registering it again is refused
         self.layouts: dict[str, BlockLayout] = {}  # name -> layout, what peers see
         self._views: dict[tuple[int, ViewSpec | None], BlockView] = {}
         self._local_dlists: dict[tuple[str, int, int, int], Any] = {}
@@ -127,6 +128,13 @@ class MemoryRegistry:
         for other in self._registered.values():
             if layout.overlaps(other.layout):
                 raise LayoutError(f"layout {layout.name!r} overlaps registered layout {other.layout.name!r}")
+        for old in self._retired:
+            if layout.overlaps(old):
+                # A peer holding our older metadata would write into it as layout `old` (UCX over TCP checks
+                # no keys), and its bytes would land among this layout's data: silent corruption.
+                raise LayoutError(f"layout {layout.name!r} overlaps memory deregistered from layout {old.name!r}: "
+                                  "peers holding this engine's older metadata may still reach it, so it is not "
+                                  "registered again while this engine runs (register other memory)")  # fmt: skip
         try:
             memory = agent.register(layout.region_descriptors(), layout.mem_type)
         except NIXL_ERRORS as exc:
@@ -159,6 +167,7 @@ class MemoryRegistry:
         del self.layouts[name]
         self._views.clear()
         self._deregistered.append(registered.keepalive)
+        self._retired.append(registered.layout)
 
     def view(self, spec: ViewLike, layouts: dict[str, BlockLayout], owner: str) -> BlockView:
         """Resolve a view of one of `layouts` (ours or a peer's); resolved views are cached."""
@@ -221,6 +230,7 @@ class MemoryRegistry:
         """Drop every reference without calling NIXL (the memory is kept alive elsewhere)."""
         self._registered.clear()
         self._deregistered.clear()
+        self._retired.clear()
         self.layouts.clear()
         self._views.clear()
         self._local_dlists.clear()

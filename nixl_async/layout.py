@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import enum
 import itertools
+import numbers
 from collections.abc import Sequence
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
@@ -70,6 +71,11 @@ NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(gt=0)]
 
 
+def _whole(value: Any) -> Any:
+    """A numpy integer as a Python int; anything else as given (msgspec then names what is wrong with it)."""
+    return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else value
+
+
 class BlockLayout(msgspec.Struct, frozen=True, kw_only=True):
     """Where a set of equally sized blocks lives in memory.
 
@@ -88,7 +94,12 @@ class BlockLayout(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         if not self.region_addrs:
             raise LayoutError(f"layout {self.name!r} has no regions")
-        # (Checked here too: msgspec checks the field constraints only when decoding.)
+        # (Checked here too: msgspec checks the field types and constraints only when decoding. Built
+        # directly, num_blocks=2.5 registered 5 bytes and took block id 2.)
+        whole = (self.num_blocks, self.block_len, self.device_id, self.block_size, *self.region_addrs)
+        if not isinstance(self.region_addrs, tuple) or any(type(v) is bool or not isinstance(v, int) for v in whole):
+            raise LayoutError(f"layout {self.name!r}: region_addrs (a tuple), num_blocks, block_len, device_id and "
+                              "block_size must be Python ints")  # fmt: skip
         if self.num_blocks <= 0 or self.block_len <= 0:
             raise LayoutError(f"layout {self.name!r}: num_blocks and block_len must be > 0")
         if min(self.region_addrs) < 0 or max(self.region_addrs) + self.region_len > 1 << 64:
@@ -160,18 +171,18 @@ class BlockLayout(msgspec.Struct, frozen=True, kw_only=True):
         device_id: int = 0,
         block_size: int = 0,
     ) -> BlockLayout:
-        """Build and validate a layout from plain Python values (raising `LayoutError`)."""
+        """Build and validate a layout from plain Python values (raising `LayoutError`); numpy's ints are taken."""
         try:
             return msgspec.convert(
                 {
                     "name": name,
                     "region_addrs": [int(a) for a in region_addrs],
-                    "num_blocks": num_blocks,
-                    "block_len": block_len,
+                    "num_blocks": _whole(num_blocks),
+                    "block_len": _whole(block_len),
                     "kind": kind,
                     "mem_type": mem_type,
-                    "device_id": device_id,
-                    "block_size": block_size,
+                    "device_id": _whole(device_id),
+                    "block_size": _whole(block_size),
                 },
                 cls,
             )

@@ -257,8 +257,13 @@ class SyncEngine:
         """Register tensors/arrays as layout `name` (see `TransferEngine.register`)."""
         return self.call(lambda: self.engine.register(name, memory, **kwargs))
 
-    def register_layout(self, layout: BlockLayout) -> BlockLayout:
-        return self.call(self.engine.register_layout, layout)
+    def register_layout(self, layout: BlockLayout, *, keepalive: list[Any] | None = None) -> BlockLayout:
+        """Register raw memory described by `layout` (see `TransferEngine.register_layout`)."""
+        return self.call(lambda: self.engine.register_layout(layout, keepalive=keepalive))
+
+    def deregister(self, name: str) -> None:
+        """Deregister layout `name` (see `TransferEngine.deregister`: refused while transfers use it)."""
+        self.call(self.engine.deregister, name)
 
     def set_extra(self, **extra: str) -> None:
         self.call(lambda: self.engine.set_extra(**extra))

@@ -1,5 +1,6 @@
 """Descriptor math, checked against a plain per-block reference (no NIXL)."""
 
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -351,6 +352,28 @@ def test_invalid_layouts(kwargs, message):
     args = {"region_addrs": [0], "num_blocks": 4, "block_len": 64, **kwargs}
     with pytest.raises(LayoutError, match=message):
         BlockLayout.from_regions("kv", args.pop("region_addrs"), **args)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"num_blocks": 2.5}, {"block_len": True}, {"device_id": 0.0}, {"region_addrs": [0]}, {"region_addrs": (0.5,)}],
+)
+def test_a_layout_built_directly_is_checked_as_one_decoded(fields):
+    """An audit of session 39: msgspec checks a Struct's field types only when decoding, so a layout built
+    directly with num_blocks=2.5 registered 5 bytes, prepared 2 descriptors and still took block id 2."""
+    args = {"name": "kv", "region_addrs": (0,), "num_blocks": 4, "block_len": 64, **fields}
+    with pytest.raises(LayoutError, match="must be Python ints"):
+        BlockLayout(**args)
+
+
+def test_from_regions_takes_numpys_ints():
+    """A block length from numpy arithmetic was refused, naming ``$.num_blocks`` (derived from it)."""
+    layout = BlockLayout.from_regions("kv", [np.int64(0)], num_blocks=np.int64(4), block_len=np.int32(64),
+                                      device_id=np.int8(0), block_size=np.uint16(16))  # fmt: skip
+    assert (layout.num_blocks, layout.block_len, layout.block_size) == (4, 64, 16)
+    assert type(layout.num_blocks) is int and msgspec.json.decode(msgspec.json.encode(layout), type=BlockLayout)
+    with pytest.raises(LayoutError, match="num_blocks"):
+        BlockLayout.from_regions("kv", [0], num_blocks=np.float64(4.0), block_len=64)
 
 
 def test_invalid_views():

@@ -208,3 +208,17 @@ async def test_an_ipv6_side_channel_serves_handshakes_and_notifications(via, giv
         assert await server.wait_notifications(b"over-ipv6", timeout=5) == ["v6-reader"]
         assert (await reader.read(peer, [0], [1], notify=b"read-v6")).nbytes == 4096
         assert await server.wait_notifications(b"read-v6", timeout=5) == ["v6-reader"]
+
+
+async def test_deregistered_memory_is_not_registered_again(nixl_engine):
+    """An audit of session 39: a peer holding our older metadata still reaches deregistered memory over UCX/TCP
+    (nothing checks keys), so the engine keeps it alive; but the same tensor could be registered again (under
+    any name), and that peer's stale WRITE would then land among the new layout's data."""
+    region = np.zeros(8 * 4096, np.uint8)
+    nixl_engine.register("kv", [region], block_len=4096)
+    nixl_engine.deregister("kv")
+    for name, memory in (("kv", region), ("kv2", region), ("half", region[4096:8192])):
+        with pytest.raises(LayoutError, match="overlaps memory deregistered from layout 'kv'"):
+            nixl_engine.register(name, [memory], block_len=4096)
+        assert name not in nixl_engine._memory.layouts
+    nixl_engine.register("kv", [np.zeros(8 * 4096, np.uint8)], block_len=4096)  # other memory: taken

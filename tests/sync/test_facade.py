@@ -536,3 +536,29 @@ def test_wait_activity_hears_close(sync_engine):
     assert heard.get(timeout=1) < 3
     with pytest.raises(EngineClosedError):
         sync_engine.wait_activity(10)
+
+
+def test_layouts_are_deregistered_and_raw_layouts_kept_alive_through_the_facade(sync_engine):
+    """The facade had no `deregister` (only `sync.call(sync.engine.deregister, ...)`), and its `register_layout`
+    dropped the engine's `keepalive`: memory the caller let go could be freed while registered."""
+    import weakref
+
+    from nixl_async import BlockLayout, LayoutError, MemType
+
+    sync_engine.register("kv", [np.zeros(4 * BLOCK, np.uint8)], block_len=BLOCK)
+    sync_engine.deregister("kv")
+    with pytest.raises(LayoutError):
+        sync_engine.deregister("kv")
+    sync_engine.register("kv", [np.zeros(4 * BLOCK, np.uint8)], block_len=BLOCK)  # the name is free again
+
+    class Owner:  # holds the raw memory, as a caller's allocator object would
+        def __init__(self):
+            self.array = np.zeros(4 * BLOCK, np.uint8)
+
+    owner = Owner()
+    layout = BlockLayout(name="raw", region_addrs=(owner.array.ctypes.data,), num_blocks=4, block_len=BLOCK,
+                         mem_type=MemType.DRAM)  # fmt: skip
+    sync_engine.register_layout(layout, keepalive=[owner])
+    gone = weakref.ref(owner)
+    del owner
+    assert gone() is not None, "the engine keeps what it was given alive while the memory is registered"
