@@ -127,3 +127,53 @@ def test_a_peer_whose_parent_was_killed_exits(tmp_path):
         time.sleep(0.1)
     os.kill(child, signal.SIGKILL)
     raise AssertionError("the peer outlived its parent by 10 s")
+
+
+def test_an_engine_whose_serve_failed_is_closed_and_a_peer_that_would_not_stop_spares_the_others(pytester):
+    """An audit of session 39: the engine fixture started and served outside its `try` (a serve that failed
+    left the started engine, poller and agent, open), and the peer factory stopped its peers one after the
+    other with nothing around each (one that raised left the rest running until pytest exited)."""
+    pytester.makeconftest(
+        """
+import pytest
+from nixl_async import TransferEngine
+
+STARTED = []
+_start, _serve = TransferEngine.start, TransferEngine.serve
+
+async def start(self):
+    STARTED.append(self)
+    return await _start(self)
+
+async def serve(self, host, port):
+    if self.engine_id == "will-not-serve":
+        raise OSError("address in use")
+    return await _serve(self, host, port)
+
+TransferEngine.start, TransferEngine.serve = start, serve
+"""
+    )
+    pytester.makepyfile(
+        test_teardown="""
+import pytest
+from conftest import STARTED
+
+PEERS = []
+
+@pytest.mark.nixl_engine_config(engine_id="will-not-serve")
+async def test_serve_fails(nixl_engine):
+    pass
+
+def test_a_peer_refuses_to_stop(nixl_peer_factory):
+    first, second = nixl_peer_factory(), nixl_peer_factory()
+    PEERS.extend([first, second])
+    first.stop = lambda timeout: (_ for _ in ()).throw(RuntimeError("stuck"))
+
+def test_after():
+    assert [engine._closed for engine in STARTED] == [True]
+    assert [peer.proc.poll() is not None for peer in PEERS] == [True, True]
+"""
+    )
+    result = pytester.runpytest_subprocess("-o", "asyncio_mode=auto", "-q", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2, errors=2)
+    result.stdout.fnmatch_lines(["*address in use*", "*stuck*"])

@@ -179,8 +179,15 @@ if pytest is not None:  # the plugin proper
             return peer.start()
 
         yield spawn
-        for peer in spawned:
-            peer.stop(timeout=5.0)
+        failures: list[BaseException] = []
+        for peer in spawned:  # every one, even if stopping another failed
+            try:
+                peer.stop(timeout=5.0)
+            except Exception as exc:
+                peer.kill()
+                failures.append(exc)
+        if failures:
+            raise failures[0]
 
     @pytest.fixture
     def nixl_peer(nixl_peer_factory: Callable[..., PeerProcess]) -> PeerProcess:
@@ -199,9 +206,9 @@ if pytest is not None:  # the plugin proper
             overrides = dict(marker.kwargs) if marker else {}
             overrides.setdefault("engine_id", f"local-{request.node.name[:40]}-{next(_names)}")
             engine = TransferEngine(EngineConfig(**overrides))
-            await engine.start()
-            await engine.serve("127.0.0.1", 0)
             try:
+                await engine.start()
+                await engine.serve("127.0.0.1", 0)  # (inside: a serve that fails still closes the engine)
                 yield engine
             finally:
                 from .peer_process import PeerProcess

@@ -439,18 +439,22 @@ class PeerProcess:
         """Start the peer and block until it serves (sync code; coroutines use `astart`)."""
         fd = self._spawn()
         deadline = time.monotonic() + self.startup_timeout
-        with selectors.DefaultSelector() as sel:
-            sel.register(fd, selectors.EVENT_READ)
-            while True:
-                if not sel.select(max(0.0, deadline - time.monotonic())):
-                    self.kill()
-                    raise self._timed_out()
-                chunk = os.read(fd, _READ_CHUNK)
-                if not chunk:
-                    self._wait_sync()
-                    raise self._exited()
-                if self._scan(chunk):
-                    return self
+        try:
+            with selectors.DefaultSelector() as sel:
+                sel.register(fd, selectors.EVENT_READ)
+                while True:
+                    if not sel.select(max(0.0, deadline - time.monotonic())):
+                        self.kill()
+                        raise self._timed_out()
+                    chunk = os.read(fd, _READ_CHUNK)
+                    if not chunk:
+                        self._wait_sync()
+                        raise self._exited()
+                    if self._scan(chunk):
+                        return self
+        except BaseException:  # Ctrl-C while it starts: no one else will reap the child (as `astart`)
+            self.kill()
+            raise
 
     async def astart(self) -> Self:
         """`start` for coroutines: the child's stdout is read as the loop sees it readable."""
