@@ -66,7 +66,7 @@ async def generate(request: web.Request) -> web.Response:
                     resp.raise_for_status()
                     info = await resp.json()
                 peer = await _connect(engine, info)
-                await engine.read(peer, local, info["block_ids"], notify=request_id.encode(),
+                await engine.read(peer, local, info["block_ids"], notify=info["notify"].encode(),
                                   lease_expires_at=info["lease_expires_at"])  # fmt: skip
                 read = True
             ok = checksum(state["kv"], local) == info["checksum"]
@@ -83,7 +83,7 @@ async def generate(request: web.Request) -> web.Response:
             return _error(request_id, 502, type(exc).__name__, str(exc))
         finally:
             # Not read: tell prefill it may free the blocks now, rather than hold them for its whole lease.
-            unread = None if read or peer is None else (peer, request_id, info["lease_expires_at"])
+            unread = None if read or peer is None else (peer, info["notify"], info["lease_expires_at"])
             _give_back(engine, state["pool"], local, started, unread)
 
 
@@ -101,7 +101,8 @@ def _give_back(engine: TransferEngine, pool: BlockPool, blocks: list[int], start
                unread: tuple[Peer, str, float] | None) -> None:  # fmt: skip
     """Blocks go back to the pool only once NIXL holds none of the request's reads: a read that was
     stopped (deadline, disconnect) may still be landing in them, reported `TransferFenced`. A request
-    whose read did not land (`unread`: its prefill, id and lease) tells prefill, within the lease."""
+    whose read did not land (`unread`: its prefill, the lease's notification and its end) tells prefill, within
+    the lease."""
     if all(t.quiet for t in started) and unread is None:
         pool.give(blocks)
         return
@@ -111,11 +112,11 @@ def _give_back(engine: TransferEngine, pool: BlockPool, blocks: list[int], start
             pool.give(blocks)
         landed = any(t.done() and not t.future.cancelled() and t.exception() is None for t in started)  # notified
         if unread is not None and not landed and time.time() < unread[2]:  # (past the lease prefill freed them)
-            peer, request_id, _ = unread
+            peer, notice, _ = unread
             try:
-                await engine.notify(peer, request_id.encode())
+                await engine.notify(peer, notice.encode())
             except Exception as exc:  # prefill gone, or unreachable: its lease frees them
-                log.info("telling prefill %s is not read failed: %s", request_id, exc)
+                log.info("telling prefill %s is not read failed: %s", notice, exc)
 
     task = asyncio.get_running_loop().create_task(when_quiet())
     _SETTLING.add(task)

@@ -2,9 +2,10 @@
 
 POST /prefill {"request_id": str, "num_blocks": int} fills that many blocks, keeps them under a
 lease until the reader's notification arrives (or the lease expires, if the reader vanished),
-and answers where to read them: handshake address, engine id, block ids, a checksum and when the
-lease ends (wall clock). A malformed request is 400; a request id whose blocks are held, 409 (the
-reader's notice names the request: two under one id could free each other's blocks).
+and answers where to read them: handshake address, engine id, block ids, a checksum, when the
+lease ends (wall clock) and the notification that ends it (the request id and the lease's number:
+a reader's notice that came after an earlier lease of the id ran out never frees a later one's
+blocks). A malformed request is 400; a request id whose blocks are held, 409.
 
 Run: python examples/async_server/prefill.py --http-port 8100 --handshake-port 5600
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import logging
 import time
 import zlib
@@ -34,13 +36,14 @@ class PrefillState:
         self.pool = BlockPool(NUM_BLOCKS)
         self.holding: set[asyncio.Task[None]] = set()
         self.held: set[str] = set()  # request ids whose blocks are lent
+        self.leases_given = itertools.count(1)
         self.expired = 0
         self.released = 0
 
-    async def hold(self, request_id: str, block_ids: list[int]) -> None:
-        """Keep the blocks until the reader says it is done, or the lease runs out."""
+    async def hold(self, request_id: str, notice: str, block_ids: list[int]) -> None:
+        """Keep the blocks until the reader says it is done (`notice`), or the lease runs out."""
         try:
-            await self.engine.wait_notifications(request_id.encode(), count=1, timeout=self.lease_s)
+            await self.engine.wait_notifications(notice.encode(), count=1, timeout=self.lease_s)
             self.released += 1
         except NotificationTimeout:
             self.expired += 1
@@ -75,7 +78,8 @@ async def prefill(request: web.Request) -> web.Response:
         state.held.discard(request_id)
         return web.json_response({"error": "the reader went away"}, status=499)
     lease_expires_at = time.time() + state.lease_s
-    lease = state.leases.create_task(state.hold(request_id, block_ids))
+    notice = f"{request_id}#{next(state.leases_given)}"
+    lease = state.leases.create_task(state.hold(request_id, notice, block_ids))
     state.holding.add(lease)
     lease.add_done_callback(state.holding.discard)
     host, port = state.engine.address or ("", 0)
@@ -89,6 +93,7 @@ async def prefill(request: web.Request) -> web.Response:
             "checksum": checksum(state.kv, block_ids),
             "lease_s": state.lease_s,
             "lease_expires_at": lease_expires_at,
+            "notify": notice,  # what the reader sends once done (or once it gives up)
         }
     )
 

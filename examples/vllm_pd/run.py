@@ -8,6 +8,8 @@ Run (after ``bash scripts/setup.sh && bash scripts/setup-vllm.sh``)::
 
     .venv/bin/python examples/vllm_pd/run.py [--connector nixl_async|vllm] [--keep-logs]
 
+The model and the servers' logs go to a temporary folder, removed at the end unless ``--keep-logs``.
+
 The two servers differ from a vLLM NixlConnector set-up only in ``--kv-transfer-config``::
 
     {"kv_connector": "NixlAsyncConnector", "kv_connector_module_path": "nixl_async_vllm.connector",
@@ -18,10 +20,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
@@ -60,18 +65,35 @@ async def send_prompts(proxy_url: str, single_url: str, model: str) -> bool:
     return same
 
 
+@contextlib.contextmanager
+def work_dir(keep: bool) -> Iterator[Path]:
+    """A folder for the model and the servers' logs: removed at the end (failed or not) unless `keep`."""
+    work = Path(tempfile.mkdtemp(prefix="vllm-pd-"))
+    try:
+        yield work
+    finally:
+        if keep:
+            print(f"logs: {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--connector", choices=["nixl_async", "vllm"], default="nixl_async")
-    parser.add_argument("--keep-logs", action="store_true", help="print where the server logs are")
+    parser.add_argument("--keep-logs", action="store_true", help="keep the model and server logs, and say where")
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="vllm-pd-"))
+    with work_dir(args.keep_logs) as work:
+        return run(work, args.connector)
+
+
+def run(work: Path, connector: str) -> int:
     model = work / "tiny-llama"
     print(f"building a tiny model in {model} ...")
     subprocess.run([sys.executable, str(HERE / "make_tiny_model.py"), str(model)], check=True, capture_output=True)
-    prefill = VllmServer(str(model), 8100, 5600, kv_transfer_config(args.connector, "kv_producer"), cpu=0,
+    prefill = VllmServer(str(model), 8100, 5600, kv_transfer_config(connector, "kv_producer"), cpu=0,
                          log_path=work / "prefill.log")  # fmt: skip
-    decode = VllmServer(str(model), 8200, 5700, kv_transfer_config(args.connector, "kv_consumer"), cpu=1,
+    decode = VllmServer(str(model), 8200, 5700, kv_transfer_config(connector, "kv_consumer"), cpu=1,
                         log_path=work / "decode.log")  # fmt: skip
     single = VllmServer(str(model), 8300, 5800, None, cpu=0, log_path=work / "single.log")
     print("starting prefill, decode and a reference instance (about 30-60 s) ...")
@@ -82,8 +104,6 @@ def main() -> int:
         finally:
             proxy.stop()
     print("decode's tokens equal the single instance's on every prompt" if same else "MISMATCH")
-    if args.keep_logs:
-        print(f"logs: {work}")
     return 0 if same else 1
 
 

@@ -294,7 +294,7 @@ async def test_decode_names_a_handshake_timeout_and_passes_prefill_busy_on(ports
             return web.json_response({"error": "out of KV blocks, retry later"}, status=503)
         return web.json_response({"engine_id": "prefill-0", "agent_name": "prefill-0/1", "host": "127.0.0.1",
                                   "port": dead_port, "block_ids": [0], "checksum": 0,
-                                  "lease_expires_at": time.time() + 30})  # fmt: skip
+                                  "lease_expires_at": time.time() + 30, "notify": "h#1"})  # fmt: skip
 
     app = web.Application()
     app.router.add_post("/prefill", fake_prefill)
@@ -315,6 +315,34 @@ async def test_decode_names_a_handshake_timeout_and_passes_prefill_busy_on(ports
     finally:
         decode.stop()
         await runner.cleanup()
+
+
+async def test_a_readers_notice_after_its_lease_ran_out_frees_no_later_lease_of_the_same_id(ports):
+    """An audit of session 39: a reader's notice that came after its lease ran out stayed unclaimed in the
+    engine, and the next request under that id was released by it at once, its blocks free before anyone read."""
+    from nixl_async import EngineConfig, TransferEngine
+
+    prefill_url = f"http://127.0.0.1:{ports['prefill_http']}"
+    prefill = Service("prefill.py", "--http-port", str(ports["prefill_http"]), "--handshake-port",
+                      str(ports["handshake"]), "--lease-s", "1")  # fmt: skip
+    try:
+        await prefill.wait_ready(prefill_url)
+        config = EngineConfig(engine_id="late-reader", compat={"model": "demo"})
+        async with aiohttp.ClientSession() as http, TransferEngine(config) as reader:
+            free = (await _health(http, prefill_url))["free_blocks"]
+            async with http.post(prefill_url + "/prefill", json={"request_id": "r1", "num_blocks": 2}) as resp:
+                first = await resp.json()
+            while (await _health(http, prefill_url))["expired"] < 1:  # the reader never came in time
+                await asyncio.sleep(0.05)
+            peer = await reader.connect("127.0.0.1", ports["handshake"], expected_engine_id=first["engine_id"])
+            await reader.notify(peer, first.get("notify", "r1").encode())  # what that lease's reader sends, late
+            async with http.post(prefill_url + "/prefill", json={"request_id": "r1", "num_blocks": 2}) as resp:
+                assert resp.status == 200
+            await asyncio.sleep(0.3)
+            health = await _health(http, prefill_url)
+            assert (health["released"], health["free_blocks"]) == (0, free - 2), health
+    finally:
+        prefill.stop()
 
 
 @pytest.mark.parametrize("lease", ["nan", "inf", "0", "-5"])
