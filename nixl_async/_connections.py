@@ -70,10 +70,15 @@ class Connections:
             return await self._adopt(reply, address, offset, now, claimed)
 
     async def adopt_record(self, reply: messages.MetadataReply, address: Address, now: float,
-                           newest: Callable[[], bool]) -> Peer | None:  # fmt: skip
-        """`adopt` an etcd record's metadata, unless `newest`, asked in its turn, says a newer record of
-        that engine was applied meanwhile (then None: nothing adopted)."""
+                           newest: Callable[[], bool], adopts: Callable[[Peer | None], bool]
+                           ) -> Peer | None:  # fmt: skip
+        """`adopt` an etcd record's metadata, unless, asked in its turn, `adopts` refuses the peer now
+        held (a handshake with it finished while this waited: its session and clock offset stay, and
+        it is returned as it is) or `newest` says a newer record was applied meanwhile (None)."""
         async with self._one_at_a_time(reply.engine_id):
+            held = self.table.get(reply.engine_id)
+            if not adopts(held):
+                return held
             return await self._adopt(reply, address, 0.0, now, True) if newest() else None
 
     @contextlib.asynccontextmanager
@@ -115,8 +120,8 @@ class Connections:
                 self.forget(previous)
             if claimed:
                 old.address = address
-            else:
-                self.table.add(old, address)
+            else:  # (before, `address` stayed at the first one: notifications went to a server it left)
+                self.table.answered_at(old, address)
             return old
         if old is not None and decision is Reconcile.RELOAD:  # (NIXL loads no agent name twice)
             self.forget(old)  # its transfers end; its remote agent goes once quiet

@@ -118,7 +118,7 @@ class Dialer:
             # The peer refuses a handshake naming another engine: nothing of a wrong engine is loaded.
             handshake = functools.partial(self._handshake, host, port, limit, expected_engine_id)
             key = (f"{host}:{port}", expected_engine_id)
-            peer = await self._shared(key, f"handshake:{host}:{port}", handshake, limit)
+            peer = await self._shared(key, f"handshake:{host}:{port}", handshake, limit, fresh=refresh)
         assert self._loop is not None
         self._peers.table.touch(peer, self._loop.time())
         if expected_engine_id is not None and peer.engine_id != expected_engine_id:
@@ -129,26 +129,47 @@ class Dialer:
         return peer
 
     async def _shared(self, key: tuple[str, str | None], name: str,
-                      connect: Callable[[], Coroutine[Any, Any, Peer]], timeout: float) -> Peer:  # fmt: skip
+                      connect: Callable[[], Coroutine[Any, Any, Peer]], timeout: float, *,
+                      fresh: bool = False) -> Peer:  # fmt: skip
         """Run `connect` once per key at a time: concurrent connects to one peer share it (and a
         cancelled caller does not cancel it for the others). A caller joining one under way waits at
-        most its own `timeout`."""
+        most its own `timeout`.
+
+        `fresh` (a refresh) joins only a connect begun after it was asked for: one already under way
+        may have been answered before the change the refresh is for. It waits for that one to end
+        (within `timeout`), then connects anew or joins one begun since.
+        """
+        assert self._loop is not None
+        budget = timeout
         task = self._connecting.get(key)
+        older = fresh and task is not None
+        if older:
+            assert task is not None
+            deadline = self._loop.time() + timeout
+            await asyncio.wait([task], timeout=timeout)  # (its outcome is its own callers')
+            if not task.done():
+                raise self._late(key, name, budget)
+            timeout = deadline - self._loop.time()
+            task = self._connecting.get(key)  # (the older one left it when it ended)
         if task is None:
-            assert self._loop is not None
             task = self._loop.create_task(connect(), name=name)
             self._connecting[key] = task
             task.add_done_callback(functools.partial(self._connect_done, key))
-            return await self._joined(task)  # bounded by this caller's timeout already
+            if not older:
+                return await self._joined(task)  # bounded by this caller's timeout already
         try:
-            async with asyncio.timeout(timeout) as waited:
+            async with asyncio.timeout(max(timeout, 0.0)) as waited:
                 return await self._joined(task)
         except TimeoutError:
             if not waited.expired():  # the handshake's own HandshakeTimeout
                 raise
-            late = DiscoveryUnavailable if key[0] == "etcd" else HandshakeTimeout
-            raise late(f"{name}: no answer within {timeout}s (a lookup started earlier goes on)",
-                       address=name.partition(":")[2]) from None  # fmt: skip
+            raise self._late(key, name, budget) from None
+
+    @staticmethod
+    def _late(key: tuple[str, str | None], name: str, timeout: float) -> Exception:
+        late = DiscoveryUnavailable if key[0] == "etcd" else HandshakeTimeout
+        return late(f"{name}: no answer within {timeout}s (a lookup started earlier goes on)",
+                    address=name.partition(":")[2])  # fmt: skip
 
     async def _joined(self, task: asyncio.Task[Peer]) -> Peer:
         """Await a shared connect; `EngineClosedError` when the engine's close cancelled it (a caller
@@ -233,7 +254,7 @@ class Dialer:
         if peer is None or refresh or not peer.connected or peer.stale or peer.unpublished:
             limit = handshake_limit(self.config, timeout, engine_id)
             discover = functools.partial(self._discover, directory, engine_id, limit)
-            peer = await self._shared(("etcd", engine_id), f"discover:{engine_id}", discover, limit)
+            peer = await self._shared(("etcd", engine_id), f"discover:{engine_id}", discover, limit, fresh=refresh)
         assert self._loop is not None
         self._peers.table.touch(peer, self._loop.time())
         return peer
@@ -317,7 +338,8 @@ class Dialer:
         def newest() -> bool:
             return self._order.claim(record.engine_id, revision, behind=behind)
 
-        return await self._peers.adopt_record(record.metadata, (record.host, record.port), self._loop.time(), newest)
+        return await self._peers.adopt_record(record.metadata, (record.host, record.port), self._loop.time(), newest,
+                                              self._adopts_records)  # fmt: skip
 
     async def _follow(self, directory: EtcdDirectory) -> None:
         """Apply what etcd says about peers we found there: a changed record refreshes them, a gone one
@@ -353,8 +375,11 @@ class Dialer:
                     continue
                 if record.fingerprint == peer.fingerprint:
                     peer.unpublished = False  # (it may have gone and come back as it was)
-                    if not peer.notify_session and (record.host, record.port) != peer.address:
-                        peer.address = (record.host, record.port)  # it serves elsewhere now (calls go there)
+                    if record.host and (record.host, record.port) != peer.address:
+                        if peer.notify_session:  # its session is the old server's: the next connect handshakes
+                            peer.stale = True
+                        else:
+                            peer.address = (record.host, record.port)  # it serves elsewhere now (calls go there)
                     continue
                 self.stats.counters["published_peers_refreshed"] += 1
                 if record.metadata is None or not self._adopts_records(peer) or not _claims(record, engine_id):

@@ -206,6 +206,15 @@ class PeerTable:
         if key[0]:  # ("", 0): found through etcd, serving no side channel: reachable by engine id only
             self._by_address[key] = peer
 
+    def answered_at(self, peer: Peer, address: Address) -> None:
+        """`peer` answered a handshake at `address`: it serves there now, and its notify session is
+        that server's. Its other addresses on another port led to a server it no longer runs (an engine
+        serves one socket at a time), so they go; other names for this same port stay (both reach it)."""
+        peer.address = address
+        self.add(peer, address)
+        for other in [a for a, p in self._by_address.items() if p is peer and a[1] != address[1]]:
+            del self._by_address[other]
+
     def remove(self, peer: Peer) -> None:
         """Drop the index entries that still point at this very `peer` object (none of a newer one's)."""
         if self._by_id.get(peer.engine_id) is peer:

@@ -388,6 +388,8 @@ class TransferEngine:
             secret=self.config.auth_secret,
             on_failed=self._changed,  # (our etcd record then names no address: readers stop dialling it)
         )
+        if self._server is not None:  # sessions the failed one issued stay good here (peers notify in them)
+            server.guard = self._server.guard
         address = await server.start(host, port)
         if self._server is not None:  # one that failed for good: this one serves instead
             await self._server.close()
@@ -544,6 +546,10 @@ class TransferEngine:
             return await self._dialer.connect_published(engine_id, timeout, refresh)
         if host is None or port is None:
             raise TypeError("connect() needs host and port, or engine_id")
+        if not isinstance(host, str) or not host.strip() or isinstance(port, bool) or not isinstance(port, int):
+            raise TypeError(f"connect() takes a host name or address and an int port, got {host!r}, {port!r}")
+        if not 0 < port < 65536:
+            raise ValueError(f"connect(): port {port} is outside 1..65535")
         return await self._dialer.connect(host, port, expected_engine_id, timeout, refresh)
 
     # -- discovery through etcd -------------------------------------------------------------

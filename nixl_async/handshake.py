@@ -411,7 +411,10 @@ async def _ask(
     reply: messages.Reply
     try:
         for_host(sock, host)
-        sock.connect(endpoint(host, port))
+        try:
+            sock.connect(endpoint(host, port))
+        except zmq.ZMQError as exc:  # (a host with a space, a port out of range: from a caller or a record)
+            raise HandshakeRejected(f"cannot dial {address}: {exc}", address=address) from None
         try:
             async with asyncio.timeout(timeout):
                 reply = await _exchange(sock, request, address)

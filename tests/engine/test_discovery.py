@@ -735,3 +735,51 @@ async def test_a_server_that_fails_for_good_leaves_etcd_and_can_serve_again(etcd
             await asker.close()
     finally:
         await engine.close()
+
+
+async def test_a_record_looked_up_while_a_handshake_waited_does_not_replace_what_it_answered(etcd, monkeypatch):
+    """An audit of session 39: a lookup decided to adopt the record (no peer held) before the per-engine lock; a
+    handshake holding that lock (waiting for the peer's previous agent to go) finished, and the record was then
+    adopted over it: its notify session and measured clock offset were lost."""
+    async with TransferEngine(EngineConfig(engine_id="reader", etcd=_etcd_config(etcd))) as reader, \
+               TransferEngine(EngineConfig(engine_id="published", etcd=_etcd_config(etcd))) as published:  # fmt: skip
+        address = await published.serve("127.0.0.1", 0)
+        await published.publish()
+        first = await reader.connect(*address)
+        busy = {first.agent_name}
+        monkeypatch.setattr(reader._driver, "busy_agents", lambda: busy)  # its agent stays in use a moment
+        reader.disconnect(first)  # ...so it is retiring
+        handshake = asyncio.ensure_future(reader.connect(*address))  # waits for it, holding the engine's lock
+        while not reader._peers._adopting:
+            await asyncio.sleep(0.001)
+        lookup = asyncio.ensure_future(reader.connect(engine_id="published"))  # no peer held: the record, directly
+        await asyncio.sleep(0.3)
+        busy.clear()
+        handshaken = await handshake
+        assert handshaken.notify_session
+        found = await lookup
+        assert found is handshaken and found.notify_session == handshaken.notify_session
+        assert reader.peer("published") is handshaken and handshaken.notify_session
+
+
+async def test_a_handshaken_peer_whose_record_moves_is_handshaken_again_where_it_serves(etcd):
+    """An audit of session 39: the follower moved only peers adopted from a record; one we handshook with (its
+    notify session issued by the server it left) kept its old address, and notifications to it were lost."""
+    config = {"etcd": _etcd_config(etcd), "notify_via": "side_channel"}
+    async with TransferEngine(EngineConfig(engine_id="follower", **config)) as reader, \
+               TransferEngine(EngineConfig(engine_id="moving", **config)) as moving:  # fmt: skip
+        await moving.serve("127.0.0.1", 0)
+        await moving.publish()
+        peer = await reader.connect(engine_id="moving")
+        assert peer.notify_session
+        await moving._server.close()
+        moving._server.failed = RuntimeError("its loop died and it could not bind again")
+        new_address = await moving.serve("127.0.0.1", 0)  # (its record now names the new port)
+        for _ in range(500):
+            if peer.stale:
+                break
+            await asyncio.sleep(0.01)
+        again = await reader.connect(engine_id="moving")
+        assert again.address == new_address
+        await reader.notify(again, b"here")
+        await moving.wait_notifications(b"here", timeout=5)

@@ -485,3 +485,34 @@ async def test_a_reply_over_the_askers_frame_limit_is_refused_at_once_by_name():
             await asker.connect(*address, timeout=5)
         assert time.monotonic() - started < 2
         assert asker.peers == [] and not asker.live_handles().get("remote_agents")
+
+
+async def test_a_refresh_never_takes_an_answer_given_before_it_was_asked(nixl_engine):
+    """An audit of session 39: a refresh joined a handshake already under way, which the peer may have answered
+    before the change the refresh was called for (its extras, layouts or agent): the caller got the old ones."""
+    async with TransferEngine(EngineConfig(engine_id="changing")) as other:
+        other.set_extra(generation="1")
+        address = await other.serve("127.0.0.1", 0)
+        await nixl_engine.connect(*address)
+        served = other._server.served
+        under_way = asyncio.ensure_future(nixl_engine.connect(*address, refresh=True))
+        while other._server.served == served:  # answered, not yet taken in by the asker
+            await asyncio.sleep(0)
+        other.set_extra(generation="2")
+        peer = await nixl_engine.connect(*address, refresh=True)
+        assert peer.extra["generation"] == "2"
+        assert (await under_way).extra["generation"] in ("1", "2")
+        assert other._server.served == served + 2
+
+
+@pytest.mark.parametrize(
+    ("host", "port", "error"),
+    [("bad host", 5600, HandshakeRejected), ("127.0.0.1", -1, ValueError), ("127.0.0.1", 70000, ValueError),
+     ("127.0.0.1", "5600", TypeError), ("", 5600, TypeError), ("127.0.0.1", True, TypeError)],
+)  # fmt: skip
+async def test_an_address_that_cannot_be_dialled_is_refused_typed_at_once(nixl_engine, host, port, error):
+    """An audit of session 39: ZMQ's own error escaped connect() (callers catching HandshakeError crashed)."""
+    started = time.monotonic()
+    with pytest.raises(error):
+        await nixl_engine.connect(host, port, timeout=5)
+    assert time.monotonic() - started < 1 and nixl_engine.peers == []
