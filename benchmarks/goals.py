@@ -5,8 +5,9 @@ goal covers several sizes), the bound and where it was set. `judge` turns a run'
 per figure: every ratio of the run, plus the metrics a goal bounds. A goal of a scenario that ran but
 did not produce its figure (a `--quick` variant that skips it, a failed measurement) is reported as not
 measured, never as met; so is a figure from a run smaller than its goal asks (`Goal.needs`: the issue's
-runs and requests per point for real vLLM), shown with its value. The runner prints the rows as one
-Markdown table, the README's.
+runs and requests per point for real vLLM), shown with its value. A headline key the issue named, a
+copy of another figure of its scenario, is shown and judged but counted once. The runner prints the rows
+as one Markdown table, the README's.
 """
 
 from __future__ import annotations
@@ -69,6 +70,15 @@ GOALS: tuple[Goal, ...] = (
     Goal("vllm_push", "*progressive_over_pull_ttft_p50_lower_is_better", 0.8, True, "#16", _PUSH_RUNS),
 )
 
+# The issue's headline keys that repeat another figure of their scenario (busy: the largest size; vllm_push:
+# the two-host run): judged beside it, not counted a second time.
+HEADLINES: frozenset[tuple[str, str]] = frozenset(
+    {
+        ("busy", "engine_over_raw_cpu_seconds_per_gb_lower_is_better"),
+        ("vllm_push", "progressive_over_pull_ttft_p50_lower_is_better"),
+    }
+)
+
 Met = Literal["yes", "no", "not measured", "—"]
 
 
@@ -79,6 +89,7 @@ class Row:
     value: float  # nan when not measured
     goal: Goal | None
     met: Met
+    headline: bool = False  # one of `HEADLINES`: a repeat, not counted by `tally`
 
     @property
     def normalized(self) -> float:
@@ -118,7 +129,8 @@ def judge(results: list[Result], goals: tuple[Goal, ...] = GOALS) -> list[Row]:
                 raise ValueError(f"{goal.scenario}: {key} matches two goals")
             seen.add((goal.scenario, key))
             value = float(figures[key])
-            with_goal.append(Row(goal.scenario, key, value, goal, _verdict(goal, value, figures)))
+            headline = (goal.scenario, key) in HEADLINES
+            with_goal.append(Row(goal.scenario, key, value, goal, _verdict(goal, value, figures), headline))
     others = [
         Row(r.scenario, key, float(value), None, "—")
         for r in results
@@ -134,23 +146,36 @@ def markdown(rows: list[Row]) -> str:
     for row in rows:
         goal = row.goal.text if row.goal else "—"
         value = format_figure(row.value, missing="—")
-        lines.append(f"| `{row.scenario}` | `{row.key}` | {value} | {goal} | {row.met} |")
+        figure = f"`{row.key}` (headline, a repeat)" if row.headline else f"`{row.key}`"
+        lines.append(f"| `{row.scenario}` | {figure} | {value} | {goal} | {row.met} |")
     return "\n".join(lines)
 
 
 def load(path: str) -> list[Result]:
-    """The results of an earlier run, from the file `--json` appended them to (one object per line)."""
-    results = []
+    """The results of the last run in the file `--json` appended them to (one object per line).
+
+    `--json` appends, so a file may hold several runs: each record names its run (`run`, when it began),
+    and only the last run's records are judged, never a mix of runs. Records that name none (written
+    before runs were named) count as one run, and a scenario found twice in one run is refused.
+    """
+    runs: dict[str | None, list[Result]] = {}
+    last: str | None = None
     with open(path) as f:
         for line in f:
             if line.strip():
                 record = json.loads(line)
-                results.append(Result(record["scenario"], [], [], metrics=record["metrics"], ratios=record["ratios"]))
+                last = record.get("run")
+                result = Result(record["scenario"], [], [], metrics=record["metrics"], ratios=record["ratios"])
+                runs.setdefault(last, []).append(result)
+    results = runs.get(last, [])
+    scenarios = [r.scenario for r in results]
+    if twice := sorted({s for s in scenarios if scenarios.count(s) > 1}):
+        raise ValueError(f"{path}: scenario(s) {', '.join(twice)} found twice in one run; give one run's file")
     return results
 
 
 def tally(rows: list[Row]) -> str:
-    counted = [r for r in rows if r.goal is not None]
+    counted = [r for r in rows if r.goal is not None and not r.headline]
     met = sum(r.met == "yes" for r in counted)
     missing = sum(r.met == "not measured" for r in counted)
     return f"{met} of {len(counted)} figures with a goal met, {missing} not measured in this run"

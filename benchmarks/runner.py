@@ -158,21 +158,23 @@ def main(args: argparse.Namespace) -> int:
         print(f"--plots {args.plots}: {why}", file=sys.stderr)
         return 2
     started = time.perf_counter()
+    run = time.strftime("%Y-%m-%dT%H:%M:%S%z")  # names this run's `--json` records (`goals.load` keeps the last run)
     results: list[Result] = []
     failed: list[str] = []
     for name in names:
-        module = importlib.import_module(f"{__package__}.{SCENARIOS[name][0]}")
         try:
+            module = importlib.import_module(f"{__package__}.{SCENARIOS[name][0]}")
             result: Result = module.run(quick=args.quick)
-        except Exception as exc:  # one scenario failing does not lose the others' figures
-            traceback.print_exc()
+        except (Exception, SystemExit) as exc:  # one scenario failing (or refusing: no vLLM, not root) loses no
+            traceback.print_exc()  # other's figures
             failed.append(name)
             result = Result(name, ["failed"], [], notes=[f"failed: {exc!r}"])
         print_table(result)
         results.append(result)
         if args.json:
             with open(args.json, "a") as f:
-                f.write(json.dumps({"scenario": name, "metrics": result.metrics, "ratios": result.ratios}) + "\n")
+                record = {"run": run, "scenario": name, "metrics": result.metrics, "ratios": result.ratios}
+                f.write(json.dumps(record) + "\n")
         if args.plots:
             try:
                 plot(result, Path(args.plots))

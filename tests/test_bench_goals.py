@@ -147,6 +147,34 @@ def test_a_failing_scenario_loses_no_other_figures_and_the_run_exits_1(monkeypat
     assert "| `busy` | `engine_over_raw_cpu_seconds_per_gb_*lower_is_better` | — | ≤ 1.2 (#13) | not measured |" in out
 
 
+def test_a_scenario_that_refuses_to_run_loses_no_other_figures(monkeypatch, capsys):
+    """An audit of session 39: the vLLM scenarios exit (SystemExit) without vLLM or root, which the runner did not
+    catch: `--all` stopped there, with no later scenario run and no goals table (and a module that failed to
+    import ended the run too)."""
+    from types import SimpleNamespace
+
+    from benchmarks import runner
+
+    def refuses(quick):
+        raise SystemExit("vllm_hosts needs root (network namespaces)")
+
+    def stall(quick):
+        return Result("stall", ["x"], [[1.0]], metrics={"engine_stall_ms": 2.0})
+
+    def missing(name):
+        raise ImportError("no module named matplotlib")
+
+    modules = {"benchmarks.vllm_hosts": SimpleNamespace(run=refuses), "benchmarks.stall": SimpleNamespace(run=stall)}
+    monkeypatch.setattr(runner.importlib, "import_module", lambda name: modules[name] if name in modules else
+                        missing(name))  # fmt: skip
+    args = SimpleNamespace(list=False, judge=None, all=False, scenarios=["vllm_hosts", "busy", "stall"], quick=True,
+                           json=None, plots=None)  # fmt: skip
+    assert runner.main(args) == 1
+    out, err = capsys.readouterr()
+    assert "failed: vllm_hosts, busy" in err and "needs root" in err and "matplotlib" in err
+    assert "| `stall` | `engine_stall_ms` | 2 | ≤ 5 (#2) | yes |" in out and "== goals" in out
+
+
 def test_a_negative_overhead_meets_an_upper_bound_and_an_earlier_run_is_judged_again(tmp_path):
     import json
 
@@ -171,7 +199,38 @@ def test_the_readme_goal_table_is_the_committed_runs_verdict():
     expected = markdown(bounded).splitlines()[2:]
     readme = (root / "README.md").read_text()
     assert expected and all(f"\n{line}\n" in readme for line in expected)
-    assert f"**{sum(r.met == 'yes' for r in bounded)} of {len(bounded)} figures met their goal in this run:**" in readme
+    counted = [r for r in bounded if not r.headline]
+    assert f"**{sum(r.met == 'yes' for r in counted)} of {len(counted)} figures met their goal in this run:**" in readme
+
+
+def test_a_headline_key_repeating_another_figure_is_judged_but_counted_once():
+    """busy's headline key is its largest size again: the tally counted one measurement twice (session 38's list)."""
+    busy = result("busy", {"engine_over_raw_cpu_seconds_per_gb_4mib_lower_is_better": 1.5,
+                           "engine_over_raw_cpu_seconds_per_gb_192mib_lower_is_better": 1.1,
+                           "engine_over_raw_cpu_seconds_per_gb_lower_is_better": 1.1})  # fmt: skip
+    rows = [r for r in judge([busy], GOALS) if r.goal is not None and r.key.startswith("engine_over")]
+    assert [(r.met, r.headline) for r in rows] == [("no", False), ("yes", False), ("yes", True)]
+    assert tally(rows) == "1 of 2 figures with a goal met, 0 not measured in this run"
+    assert "`engine_over_raw_cpu_seconds_per_gb_lower_is_better` (headline, a repeat)" in markdown(rows)
+
+
+def test_an_appended_file_is_judged_by_its_last_run_alone(tmp_path):
+    """`--json` appends: a file with two runs was judged as a mix, each scenario's last record winning."""
+    import json
+
+    from benchmarks.goals import load
+
+    def record(run, scenario, value):
+        return {"run": run, "scenario": scenario, "metrics": {}, "ratios": {"cpu_4mib_lower_is_better": value}}
+
+    path = tmp_path / "runs.jsonl"
+    lines = [record("a", "busy", 1.0), record("a", "other", 2.0), record("b", "busy", 3.0)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert [(r.scenario, r.ratios["cpu_4mib_lower_is_better"]) for r in load(str(path))] == [("busy", 3.0)]
+    unnamed = [{k: v for k, v in r.items() if k != "run"} for r in lines]  # records written before runs were named
+    path.write_text("".join(json.dumps(r) + "\n" for r in unnamed))
+    with pytest.raises(ValueError, match="busy found twice in one run"):
+        load(str(path))
 
 
 def test_judge_refuses_what_it_would_ignore(capsys):

@@ -249,7 +249,8 @@ class PushConnectorWorker(ConnectorWorker):
             feed.over = True
             return
         for result in await push_progressively(engine, self.geometry, reg, feed, len(self._regions)):
-            self._results.put(result)
+            if result.nbytes:  # (its commit, a notification alone, is no transfer to vLLM's stats)
+                self._results.put(result)
 
     def _abandon(self, request_id: str) -> None:
         """Prefill will not finish `request_id` (aborted): end its progressive pushes, forget it.
@@ -375,7 +376,8 @@ class PushConnectorWorker(ConnectorWorker):
         if not self._begin(push_id):
             return
         result = await push_or_tell(engine, self.geometry, blocks, reg)
-        self._results.put(result)
+        if result.nbytes:  # (a push with nothing to write, decode's prefix hit whole, is no transfer to vLLM's stats)
+            self._results.put(result)
 
     def _readers(self, registration: PushRegistration) -> int:
         return expected_consumers(remote_tp=self.tp_size, local_tp=registration.decode_tp)

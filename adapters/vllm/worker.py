@@ -292,6 +292,9 @@ class ConnectorWorker:
         self._invalid_blocks: set[int] = set()
         self._results: queue.SimpleQueue[TransferResult] = queue.SimpleQueue()
         self._loop_failures: queue.SimpleQueue[str] = queue.SimpleQueue()  # stats series, counted on the loop
+        # Handshake failures counted lately, by kind and address: the requests that shared one handshake all fail
+        # with it, and vLLM counts a failed handshake once, not once per request waiting on it.
+        self._handshake_failures_seen: dict[tuple[str, str | None], float] = {}
         self._sends = SendBook()  # producer side
         self._leases = LearnedLeases()  # reader side: renewals producers acknowledged (loop thread)
         self._lease_extension_s = self.settings.lease_s * 2 / 3  # per renewal, as NixlConnector
@@ -539,7 +542,7 @@ class ConnectorWorker:
                         request_id, type(error).__name__)  # fmt: skip
         for request_id, error in finished.failed.items():
             log.warning("KV load for request %s failed: %s: %s", request_id, type(error).__name__, error)
-            self._record(_failure_kind(error), 1)
+            self._record_failure(error)
             blocks = self._awaiting.pop(request_id, None)
             if blocks is not None:
                 if len(self.kv_cache_config.kv_cache_groups) == 1:
@@ -604,6 +607,22 @@ class ConnectorWorker:
 
     def _record(self, key: str, value: float) -> None:
         self._stats_object().data[key].append(value)
+
+    def _record_failure(self, error: BaseException) -> None:
+        kind = _failure_kind(error)
+        if kind == "num_failed_handshakes":
+            # One handshake per address at a time (joiners share it), each bounded by the handshake timeout:
+            # a failure of the same kind there within that long is the same handshake's.
+            now = time.monotonic()
+            window = self.settings.handshake_timeout_s
+            seen = self._handshake_failures_seen
+            for key in [k for k, at in seen.items() if now - at > window]:
+                del seen[key]
+            key = (type(error).__name__, getattr(error, "address", None))
+            if key in seen:
+                return
+            seen[key] = now
+        self._record(kind, 1)
 
     def get_kv_connector_stats(self) -> Any:
         stats = self._stats_object()

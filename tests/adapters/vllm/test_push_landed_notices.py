@@ -130,3 +130,31 @@ async def test_a_notification_alone_that_failed_is_not_taken_for_a_landed_push(m
         with pytest.raises(NotificationFailed):
             await notice
         assert not _notified([notice])
+
+
+@pytest.mark.parametrize(("nbytes", "counted"), [(0, 0), (BLOCK, 1)])
+async def test_a_push_with_nothing_to_write_is_no_transfer_in_vllms_stats(monkeypatch, nbytes, counted):
+    """An audit of session 39: decode's whole prompt hit its own cache, so the push only notified; its result
+    (0 bytes, 0 s) was counted as a successful transfer: averages pulled to 0, an interval of such pushes gave
+    vLLM's throughput NaN. vLLM counts nothing for a notification alone (and neither does the pull path)."""
+    import queue
+
+    from nixl_async import TransferResult
+    from nixl_async_vllm import push_worker
+
+    result = TransferResult(transfer_id=1, op="WRITE", peer="decode", nbytes=nbytes, descriptors=nbytes // BLOCK,
+                            slices=1, seconds=0.001, notified=True)  # fmt: skip
+
+    async def pushed(engine, geometry, blocks, reg):
+        return result
+
+    monkeypatch.setattr(push_worker, "push_or_tell", pushed)
+    worker = push_worker.PushConnectorWorker.__new__(push_worker.PushConnectorWorker)
+    worker.geometry = GEOMETRY
+    worker._results = queue.SimpleQueue()
+    monkeypatch.setattr(worker, "_begin", lambda push_id: True, raising=False)
+    reg = PushRegistration(request_id="req", decode_request_id="req-d", decode_engine_id="decode", decode_host="h",
+                           decode_port=1, decode_tp=1, decode_pages=1, groups=[PushGroup("full", [])], write=True,
+                           write_by=time.time() + 30)  # fmt: skip
+    await worker._push(None, "push-1", ([],), reg)
+    assert worker._results.qsize() == counted
