@@ -54,7 +54,10 @@ class CopyRate:
         back. Time off a core mid-copy grows with the slice, and counted whole it would double
         the slices on every post of an oversubscribed host.
         """
-        if nbytes >= self._config.min_post_bytes and copy_s > 0:  # big enough to measure
+        # Big enough to measure: over half the floor, which every slice at the floor is (whole blocks: where a
+        # block does not divide it, the floor's slice falls short of it, and measured only above it, one slow
+        # post kept the rate, and the slices, at the floor for good)
+        if 2 * nbytes > self._config.min_post_bytes and copy_s > 0:
             self.bytes_per_s = min(nbytes / copy_s, self.bytes_per_s * 1.25)
         wait = min(max(0.0, wall_s - copy_s), sys.getswitchinterval())
         self.wait_s += (wait - self.wait_s) / 4

@@ -261,6 +261,8 @@ class EngineConfig:
     # that wait instead (at most twice Python's switch interval), so fewer posts pay it. The cap
     # only guards against a runaway estimate: a GPU copy (cuda_ipc, 120-200 GB/s on an H100)
     # capped at 64 MiB posted half-millisecond slices, each paying its NIXL calls' GIL waits.
+    # Slices hold whole blocks: a block (or view piece) larger than `max_post_bytes` is posted one
+    # per slice, and a `TransferBatch`'s rows one post each, whatever their size.
     post_target_s: float = 0.002
     min_post_bytes: int = 1 << 20
     max_post_bytes: int = 1 << 30

@@ -857,6 +857,7 @@ class TransferEngine:
             if len(lids) == 0 and len(rids) == 0:
                 if notify is not None:  # (travels as configured, even a WRITE's)
                     self._notify.check(notify, "NOTIFY")
+                self._may_only_notify(peer, timeout, lease_expires_at)
                 return self._driver.notify_only(op, peer, notify)
             lidx, ridx = pair_descriptor_ids(local_view, lids, remote_view, rids)
         if notify is not None and len(lidx):  # (most submits notify nothing: no call for them)
@@ -909,6 +910,7 @@ class TransferEngine:
         else:  # rows without blocks only notify: they need no room
             sizes = [len(row) * piece_len for row in lidx if len(row)]
         if not sizes:  # nothing to read or write: notifications only
+            self._may_only_notify(peer, timeout, lease_expires_at)
             return [self._driver.notify_only(op, peer, m) for m in notes]
         deadline, lease_deadline = self._deadlines(peer, timeout, lease_expires_at)
         local_dlist, remote_dlist = await self._admit(peer, sizes, deadline, lease_deadline, local_view,
@@ -927,6 +929,13 @@ class TransferEngine:
         self._require_peer(peer)
         local_view = self._memory.view(local, self._memory.layouts, "this engine")
         return local_view, self._memory.view(remote, peer.layouts, f"peer {peer.engine_id}")
+
+    def _may_only_notify(self, peer: Peer, timeout: float | None, lease_expires_at: float | None) -> None:
+        """A submit with no blocks sends its notification at once: refused as any submit would be (a lease run
+        out, a budget spent, a `collect_transfers()` block ended), nothing sent."""
+        self._deadlines(peer, timeout, lease_expires_at)
+        if (collected := COLLECTOR.get()) is not None and collected.closed:
+            raise CollectionClosedError("submitted by a task outliving its collect_transfers() block: not sent")
 
     def _deadlines(self, peer: Peer, timeout: float | None, lease_expires_at: float | None
                    ) -> tuple[float | None, float | None]:  # fmt: skip

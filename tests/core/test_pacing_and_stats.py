@@ -296,3 +296,26 @@ def test_whole_number_limits_are_refused_unless_whole_and_positive(value):
             EngineConfig(**{name: value})
     with pytest.raises(ValueError, match=r"EngineConfig\.poll must be a PollConfig"):
         EngineConfig(poll={"spin": False})
+
+
+@pytest.mark.parametrize("block", [18432, 73728, 32 << 10, 3 << 20])
+def test_one_slow_post_never_keeps_the_slices_at_the_floor(block):
+    """An audit of session 39: only posts of at least `min_post_bytes` were measured, and at the floor a slice of
+    whole blocks that do not divide it (MLA's 18,432-byte blocks: 56 of them, 1,032,192 bytes) falls short of
+    it: after one slow copy the rate was never measured again, and that route posted ~1 MiB slices for good."""
+    from nixl_async.transfer import descriptors_per_slice
+
+    cfg = EngineConfig()
+    copy = CopyRate(cfg, initial=4e9)
+
+    def post() -> int:
+        nbytes = block * descriptors_per_slice(block, copy.slice_bytes(), cfg.max_post_descriptors)
+        return nbytes
+
+    nbytes = post()
+    copy.observe(nbytes, nbytes / 0.2e9, nbytes / 0.2e9)  # one slow copy (a first mapping, a busy core)
+    assert copy.slice_bytes() == cfg.min_post_bytes
+    for _ in range(100):  # then copies at 10 GB/s
+        nbytes = post()
+        copy.observe(nbytes, nbytes / 10e9, nbytes / 10e9)
+    assert copy.bytes_per_s > 5e9 and post() > 8 * cfg.min_post_bytes

@@ -222,3 +222,36 @@ async def test_deregistered_memory_is_not_registered_again(nixl_engine):
             nixl_engine.register(name, [memory], block_len=4096)
         assert name not in nixl_engine._memory.layouts
     nixl_engine.register("kv", [np.zeros(8 * 4096, np.uint8)], block_len=4096)  # other memory: taken
+
+
+async def test_a_submit_that_only_notifies_is_refused_as_any_submit(nixl_engine, nixl_peer):
+    """An audit of session 39: a submit with no blocks sent its notification before any check: past its lease
+    (the adapter never notifies then: the producer counts it a stray), with its budget spent, or from a task
+    outliving its `collect_transfers()` block; each is refused now, nothing sent."""
+    import time
+
+    from nixl_async import CollectionClosedError, LeaseExpired, TransferTimeout
+
+    nixl_engine.register("kv", [np.zeros(64 * 4096, np.uint8) for _ in range(2)], block_len=4096)  # as the peer's
+    peer = await nixl_engine.connect(*nixl_peer.address)
+    with pytest.raises(LeaseExpired):
+        await nixl_engine.start_read(peer, [], [], notify=b"late", lease_expires_at=time.time() - 1)
+    with pytest.raises(TransferTimeout):
+        await nixl_engine.start_read(peer, [], [], notify=b"late", timeout=-1)
+    with pytest.raises(LeaseExpired):
+        await nixl_engine.start_reads(peer, [[]], [[]], notify=[b"late"], lease_expires_at=time.time() - 1)
+    gate = asyncio.Event()
+
+    async def outlives_its_block():
+        await gate.wait()
+        await nixl_engine.start_read(peer, [], [], notify=b"late")
+
+    with nixl_engine.collect_transfers():
+        straggler = asyncio.ensure_future(outlives_its_block())
+    gate.set()
+    with pytest.raises(CollectionClosedError):
+        await straggler
+    with pytest.raises(PeerCommandError, match="NotificationTimeout"):
+        await nixl_peer.request(WaitNotifications(message=b"late", count=1, timeout=1.0))
+    await nixl_engine.read(peer, [], [], notify=b"in time")  # within its lease and budget: sent
+    await nixl_peer.request(WaitNotifications(message=b"in time", count=1, timeout=5))
