@@ -1370,6 +1370,8 @@ def connector_worker_check(
 
     ns = types.SimpleNamespace
     staging = device.type == "cuda" and buffer_device == "cpu"
+    if device.type == "cpu":  # (the dry run's caches: vLLM's default there, as the worker takes no other)
+        buffer_device = "cpu"
     prod = fa("kv", "vram", 31, pages=pages)
     dec = fa("kv", "vram", None, heads=HEADS // 2, block_size=DECODE_BS, num_blocks=BLOCKS // 2, pages=pages)
     remote_blocks = [int(b) for b in rng.choice(BLOCKS, 8, replace=False)]
