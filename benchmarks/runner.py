@@ -158,7 +158,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"--plots {args.plots}: {why}", file=sys.stderr)
         return 2
     started = time.perf_counter()
-    run = time.strftime("%Y-%m-%dT%H:%M:%S%z")  # names this run's `--json` records (`goals.load` keeps the last run)
+    run = f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')}/{os.getpid()}"  # names this run's `--json` records (`goals.load`
+    # keeps the last run; two runs in one second differ by their process)
     results: list[Result] = []
     failed: list[str] = []
     for name in names:

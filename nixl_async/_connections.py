@@ -74,10 +74,13 @@ class Connections:
                            ) -> Peer | None:  # fmt: skip
         """`adopt` an etcd record's metadata, unless, asked in its turn, `adopts` refuses the peer now
         held (a handshake with it finished while this waited: its session and clock offset stay, and
-        it is returned as it is) or `newest` says a newer record was applied meanwhile (None)."""
+        it is returned, marked stale if the record is newer) or `newest` says a newer record was applied
+        meanwhile (None)."""
         async with self._one_at_a_time(reply.engine_id):
             held = self.table.get(reply.engine_id)
             if not adopts(held):
+                if held is not None and newest():  # a newer record than that handshake may have seen
+                    held.stale = True  # (its next connect handshakes again)
                 return held
             return await self._adopt(reply, address, 0.0, now, True) if newest() else None
 

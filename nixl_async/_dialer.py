@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -71,6 +72,7 @@ class Dialer:
         self._closing = False
         # ("host:port", the engine id expected there) or ("etcd", engine id)
         self._connecting: dict[tuple[str, str | None], asyncio.Task[Peer]] = {}
+        self._ends: dict[tuple[str, str | None], float] = {}  # loop time each connect under way is bounded by
         self._follower: asyncio.Task[None] | None = None  # applies etcd changes to peers we hold
         self._discovered: set[str] = set()  # engine ids we connected to through etcd
         self._order = RecordOrder()  # the newest etcd record of each applied (a lookup and the watch race)
@@ -138,6 +140,10 @@ class Dialer:
         `fresh` (a refresh) joins only a connect begun after it was asked for: one already under way
         may have been answered before the change the refresh is for. It waits for that one to end
         (within `timeout`), then connects anew or joins one begun since.
+
+        A joiner whose own timeout ends no sooner than the connect under way awaits that connect's own
+        outcome: every caller of one failed handshake then hears its one error (one failure, counted
+        once), not each its own timeout a moment before it.
         """
         assert self._loop is not None
         budget = timeout
@@ -152,11 +158,16 @@ class Dialer:
             timeout = deadline - self._loop.time()
             task = self._connecting.get(key)  # (the older one left it when it ended)
         if task is None:
+            if self._closing:  # (a refresh whose older connect the close cancelled: nothing new starts now)
+                raise EngineClosedError("the engine closed while connecting")
             task = self._loop.create_task(connect(), name=name)
             self._connecting[key] = task
+            self._ends[key] = self._loop.time() + budget
             task.add_done_callback(functools.partial(self._connect_done, key))
             if not older:
                 return await self._joined(task)  # bounded by this caller's timeout already
+        if self._ends.get(key, math.inf) <= self._loop.time() + timeout:
+            return await self._joined(task)  # it ends first, bounded by its own timeout
         try:
             async with asyncio.timeout(max(timeout, 0.0)) as waited:
                 return await self._joined(task)
@@ -184,6 +195,7 @@ class Dialer:
 
     def _connect_done(self, key: tuple[str, str | None], task: asyncio.Task[Peer]) -> None:
         self._connecting.pop(key, None)
+        self._ends.pop(key, None)
         if not task.cancelled():
             task.exception()  # retrieved: callers that gave up waiting (their own timeout) never will
 
@@ -356,7 +368,10 @@ class Dialer:
             newer: set[str] = set()  # a lookup applied a newer record of these while the listing was read
             if changes.complete:
                 newer = self._order.relisted(changes.revision, changes.revisions, changes.asked_at)
-                self._discovered &= {peer.engine_id for peer in self._peers.table}  # forgotten ones go
+                # forgotten ones go (not those a lookup is connecting to: before, a listing read while the lookup
+                # handshook dropped its peer, and no change of its record was followed from then on)
+                connecting = {key[1] for key in self._connecting if key[0] == "etcd"}
+                self._discovered &= {peer.engine_id for peer in self._peers.table} | connecting
                 gone = [i for i in self._discovered if i not in changes.records]
             for engine_id, record in [*changes.records.items(), *((i, None) for i in gone)]:
                 if engine_id in newer:
@@ -376,10 +391,10 @@ class Dialer:
                 if record.fingerprint == peer.fingerprint:
                     peer.unpublished = False  # (it may have gone and come back as it was)
                     if record.host and (record.host, record.port) != peer.address:
-                        if peer.notify_session:  # its session is the old server's: the next connect handshakes
-                            peer.stale = True
-                        else:
+                        if not peer.notify_session:
                             peer.address = (record.host, record.port)  # it serves elsewhere now (calls go there)
+                        elif record.port != peer.address[1]:  # (another name for one server keeps its port)
+                            peer.stale = True  # its session is the old server's: the next connect handshakes
                     continue
                 self.stats.counters["published_peers_refreshed"] += 1
                 if record.metadata is None or not self._adopts_records(peer) or not _claims(record, engine_id):

@@ -100,12 +100,13 @@ def layout_of_memory(
 
 
 class _Registered:
-    __slots__ = ("keepalive", "layout", "memory")
+    __slots__ = ("exposed", "keepalive", "layout", "memory")
 
     def __init__(self, layout: BlockLayout, memory: RegisteredMemory, keepalive: list[Any]) -> None:
         self.layout = layout
         self.memory = memory
         self.keepalive = keepalive
+        self.exposed = False  # our metadata went out (a handshake answered, a record published) while registered
 
 
 class MemoryRegistry:
@@ -144,6 +145,11 @@ class MemoryRegistry:
         self.layouts[layout.name] = layout
         return layout
 
+    def exposed(self) -> None:
+        """Our metadata, with the keys to every layout registered now, is going out to peers."""
+        for registered in self._registered.values():
+            registered.exposed = True
+
     def local_dlists_of(self, name: str) -> list[Any]:
         """The prepared local descriptor lists over layout `name` (a transfer holding one pins it)."""
         if name not in self._registered:
@@ -167,7 +173,8 @@ class MemoryRegistry:
         del self.layouts[name]
         self._views.clear()
         self._deregistered.append(registered.keepalive)
-        self._retired.append(registered.layout)
+        if registered.exposed:  # (no peer ever had its keys: its memory may be registered again)
+            self._retired.append(registered.layout)
 
     def view(self, spec: ViewLike, layouts: dict[str, BlockLayout], owner: str) -> BlockView:
         """Resolve a view of one of `layouts` (ours or a peer's); resolved views are cached."""

@@ -34,6 +34,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from numbers import Integral
 from typing import Any, Self
 
 import msgspec
@@ -416,6 +417,7 @@ class TransferEngine:
         self._refuse_if_not(request.expected_engine_id)
         if self._tcp_segment is not None and request.tcp_segment_bytes < self._tcp_segment:
             raise Refusal("incompatible_peer", segment_mismatch(request.tcp_segment_bytes, self._tcp_segment))
+        self._memory.exposed()  # a peer gets the keys to what is registered now
         return msgspec.structs.replace(self._metadata(), wall_clock=time.time())
 
     def _metadata(self) -> messages.MetadataReply:
@@ -546,11 +548,11 @@ class TransferEngine:
             return await self._dialer.connect_published(engine_id, timeout, refresh)
         if host is None or port is None:
             raise TypeError("connect() needs host and port, or engine_id")
-        if not isinstance(host, str) or not host.strip() or isinstance(port, bool) or not isinstance(port, int):
+        if not isinstance(host, str) or not host.strip() or isinstance(port, bool) or not isinstance(port, Integral):
             raise TypeError(f"connect() takes a host name or address and an int port, got {host!r}, {port!r}")
         if not 0 < port < 65536:
             raise ValueError(f"connect(): port {port} is outside 1..65535")
-        return await self._dialer.connect(host, port, expected_engine_id, timeout, refresh)
+        return await self._dialer.connect(host, int(port), expected_engine_id, timeout, refresh)
 
     # -- discovery through etcd -------------------------------------------------------------
     async def publish(self) -> None:
@@ -572,6 +574,8 @@ class TransferEngine:
 
     def _published(self) -> messages.PublishedEngine:
         reply = self._metadata()
+        if self.config.auth_secret is None:  # (with a secret the record holds no metadata)
+            self._memory.exposed()
         host, port = self.address or ("", 0)
         larger = reply.tcp_segment_bytes > UCX_TCP_DEFAULT_SEGMENT
         return messages.PublishedEngine(

@@ -197,10 +197,17 @@ def _backend_params(extra: dict[str, Any], backends: tuple[str, ...]) -> dict[st
 
 
 def _recompute_threshold(extra: dict[str, Any]) -> None:
-    """vLLM's scheduler reads it with ``int()`` before ours runs: checked here to name the key."""
+    """vLLM's scheduler reads it with ``int()`` before ours runs: what that takes is taken, the rest refused
+    naming the key (vLLM's own error names none)."""
     value = extra.get("kv_recompute_threshold", 64)
-    if isinstance(value, bool) or not isinstance(value, int | str) or not str(value).strip().lstrip("-").isdigit():
-        raise ValueError(f"kv_connector_extra_config['kv_recompute_threshold'] must be a whole number, got {value!r}")
+    try:
+        if isinstance(value, bool):
+            raise TypeError(value)
+        int(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(
+            f"kv_connector_extra_config['kv_recompute_threshold'] must be a whole number, got {value!r}"
+        ) from None
 
 
 def _side_channel(host: str, base_port: int, tp: int) -> str:
@@ -253,9 +260,10 @@ def _etcd(extra: dict[str, Any]) -> EtcdConfig | None:
         raise ValueError(f"kv_connector_extra_config (etcd_endpoint, etcd_namespace): {exc}") from None
 
 
-# Keys vLLM's own scheduler reads too, with arithmetic (``//``, ``int()``): a string there stops vLLM's
-# constructor with an error naming no key, so these must be JSON numbers.
-_READ_BY_VLLM = ("kv_lease_duration", "push_registration_timeout", "decoder_kv_blocks_ttl")
+# Keys vLLM's own scheduler reads too, with arithmetic (the lease with ``//``): a string there stops vLLM's
+# constructor with an error naming no key, so these must be JSON numbers (vLLM reads the push timeouts with
+# ``float()``, which takes numeric strings as we do).
+_READ_BY_VLLM = ("kv_lease_duration",)
 
 
 def _number(extra: dict[str, Any], key: str, default: float, *, zero: bool = False) -> float:

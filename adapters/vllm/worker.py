@@ -17,6 +17,7 @@ lease through acknowledged calls (`leases`).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import errno
 import logging
@@ -292,9 +293,10 @@ class ConnectorWorker:
         self._invalid_blocks: set[int] = set()
         self._results: queue.SimpleQueue[TransferResult] = queue.SimpleQueue()
         self._loop_failures: queue.SimpleQueue[str] = queue.SimpleQueue()  # stats series, counted on the loop
-        # Handshake failures counted lately, by kind and address: the requests that shared one handshake all fail
-        # with it, and vLLM counts a failed handshake once, not once per request waiting on it.
-        self._handshake_failures_seen: dict[tuple[str, str | None], float] = {}
+        # Handshake failures counted lately: the requests that shared one handshake fail with its one error (the
+        # engine hands every caller of a shared connect its outcome), and vLLM counts a failed handshake once,
+        # not once per request waiting on it.
+        self._counted_handshake_errors: collections.deque[BaseException] = collections.deque(maxlen=256)
         self._sends = SendBook()  # producer side
         self._leases = LearnedLeases()  # reader side: renewals producers acknowledged (loop thread)
         self._lease_extension_s = self.settings.lease_s * 2 / 3  # per renewal, as NixlConnector
@@ -611,17 +613,9 @@ class ConnectorWorker:
     def _record_failure(self, error: BaseException) -> None:
         kind = _failure_kind(error)
         if kind == "num_failed_handshakes":
-            # One handshake per address at a time (joiners share it), each bounded by the handshake timeout:
-            # a failure of the same kind there within that long is the same handshake's.
-            now = time.monotonic()
-            window = self.settings.handshake_timeout_s
-            seen = self._handshake_failures_seen
-            for key in [k for k, at in seen.items() if now - at > window]:
-                del seen[key]
-            key = (type(error).__name__, getattr(error, "address", None))
-            if key in seen:
+            if any(error is counted for counted in self._counted_handshake_errors):
                 return
-            seen[key] = now
+            self._counted_handshake_errors.append(error)
         self._record(kind, 1)
 
     def get_kv_connector_stats(self) -> Any:

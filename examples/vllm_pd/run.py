@@ -8,7 +8,8 @@ Run (after ``bash scripts/setup.sh && bash scripts/setup-vllm.sh``)::
 
     .venv/bin/python examples/vllm_pd/run.py [--connector nixl_async|vllm] [--keep-logs]
 
-The model and the servers' logs go to a temporary folder, removed at the end unless ``--keep-logs``.
+The model and the servers' logs go to a temporary folder, removed at the end of a run that went well unless
+``--keep-logs``.
 
 The two servers differ from a vLLM NixlConnector set-up only in ``--kv-transfer-config``::
 
@@ -20,13 +21,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
@@ -65,17 +64,22 @@ async def send_prompts(proxy_url: str, single_url: str, model: str) -> bool:
     return same
 
 
-@contextlib.contextmanager
-def work_dir(keep: bool) -> Iterator[Path]:
-    """A folder for the model and the servers' logs: removed at the end (failed or not) unless `keep`."""
-    work = Path(tempfile.mkdtemp(prefix="vllm-pd-"))
-    try:
-        yield work
-    finally:
-        if keep:
-            print(f"logs: {work}")
+class WorkDir:
+    """A folder for the model and the servers' logs: removed at the end of a run that went well, unless kept;
+    one that failed (an exception, or `failed` set) keeps it, and says where."""
+
+    def __init__(self, keep: bool) -> None:
+        self.keep, self.failed = keep, False
+        self.path = Path(tempfile.mkdtemp(prefix="vllm-pd-"))
+
+    def __enter__(self) -> WorkDir:
+        return self
+
+    def __exit__(self, kind: object, *rest: object) -> None:
+        if self.keep or self.failed or kind is not None:
+            print(f"logs: {self.path}")
         else:
-            shutil.rmtree(work, ignore_errors=True)
+            shutil.rmtree(self.path, ignore_errors=True)
 
 
 def main() -> int:
@@ -83,8 +87,10 @@ def main() -> int:
     parser.add_argument("--connector", choices=["nixl_async", "vllm"], default="nixl_async")
     parser.add_argument("--keep-logs", action="store_true", help="keep the model and server logs, and say where")
     args = parser.parse_args()
-    with work_dir(args.keep_logs) as work:
-        return run(work, args.connector)
+    with WorkDir(args.keep_logs) as work:
+        code = run(work.path, args.connector)
+        work.failed = code != 0
+        return code
 
 
 def run(work: Path, connector: str) -> int:

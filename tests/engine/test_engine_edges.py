@@ -210,12 +210,19 @@ async def test_an_ipv6_side_channel_serves_handshakes_and_notifications(via, giv
         assert await server.wait_notifications(b"read-v6", timeout=5) == ["v6-reader"]
 
 
-async def test_deregistered_memory_is_not_registered_again(nixl_engine):
+async def test_deregistered_memory_a_peer_had_the_keys_to_is_not_registered_again(nixl_engine):
     """An audit of session 39: a peer holding our older metadata still reaches deregistered memory over UCX/TCP
     (nothing checks keys), so the engine keeps it alive; but the same tensor could be registered again (under
-    any name), and that peer's stale WRITE would then land among the new layout's data."""
+    any name), and that peer's stale WRITE would then land among the new layout's data. Memory no peer was
+    given the keys to (no handshake answered, no record published while registered) may be laid out anew."""
+    from nixl_async import EngineConfig, TransferEngine
+
     region = np.zeros(8 * 4096, np.uint8)
     nixl_engine.register("kv", [region], block_len=4096)
+    nixl_engine.deregister("kv")
+    nixl_engine.register("kv", [region], block_len=8192)  # no peer saw it: laid out anew
+    async with TransferEngine(EngineConfig(engine_id="keyholder")) as other:
+        await other.connect(*nixl_engine.address)  # our reply carries the keys to "kv"
     nixl_engine.deregister("kv")
     for name, memory in (("kv", region), ("kv2", region), ("half", region[4096:8192])):
         with pytest.raises(LayoutError, match="overlaps memory deregistered from layout 'kv'"):

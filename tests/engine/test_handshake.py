@@ -516,3 +516,25 @@ async def test_an_address_that_cannot_be_dialled_is_refused_typed_at_once(nixl_e
     with pytest.raises(error):
         await nixl_engine.connect(host, port, timeout=5)
     assert time.monotonic() - started < 1 and nixl_engine.peers == []
+
+
+async def test_a_refresh_waiting_on_an_older_handshake_starts_none_after_close():
+    """The review of session 39's refresh fix: a refresh waiting for an older handshake that the close cancelled
+    went on to start a new one after close() had gathered the ones under way (it then failed on a torn-down
+    engine, or held a task nobody ended); it hears EngineClosedError, as the plain caller does."""
+    with socket.socket() as listener:  # accepts, never answers: the handshake waits out its timeout
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        address = listener.getsockname()
+        engine = await TransferEngine(EngineConfig(engine_id="closing-mid-refresh")).start()
+        plain = asyncio.ensure_future(engine.connect(*address, timeout=5))
+        await asyncio.sleep(0.05)
+        refresh = asyncio.ensure_future(engine.connect(*address, timeout=5, refresh=True))
+        await asyncio.sleep(0.05)
+        await engine.close()
+        for caller in (plain, refresh):
+            with pytest.raises(EngineClosedError):
+                await caller
+        assert engine._dialer._connecting == {}
+        assert engine.snapshot().counters["handshake_failures"] == 1, "the cancelled one alone: none started after"
+    assert_no_live_handles(engine)

@@ -308,9 +308,9 @@ def test_the_side_channel_binds_ipv4_and_ipv6_hosts(monkeypatch, given, bound):
         {"transfer_timeout": True},  # (before: a 1 s timeout)
         {"kv_lease_duration": True},
         {"kv_lease_duration": "30"},  # vLLM's scheduler divides it: a string stopped its constructor
-        {"push_registration_timeout": "9", "connector": "NixlAsyncPushConnector"},
         {"kv_recompute_threshold": "abc"},
-        {"kv_recompute_threshold": 1.5},
+        {"kv_recompute_threshold": "²"},  # (str.isdigit() takes it; vLLM's int() does not)
+        {"kv_recompute_threshold": [64]},
         {"engine_ttl": float("nan")},  # (before: eviction quietly off)
         {"idle_step_wait_s": False},  # (before: taken as 0, off)
         {"etcd_endpoint": "etcd:99999"},
@@ -334,7 +334,10 @@ def test_settings_of_a_near_kind_are_taken_as_meant():
     assert etcd is not None and etcd.lease_ttl_s == 10  # (before: refused, naming EtcdConfig.lease_ttl_s)
     assert AdapterSettings.from_vllm(_config({"idle_step_wait_s": "0"})).idle_step_wait_s == 0  # (before: refused)
     assert AdapterSettings.from_vllm(_config({"transfer_timeout": "7.5"})).transfer_timeout_s == 7.5  # ours alone
-    assert AdapterSettings.from_vllm(_config({"kv_recompute_threshold": "32"}))  # vLLM's int() takes it
+    for threshold in ("32", "+32", 64.0):  # vLLM's int() takes them
+        assert AdapterSettings.from_vllm(_config({"kv_recompute_threshold": threshold}))
+    push = _config({"push_registration_timeout": "600"}, connector="NixlAsyncPushConnector")  # vLLM's float() too
+    assert AdapterSettings.from_vllm(push).push_registration_timeout_s == 600
 
 
 @pytest.mark.parametrize(("variable", "value"), [("VLLM_NIXL_SIDE_CHANNEL_PORT", "0"),

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import queue
 import socket
 import time
-from types import SimpleNamespace
 
 import pytest
 
 if os.environ.get("NIXL_ASYNC_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm", reason="vLLM not installed (bash scripts/setup-vllm.sh)")
 
-from nixl_async import EngineConfig, HandshakeError, SyncEngine, TransferFailed
+from nixl_async import EngineConfig, HandshakeError, HandshakeTimeout, SyncEngine, TransferFailed
 from nixl_async_vllm.worker import ConnectorWorker
 
 
@@ -22,14 +22,16 @@ def _stats_worker() -> ConnectorWorker:
     worker._stats = None
     worker._results = queue.SimpleQueue()
     worker._loop_failures = queue.SimpleQueue()
-    worker._handshake_failures_seen = {}
-    worker.settings = SimpleNamespace(handshake_timeout_s=1.0)
+    worker._counted_handshake_errors = collections.deque(maxlen=256)
     return worker
 
 
 def test_requests_that_shared_one_failed_handshake_count_one_failed_handshake():
     """An audit of session 39: five requests to a dead producer share one handshake and all fail with it; each
-    was counted (5 failed handshakes per rank), where vLLM counts the handshake once (as the engine does)."""
+    was counted (5 failed handshakes per rank), where vLLM counts the handshake once (as the engine does). The
+    engine now hands every caller of a shared handshake its one error (before, each joiner's own timeout ran out
+    a moment before the handshake's and raised an error of its own), and the worker counts that error once;
+    another handshake's failure, even at the same address, counts again."""
     with socket.socket() as s:  # nothing listens there: the handshake times out
         s.bind(("127.0.0.1", 0))
         dead_port = s.getsockname()[1]
@@ -47,6 +49,7 @@ def test_requests_that_shared_one_failed_handshake_count_one_failed_handshake():
             time.sleep(0.01)
         assert engine.stats().counters["handshake_failures"] == 1
     assert len(failed) == 5 and all(isinstance(e, HandshakeError) for e in failed.values())
+    assert len({id(e) for e in failed.values()}) == 1, "every request sharing the handshake hears its one error"
     worker = _stats_worker()
     for error in failed.values():
         worker._record_failure(error)
@@ -54,6 +57,5 @@ def test_requests_that_shared_one_failed_handshake_count_one_failed_handshake():
     worker._record_failure(TransferFailed("another read failed"))
     data = worker.get_kv_connector_stats().data
     assert len(data["num_failed_handshakes"]) == 1 and len(data["num_failed_transfers"]) == 2
-    time.sleep(1.1)  # past the handshake timeout: a failure there now is another handshake's
-    worker._record_failure(next(iter(failed.values())))
+    worker._record_failure(HandshakeTimeout("the next handshake there", address=f"127.0.0.1:{dead_port}"))
     assert len(worker.get_kv_connector_stats().data["num_failed_handshakes"]) == 1
