@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -20,15 +21,23 @@ def _example():
     return module
 
 
-def test_the_work_folder_goes_unless_kept_even_when_the_run_fails(capsys):
-    """An audit of session 39: each run left its model and logs in /tmp, with `--keep-logs` or not."""
+def test_the_work_folder_goes_after_a_good_run_and_stays_after_a_failed_or_kept_one(capsys):
+    """An audit of session 39: each run left its model and logs in /tmp, with `--keep-logs` or not; a run that
+    failed (raised, or decode's tokens differed) keeps them, and says where."""
     example = _example()
-    with pytest.raises(RuntimeError), example.work_dir(keep=False) as work:
-        (work / "decode.log").write_text("...")
+    with example.WorkDir(keep=False) as good:
+        (good.path / "decode.log").write_text("...")
+    assert not good.path.exists() and "logs:" not in capsys.readouterr().out
+    kept = []
+    with pytest.raises(RuntimeError), example.WorkDir(keep=False) as raised:
+        kept.append(raised.path)
         raise RuntimeError("a server did not start")
-    assert not work.exists()
-    with example.work_dir(keep=True) as kept:
-        (kept / "decode.log").write_text("...")
-    assert (kept / "decode.log").exists() and f"logs: {kept}" in capsys.readouterr().out
-    (kept / "decode.log").unlink()
-    kept.rmdir()
+    with example.WorkDir(keep=False) as mismatch:
+        kept.append(mismatch.path)
+        mismatch.failed = True
+    with example.WorkDir(keep=True) as asked:
+        kept.append(asked.path)
+    out = capsys.readouterr().out
+    for path in kept:
+        assert path.exists() and f"logs: {path}" in out
+        shutil.rmtree(path)
