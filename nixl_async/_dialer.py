@@ -75,6 +75,11 @@ class Dialer:
         self._ends: dict[tuple[str, str | None], float] = {}  # loop time each connect under way is bounded by
         self._follower: asyncio.Task[None] | None = None  # applies etcd changes to peers we hold
         self._discovered: set[str] = set()  # engine ids we connected to through etcd
+        # What the follower last saw of each engine it follows, numbered: (number, the record's fingerprint, or
+        # None: gone). An adoption (a lookup's, a handshake's) begun before it, of other metadata, may hold
+        # what that record replaced: its peer is marked stale (`_stale_if_changed`).
+        self._change_seq = 0
+        self._seen: dict[str, tuple[int, str | None]] = {}
         self._order = RecordOrder()  # the newest etcd record of each applied (a lookup and the watch race)
 
     def open_directory(self) -> None:
@@ -201,6 +206,7 @@ class Dialer:
 
     async def _handshake(self, host: str, port: int, timeout: float, expected_engine_id: str | None = None) -> Peer:
         assert self._zmq is not None and self._loop is not None
+        changes_seen = self._change_seq
         started = self._loop.time()
         asked_at = time.time()
         request = messages.MetadataRequest(engine_id=self.config.engine_id, tcp_segment_bytes=self.announced_segment,
@@ -223,12 +229,21 @@ class Dialer:
                                        address=f"{host}:{port}")  # fmt: skip
             self.check_peer(reply, f"{host}:{port}")
             peer = await self._peers.adopt(reply, (host, port), offset, self._loop.time())
+            self._stale_if_changed(peer, changes_seen)
         except BaseException:
             self.stats.counters["handshake_failures"] += 1
             raise
         self.stats.counters["handshakes"] += 1
         self.stats.histograms["handshake_us"].record(self._loop.time() - started)
         return peer
+
+    def _stale_if_changed(self, peer: Peer, changes_seen: int) -> None:
+        """`peer` was adopted from what it said before the follower's change `changes_seen` + 1: if the follower
+        saw since a record of it with other metadata (or none: it left etcd), what was adopted may be what that
+        record replaced (the follower skipped it, no peer being held yet): the next connect looks again."""
+        seen = self._seen.get(peer.engine_id)
+        if seen is not None and seen[0] > changes_seen and seen[1] != peer.fingerprint:
+            peer.stale = True
 
     def check_peer(self, reply: messages.MetadataReply, where: str) -> None:
         """Refuse a peer whose memory or wire we cannot use: ourselves, compatibility hash, then TCP segments."""
@@ -267,6 +282,9 @@ class Dialer:
             limit = handshake_limit(self.config, timeout, engine_id)
             discover = functools.partial(self._discover, directory, engine_id, limit)
             peer = await self._shared(("etcd", engine_id), f"discover:{engine_id}", discover, limit, fresh=refresh)
+        elif engine_id not in self._discovered:  # held from a handshake by address: follow its record from now on
+            self._discovered.add(engine_id)
+            self._start_follower(directory)
         assert self._loop is not None
         self._peers.table.touch(peer, self._loop.time())
         return peer
@@ -294,14 +312,12 @@ class Dialer:
         """
         assert self._loop is not None
         started = self._loop.time()
+        changes_seen = self._change_seq
         behind: int | None = None  # the applied revision the last lookup was older than
         while True:
             remaining = max(0.001, timeout - (self._loop.time() - started))
             try:
-                if self._follower is None and not self._closing:
-                    self._follower = self._loop.create_task(
-                        self._follow(directory), name=f"etcd-follower:{self.config.engine_id}"
-                    )
+                self._start_follower(directory)
                 record, revision = await directory.lookup(engine_id, remaining)
                 where = f"etcd record of {engine_id!r}"
                 if record is None:
@@ -333,6 +349,7 @@ class Dialer:
                 self.stats.counters["handshake_failures"] += 1
                 raise
             if adopted is not None:
+                self._stale_if_changed(adopted, changes_seen)
                 break
             behind = self._order.applied(engine_id)  # the follower applied a newer change: read again
         self.stats.counters["handshakes"] += 1
@@ -353,6 +370,12 @@ class Dialer:
         return await self._peers.adopt_record(record.metadata, (record.host, record.port), self._loop.time(), newest,
                                               self._adopts_records)  # fmt: skip
 
+    def _start_follower(self, directory: EtcdDirectory) -> None:
+        if self._follower is None and not self._closing:
+            assert self._loop is not None
+            name = f"etcd-follower:{self.config.engine_id}"
+            self._follower = self._loop.create_task(self._follow(directory), name=name)
+
     async def _follow(self, directory: EtcdDirectory) -> None:
         """Apply what etcd says about peers we found there: a changed record refreshes them, a gone one
         marks them unpublished.
@@ -371,7 +394,9 @@ class Dialer:
                 # forgotten ones go (not those a lookup is connecting to: before, a listing read while the lookup
                 # handshook dropped its peer, and no change of its record was followed from then on)
                 connecting = {key[1] for key in self._connecting if key[0] == "etcd"}
-                self._discovered &= {peer.engine_id for peer in self._peers.table} | connecting
+                reloading = {peer.engine_id for peer in self._peers.retiring.values()}  # (a handshake may reload it)
+                self._discovered &= {peer.engine_id for peer in self._peers.table} | connecting | reloading
+                self._seen = {i: seen for i, seen in self._seen.items() if i in self._discovered}
                 gone = [i for i in self._discovered if i not in changes.records]
             for engine_id, record in [*changes.records.items(), *((i, None) for i in gone)]:
                 if engine_id in newer:
@@ -381,6 +406,9 @@ class Dialer:
                 if followed and not changes.complete and not self._order.claim(engine_id, revision):
                     continue  # a lookup applied a newer record of it already
                 peer = self._peers.table.get(engine_id)
+                if followed:  # (a connect under way may adopt what it read before this: `_stale_if_changed`)
+                    self._change_seq += 1
+                    self._seen[engine_id] = (self._change_seq, None if record is None else record.fingerprint)
                 if engine_id not in self._discovered or peer is None or not peer.connected:
                     continue
                 if record is None:

@@ -145,7 +145,7 @@ class MemoryRegistry:
         self.layouts[layout.name] = layout
         return layout
 
-    def exposed(self) -> None:
+    def mark_exposed(self) -> None:
         """Our metadata, with the keys to every layout registered now, is going out to peers."""
         for registered in self._registered.values():
             registered.exposed = True

@@ -417,7 +417,7 @@ class TransferEngine:
         self._refuse_if_not(request.expected_engine_id)
         if self._tcp_segment is not None and request.tcp_segment_bytes < self._tcp_segment:
             raise Refusal("incompatible_peer", segment_mismatch(request.tcp_segment_bytes, self._tcp_segment))
-        self._memory.exposed()  # a peer gets the keys to what is registered now
+        self._memory.mark_exposed()  # a peer gets the keys to what is registered now
         return msgspec.structs.replace(self._metadata(), wall_clock=time.time())
 
     def _metadata(self) -> messages.MetadataReply:
@@ -575,7 +575,7 @@ class TransferEngine:
     def _published(self) -> messages.PublishedEngine:
         reply = self._metadata()
         if self.config.auth_secret is None:  # (with a secret the record holds no metadata)
-            self._memory.exposed()
+            self._memory.mark_exposed()
         host, port = self.address or ("", 0)
         larger = reply.tcp_segment_bytes > UCX_TCP_DEFAULT_SEGMENT
         return messages.PublishedEngine(

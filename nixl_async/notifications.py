@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import numbers
 import operator
@@ -27,6 +28,9 @@ import msgspec
 from .exceptions import NotificationsLost, NotificationTimeout
 
 __all__ = ["Lease", "Notification", "NotificationBox"]
+
+log = logging.getLogger("nixl_async.engine")
+_DROPS_LOG_INTERVAL_S = 10.0
 
 
 class Notification(msgspec.Struct, frozen=True):
@@ -60,12 +64,14 @@ class _Waiter:
 class NotificationBox:
     def __init__(self, max_unclaimed: int, max_unclaimed_bytes: int = 64 << 20) -> None:
         """Unclaimed notifications are kept up to `max_unclaimed` of them, and up to `max_unclaimed_bytes`
-        of distinct messages (a peer may send NIXL notifications of a MiB each); the oldest go first."""
+        of distinct messages and their senders' ids (a peer may send NIXL notifications of a MiB each, or
+        name itself with a long id); the oldest go first, counted and logged."""
         self._max_unclaimed = max_unclaimed
         self._max_unclaimed_bytes = max_unclaimed_bytes
         self._unclaimed: OrderedDict[bytes, deque[str]] = OrderedDict()
         self._unclaimed_total = 0
-        self._unclaimed_bytes = 0  # of the distinct messages kept
+        self._unclaimed_bytes = 0  # of the distinct messages kept, and of each kept sender's id
+        self._drops_logged_at = -math.inf
         self._waiters: dict[bytes, deque[_Waiter]] = {}
         self._subscribers: set[_Feed] = set()
         self._claiming = 0  # subscriptions that take every notification nobody waits for
@@ -120,14 +126,24 @@ class NotificationBox:
         box.extend(senders)
         self._unclaimed.move_to_end(message)
         self._unclaimed_total += len(senders)
+        self._unclaimed_bytes += sum(len(sender) for sender in senders)
+        dropped = 0
         while self._unclaimed_total > self._max_unclaimed or self._unclaimed_bytes > self._max_unclaimed_bytes:
             oldest, box = next(iter(self._unclaimed.items()))
-            box.popleft()
+            self._unclaimed_bytes -= len(box.popleft())
             self._unclaimed_total -= 1
-            self.dropped += 1
+            dropped += 1
             if not box:
                 del self._unclaimed[oldest]
                 self._unclaimed_bytes -= len(oldest)
+        if dropped:
+            self.dropped += dropped
+            now = time.monotonic()
+            if now - self._drops_logged_at >= _DROPS_LOG_INTERVAL_S:  # (a flood is logged once per interval)
+                self._drops_logged_at = now
+                log.warning("%d unclaimed notifications dropped so far, oldest first (kept: at most %d of them, "
+                            "%d bytes): nobody waits for them", self.dropped, self._max_unclaimed,
+                            self._max_unclaimed_bytes)  # fmt: skip
 
     async def wait(self, message: bytes, count: int = 1, timeout: float | None = None) -> list[str]:
         """Wait until `count` notifications carrying `message` have arrived; return senders.
@@ -150,6 +166,7 @@ class NotificationBox:
         while box and len(taken) < count:
             taken.append(box.popleft())
             self._unclaimed_total -= 1
+            self._unclaimed_bytes -= len(taken[-1])
         if box is not None and not box:
             del self._unclaimed[message]
             self._unclaimed_bytes -= len(message)

@@ -793,3 +793,93 @@ async def test_a_handshaken_peer_whose_record_moves_is_handshaken_again_where_it
         moving._changed()  # (the same record, put again)
         await asyncio.sleep(0.5)
         assert not named.stale
+
+
+async def _until(condition, what: str, timeout: float = 5.0) -> None:
+    for _ in range(int(timeout / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+async def test_a_record_change_seen_while_a_lookup_waited_for_the_old_agent_is_not_lost(etcd, monkeypatch):
+    """A discovery audit of session 39: a lookup adopting record R1 waited for the peer's previous agent to go;
+    the follower saw R2 meanwhile but held no peer, and dropped it; R1 was then loaded, neither stale nor
+    refreshed, for good. Now the peer adopted from what preceded a seen change of other metadata is stale."""
+    async with TransferEngine(EngineConfig(engine_id="keeps-up", etcd=_etcd_config(etcd))) as reader, \
+               TransferEngine(EngineConfig(engine_id="changing-1", etcd=_etcd_config(etcd))) as changing:  # fmt: skip
+        changing.register("kv", _regions(1, 16), block_len=BLOCK)
+        await changing.publish()
+        first = await reader.connect(engine_id="changing-1")
+        busy = {first.agent_name}
+        real_busy = reader._driver.busy_agents
+        monkeypatch.setattr(reader._driver, "busy_agents", lambda: busy | real_busy())
+        reader.disconnect(first)  # its agent is retiring
+        connecting = asyncio.ensure_future(reader.connect(engine_id="changing-1"))
+        await _until(lambda: reader._peers._adopting, "the lookup waiting for the old agent")
+        before = reader._dialer._order.applied("changing-1")
+        changing.register("more", _regions(1, 16), block_len=BLOCK)  # record R2
+        await _until(lambda: reader._dialer._order.applied("changing-1") > before, "the follower seeing R2")
+        busy.clear()
+        assert (await connecting).stale
+        again = await reader.connect(engine_id="changing-1")
+        assert sorted(again.layouts) == ["kv", "more"]
+
+
+@pytest.mark.parametrize("refresh", [False, True])
+async def test_a_record_change_seen_while_a_handshake_was_answered_is_not_lost(etcd, monkeypatch, refresh):
+    """The same audit: with side-channel notifications (the vLLM adapter's) a lookup handshakes; the peer answered
+    with M1, then changed (R2) while the reply was on its way. The follower dropped R2 (no peer held yet), or
+    marked the held peer stale and the handshake's adoption cleared it: M1 stayed, for good."""
+    from nixl_async import _dialer
+
+    config = {"etcd": _etcd_config(etcd), "notify_via": "side_channel"}
+    async with TransferEngine(EngineConfig(engine_id=f"reader-{refresh}", **config)) as reader, \
+               TransferEngine(EngineConfig(engine_id=f"changing-{refresh}", **config)) as changing:  # fmt: skip
+        changing.register("kv", _regions(1, 16), block_len=BLOCK)
+        await changing.serve("127.0.0.1", 0)
+        await changing.publish()
+        if refresh:
+            await reader.connect(engine_id=changing.engine_id)
+        real = _dialer.fetch_metadata
+        answered, release = asyncio.Event(), asyncio.Event()
+
+        async def reply_on_its_way(*args, **kwargs):
+            reply = await real(*args, **kwargs)
+            answered.set()
+            await release.wait()  # (a slow link, a busy loop)
+            return reply
+
+        monkeypatch.setattr(_dialer, "fetch_metadata", reply_on_its_way)
+        connecting = asyncio.ensure_future(reader.connect(engine_id=changing.engine_id, refresh=refresh))
+        await answered.wait()
+        before = reader._dialer._order.applied(changing.engine_id)
+        changing.register("more", _regions(1, 16), block_len=BLOCK)  # record R2
+        await _until(lambda: reader._dialer._order.applied(changing.engine_id) > before, "the follower seeing R2")
+        release.set()
+        assert (await connecting).stale
+        monkeypatch.undo()
+        again = await reader.connect(engine_id=changing.engine_id)
+        assert sorted(again.layouts) == ["kv", "more"]
+
+
+async def test_a_peer_held_by_address_is_followed_once_asked_for_by_engine_id(etcd):
+    """The same audit: connect(engine_id=P) returned the peer held from connect(host, port) without following
+    its record: a change never marked it stale, and once P left etcd it was still returned (no
+    PeerNotPublished)."""
+    async with TransferEngine(EngineConfig(engine_id="follows", etcd=_etcd_config(etcd))) as reader:
+        held = await TransferEngine(EngineConfig(engine_id="by-address", etcd=_etcd_config(etcd))).start()
+        try:
+            held.register("kv", _regions(1, 16), block_len=BLOCK)
+            address = await held.serve("127.0.0.1", 0)
+            await held.publish()
+            peer = await reader.connect(*address, expected_engine_id="by-address")
+            assert await reader.connect(engine_id="by-address") is peer
+            held.register("more", _regions(1, 16), block_len=BLOCK)
+            await _until(lambda: peer.stale, "the follower marking the held peer stale")
+        finally:
+            await held.close()
+        await _until(lambda: peer.unpublished, "the follower seeing its record go")
+        with pytest.raises(PeerNotPublished):
+            await reader.connect(engine_id="by-address")
