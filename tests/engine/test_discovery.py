@@ -795,14 +795,6 @@ async def test_a_handshaken_peer_whose_record_moves_is_handshaken_again_where_it
         assert not named.stale
 
 
-async def _until(condition, what: str, timeout: float = 5.0) -> None:
-    for _ in range(int(timeout / 0.01)):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 async def test_a_record_change_seen_while_a_lookup_waited_for_the_old_agent_is_not_lost(etcd, monkeypatch):
     """A discovery audit of session 39: a lookup adopting record R1 waited for the peer's previous agent to go;
     the follower saw R2 meanwhile but held no peer, and dropped it; R1 was then loaded, neither stale nor
@@ -817,10 +809,10 @@ async def test_a_record_change_seen_while_a_lookup_waited_for_the_old_agent_is_n
         monkeypatch.setattr(reader._driver, "busy_agents", lambda: busy | real_busy())
         reader.disconnect(first)  # its agent is retiring
         connecting = asyncio.ensure_future(reader.connect(engine_id="changing-1"))
-        await _until(lambda: reader._peers._adopting, "the lookup waiting for the old agent")
+        await _until(lambda: reader._peers._adopting, 5.0, "the lookup waiting for the old agent")
         before = reader._dialer._order.applied("changing-1")
         changing.register("more", _regions(1, 16), block_len=BLOCK)  # record R2
-        await _until(lambda: reader._dialer._order.applied("changing-1") > before, "the follower seeing R2")
+        await _until(lambda: reader._dialer._order.applied("changing-1") > before, 5.0, "the follower seeing R2")
         busy.clear()
         assert (await connecting).stale
         again = await reader.connect(engine_id="changing-1")
@@ -856,7 +848,7 @@ async def test_a_record_change_seen_while_a_handshake_was_answered_is_not_lost(e
         await answered.wait()
         before = reader._dialer._order.applied(changing.engine_id)
         changing.register("more", _regions(1, 16), block_len=BLOCK)  # record R2
-        await _until(lambda: reader._dialer._order.applied(changing.engine_id) > before, "the follower seeing R2")
+        await _until(lambda: reader._dialer._order.applied(changing.engine_id) > before, 5.0, "the follower seeing R2")
         release.set()
         assert (await connecting).stale
         monkeypatch.undo()
@@ -877,9 +869,9 @@ async def test_a_peer_held_by_address_is_followed_once_asked_for_by_engine_id(et
             peer = await reader.connect(*address, expected_engine_id="by-address")
             assert await reader.connect(engine_id="by-address") is peer
             held.register("more", _regions(1, 16), block_len=BLOCK)
-            await _until(lambda: peer.stale, "the follower marking the held peer stale")
+            await _until(lambda: peer.stale, 5.0, "the follower marking the held peer stale")
         finally:
             await held.close()
-        await _until(lambda: peer.unpublished, "the follower seeing its record go")
+        await _until(lambda: peer.unpublished, 5.0, "the follower seeing its record go")
         with pytest.raises(PeerNotPublished):
             await reader.connect(engine_id="by-address")
