@@ -116,8 +116,8 @@ class MemoryRegistry:
         self._registered: dict[str, _Registered] = {}
         # Deregistered memory stays referenced until the engine closes: a peer holding our older
         # metadata may still reach it (UCX over TCP checks no keys), and must not reach freed memory.
-        self._deregistered: list[list[Any]] = []
-        self._retired: list[BlockLayout] = []  # ...and where it lies: registering it again is refused
+        # Where it lay is kept too: memory whose keys went out is not registered again.
+        self._deregistered: list[_Registered] = []
         self.layouts: dict[str, BlockLayout] = {}  # name -> layout, what peers see
         self._views: dict[tuple[int, ViewSpec | None], BlockView] = {}
         self._local_dlists: dict[tuple[str, int, int, int], Any] = {}
@@ -129,7 +129,7 @@ class MemoryRegistry:
         for other in self._registered.values():
             if layout.overlaps(other.layout):
                 raise LayoutError(f"layout {layout.name!r} overlaps registered layout {other.layout.name!r}")
-        for old in self._retired:
+        for old in (r.layout for r in self._deregistered if r.exposed):
             if layout.overlaps(old):
                 # A peer holding our older metadata would write into it as layout `old` (UCX over TCP checks
                 # no keys), and its bytes would land among this layout's data: silent corruption.
@@ -172,9 +172,7 @@ class MemoryRegistry:
         del self._registered[name]
         del self.layouts[name]
         self._views.clear()
-        self._deregistered.append(registered.keepalive)
-        if registered.exposed:  # (no peer ever had its keys: its memory may be registered again)
-            self._retired.append(registered.layout)
+        self._deregistered.append(registered)  # (not exposed: no peer had its keys, it may be registered again)
 
     def view(self, spec: ViewLike, layouts: dict[str, BlockLayout], owner: str) -> BlockView:
         """Resolve a view of one of `layouts` (ours or a peer's); resolved views are cached."""
@@ -222,7 +220,7 @@ class MemoryRegistry:
         return kept
 
     def keepalives(self) -> list[list[Any]]:
-        return [r.keepalive for r in self._registered.values()] + self._deregistered
+        return [r.keepalive for r in (*self._registered.values(), *self._deregistered)]
 
     def release_all(self, agent: OwnedAgent) -> None:
         """Release every local list and deregister everything (no transfer may be alive)."""
@@ -237,7 +235,6 @@ class MemoryRegistry:
         """Drop every reference without calling NIXL (the memory is kept alive elsewhere)."""
         self._registered.clear()
         self._deregistered.clear()
-        self._retired.clear()
         self.layouts.clear()
         self._views.clear()
         self._local_dlists.clear()

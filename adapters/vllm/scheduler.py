@@ -49,7 +49,7 @@ __all__ = ["AdapterPushScheduler", "AdapterScheduler"]
 log = logging.getLogger(f"vllm.{__name__}")  # under "vllm", so it shows in vLLM's log
 
 
-def _adapt(scheduler: Any, settings: AdapterSettings) -> AdapterSettings:
+def _adapt(scheduler: Any, settings: AdapterSettings) -> None:
     """Our settings on vLLM's scheduler: side channel address, lease, heartbeat cadence.
 
     The settings are read before vLLM's constructor runs: it reads some keys itself (the lease with
@@ -60,7 +60,6 @@ def _adapt(scheduler: Any, settings: AdapterSettings) -> AdapterSettings:
     scheduler._kv_lease_duration = settings.lease_s
     # vLLM's integer division makes leases under 6 s heartbeat every step; keep lease / 6.
     scheduler._heartbeat_interval = settings.lease_s / 6
-    return settings
 
 
 class _WorkersServeHandshakes:
@@ -191,9 +190,9 @@ class AdapterScheduler(
     NixlPullConnectorScheduler,
 ):
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
-        settings = AdapterSettings.from_vllm(vllm_config)
+        self.settings = AdapterSettings.from_vllm(vllm_config)
         super().__init__(vllm_config, engine_id, kv_cache_config)
-        self.settings = _adapt(self, settings)
+        _adapt(self, self.settings)
         self._saving = PrefillFollower()  # host staging: requests for decode still computing
 
     def on_new_request(self, request: Any) -> None:
@@ -283,9 +282,9 @@ class AdapterPushScheduler(
     """
 
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
-        settings = AdapterSettings.from_vllm(vllm_config)
+        self.settings = AdapterSettings.from_vllm(vllm_config)
         super().__init__(vllm_config, engine_id, kv_cache_config)
-        self.settings = _adapt(self, settings)
+        _adapt(self, self.settings)
         self._push_registration_timeout = self.settings.push_registration_timeout_s
         self._computing = PrefillFollower()  # prefill's requests for decode, with progressive push
         self._saving = PrefillFollower()  # host staging: requests for decode still computing

@@ -210,7 +210,7 @@ def _recompute_threshold(extra: dict[str, Any]) -> None:
         ) from None
 
 
-def _side_channel(host: str, base_port: int, tp: int) -> str:
+def _check_side_channel(host: str, base_port: int, tp: int) -> None:
     """vLLM's ``VLLM_NIXL_SIDE_CHANNEL_HOST``/``_PORT``, checked: rank r listens at base + r, and port 0
     would make rank 0 listen on a random port while the scheduler announces 0."""
     if not host.strip():
@@ -218,7 +218,6 @@ def _side_channel(host: str, base_port: int, tp: int) -> str:
     if not 0 < base_port <= 65536 - tp:
         raise ValueError(f"VLLM_NIXL_SIDE_CHANNEL_PORT: this instance's ranks would listen at ports {base_port}.."
                          f"{base_port + tp - 1}, outside 1..65535")  # fmt: skip
-    return host
 
 
 def _flag(extra: dict[str, Any], key: str, default: bool) -> bool:
@@ -395,9 +394,9 @@ class AdapterSettings:
         if isinstance(ttl, bool) or not isinstance(ttl, int | float) or math.isnan(ttl):
             raise ValueError(f"kv_connector_extra_config['engine_ttl'] must be a number of seconds, got {ttl!r}")
         _recompute_threshold(extra)
-        host = _side_channel(envs.VLLM_NIXL_SIDE_CHANNEL_HOST, port, tp)
+        _check_side_channel(envs.VLLM_NIXL_SIDE_CHANNEL_HOST, port, tp)
         return cls(
-            side_channel_host=host,
+            side_channel_host=envs.VLLM_NIXL_SIDE_CHANNEL_HOST,
             side_channel_port=port,
             lease_s=_number(extra, "kv_lease_duration", 30),
             transfer_timeout_s=_number(extra, "transfer_timeout", 120),

@@ -231,7 +231,7 @@ async def test_deregistered_memory_a_peer_had_the_keys_to_is_not_registered_agai
     nixl_engine.register("kv", [np.zeros(8 * 4096, np.uint8)], block_len=4096)  # other memory: taken
 
 
-async def test_a_submit_that_only_notifies_is_refused_as_any_submit(nixl_engine, nixl_peer):
+async def test_a_submit_that_only_notifies_is_refused_as_any_submit(nixl_engine, nixl_peer_factory):
     """An audit of session 39: a submit with no blocks sent its notification before any check: past its lease
     (the adapter never notifies then: the producer counts it a stray), with its budget spent, or from a task
     outliving its `collect_transfers()` block; each is refused now, nothing sent."""
@@ -239,8 +239,10 @@ async def test_a_submit_that_only_notifies_is_refused_as_any_submit(nixl_engine,
 
     from nixl_async import CollectionClosedError, LeaseExpired, TransferTimeout
 
+    nixl_peer = nixl_peer_factory(num_regions=2, num_blocks=64, block_len=4096, tcp=True)
     nixl_engine.register("kv", [np.zeros(64 * 4096, np.uint8) for _ in range(2)], block_len=4096)  # as the peer's
     peer = await nixl_engine.connect(*nixl_peer.address)
+    await nixl_engine.read(peer, [0, 1], [0, 1])  # (wired up over TCP)
     with pytest.raises(LeaseExpired):
         await nixl_engine.start_read(peer, [], [], notify=b"late", lease_expires_at=time.time() - 1)
     with pytest.raises(TransferTimeout):
