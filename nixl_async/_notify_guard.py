@@ -16,8 +16,11 @@ Sessions live until evicted (least recently used first) once `max_sessions` are 
 accepted notification counts as a use, so a flood of handshakes evicts idle sessions before
 busy ones. An engine keeps its `_PER_ENGINE` newest sessions (one that handshakes again may
 still have notifications under way in the previous one), so engines that handshake again and
-again evict nobody else's. A sender whose session was evicted (or whose receiver restarted) is
-refused with "unknown_session" until its next handshake.
+again evict nobody else's. Only an answer that reached the asker's socket counts here
+(`delivered`); one whose asker had gone (it gave up waiting, and the server read its request
+late) is `revoke`d and evicts nobody: else a late answer to a handshake the asker gave up on
+could evict the session it had just been given. A sender whose session was evicted (or whose
+receiver restarted) is refused with "unknown_session" until its next handshake.
 
 Without a shared secret nothing is authenticated: anyone who sees a session on the wire can
 send new notifications in it. Session and sequence number still refuse a blind replay of a
@@ -68,18 +71,31 @@ class NotifyGuard:
         return len(self._sessions)
 
     def issue(self, engine_id: str) -> bytes:
-        """A fresh session for `engine_id`'s notifications to us; past `_PER_ENGINE`, its oldest session no
-        notification came in goes first (the answers of handshakes that timed out at the asker, which
-        still sends under the session it has), else its oldest; the least recently used of all when
-        `max_sessions` are live."""
-        while len(mine := self._by_engine.get(engine_id, [])) >= _PER_ENGINE:
-            self._drop(next((s for s in mine if self._sessions[s].last_seq == 0), mine[0]))
+        """A fresh session for `engine_id`'s notifications to us (the least recently used of all goes when
+        `max_sessions` are live); the server then says whether its answer was `delivered` or `revoke`s it."""
         while len(self._sessions) >= self._max_sessions:
             self._drop(next(iter(self._sessions)))
         session = secrets.token_bytes(SESSION_BYTES)
         self._sessions[session] = _Session(engine_id)
         self._by_engine.setdefault(engine_id, []).append(session)
         return session
+
+    def delivered(self, session: bytes) -> None:
+        """The answer carrying `session` reached its asker: past `_PER_ENGINE`, the engine's oldest other
+        session no notification came in goes first (answers the asker stopped waiting for just as they
+        came), else its oldest."""
+        state = self._sessions.get(session)
+        if state is None:
+            return
+        mine = self._by_engine[state.engine_id]
+        while len(mine) > _PER_ENGINE:
+            others = [s for s in mine if s != session]
+            self._drop(next((s for s in others if self._sessions[s].last_seq == 0), others[0]))
+
+    def revoke(self, session: bytes) -> None:
+        """The answer carrying `session` could not be sent (its asker had gone): forget it, evicting nobody."""
+        if session in self._sessions:
+            self._drop(session)
 
     def _drop(self, session: bytes) -> None:
         engine_id = self._sessions.pop(session).engine_id

@@ -38,7 +38,7 @@ import secrets
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import msgspec
 import zmq
@@ -80,6 +80,15 @@ class Refusal(Exception):
 
 def _error(code: str, message: str) -> bytes:
     return messages.encode(messages.ErrorReply(code=code, message=message))
+
+
+class _Answer(NamedTuple):
+    """What the server sends back, to whom, and the notify session it carries (b"": none)."""
+
+    identity: bytes
+    delimiter: list[bytes]
+    payload: bytes
+    session: bytes = b""
 
 
 class HandshakeServer:
@@ -143,7 +152,7 @@ class HandshakeServer:
         sock = self._context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self._max_frame_bytes)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an answer to an asker that has gone raises: its session is revoked
         try:
             for_host(sock, host)
             if port:
@@ -215,13 +224,19 @@ class HandshakeServer:
                 continue
             if reply is None:
                 continue
-            identity, delimiter, payload = reply
-            try:
-                await sock.send_multipart([identity, *delimiter, payload])
-            except zmq.ZMQError as exc:  # the asker went away; nothing to do
+            identity, delimiter, payload, session = reply
+            try:  # (NOBLOCK: done at once, never waits on an asker that does not read its answers)
+                await sock.send_multipart([identity, *delimiter, payload], flags=zmq.NOBLOCK)
+            except zmq.ZMQError as exc:  # the asker went away (gave up waiting) or does not read its answers
                 log.debug("handshake reply not sent: %s", exc)
+                if session:
+                    self.guard.revoke(session)
+            else:
+                if session:
+                    self.guard.delivered(session)
+                    self.served += 1
 
-    def _answer(self, frames: list[bytes]) -> tuple[bytes, list[bytes], bytes] | None:
+    def _answer(self, frames: list[bytes]) -> _Answer | None:
         if len(frames) < 2:
             return None  # no routing identity: cannot answer
         identity, rest = frames[0], frames[1:]
@@ -229,11 +244,11 @@ class HandshakeServer:
         body = rest[len(delimiter) :]
         if len(body) != 1:
             self.rejected += 1
-            return identity, delimiter, _error("bad_request", f"expected 1 payload frame, got {len(body)}")
+            return _Answer(identity, delimiter, _error("bad_request", f"expected 1 payload frame, got {len(body)}"))
         payload = body[0]
         if len(payload) > self._max_request_bytes:
             self.rejected += 1
-            return (
+            return _Answer(
                 identity,
                 delimiter,
                 _error("too_large", f"request of {len(payload)} bytes exceeds {self._max_request_bytes}"),
@@ -242,56 +257,60 @@ class HandshakeServer:
             request = messages.decode_request(payload)
         except msgspec.DecodeError as exc:
             self.rejected += 1
-            return identity, delimiter, _error("bad_request", f"undecodable request: {exc}")
+            return _Answer(identity, delimiter, _error("bad_request", f"undecodable request: {exc}"))
         if isinstance(request, messages.NotifyMessage):
             self._take_notification(request)
             return None  # notifications are never answered
         if request.version != messages.PROTOCOL_VERSION:
             self.rejected += 1
-            return (
+            return _Answer(
                 identity,
                 delimiter,
                 _error("version", f"protocol version {request.version} unsupported (want {messages.PROTOCOL_VERSION})"),
             )
         if self._secret is not None:
             if not request.mac:
-                return identity, delimiter, messages.encode(messages.AuthChallenge(nonce=self._challenge()))
+                return _Answer(identity, delimiter, messages.encode(messages.AuthChallenge(nonce=self._challenge())))
             if not self._verify(request):
                 self.rejected += 1
                 self.auth_failures += 1
                 self._log_refusal("bad or stale credentials", request.engine_id, self.auth_failures,
                                   what=f"refused a {_kind(request)}")  # fmt: skip
-                return identity, delimiter, _error("auth_failed", "authentication failed")
+                return _Answer(identity, delimiter, _error("auth_failed", "authentication failed"))
         try:
             if isinstance(request, messages.CallRequest):
                 if self._on_call is None:
                     raise Refusal("no_handler", "this engine answers no calls")
-                return identity, delimiter, self._signed(request, messages.encode(self._on_call(request)))
+                return _Answer(identity, delimiter, self._signed(request, messages.encode(self._on_call(request))))
             reply = self._reply_for(request)
             if self._on_request is not None:  # answered: the asker's first transfer follows
                 self._on_request()
         except Refusal as refusal:
             self.rejected += 1
-            return identity, delimiter, _error(refusal.code, str(refusal))
+            return _Answer(identity, delimiter, _error(refusal.code, str(refusal)))
         except (Exception, asyncio.CancelledError) as exc:  # never let one request take the server down
             # (nothing here awaits: a CancelledError is a handler's, e.g. `.result()` of a cancelled task)
             log.exception("answering a %s failed", type(request).__name__)
             self.rejected += 1
-            return identity, delimiter, _error("internal", type(exc).__name__)
+            return _Answer(identity, delimiter, _error("internal", type(exc).__name__))
         session = self.guard.issue(request.engine_id)
-        self.served += 1
         answer = messages.encode(msgspec.structs.replace(reply, notify_session=session))
-        return identity, delimiter, self._signed(request, answer)
+        try:
+            signed = self._signed(request, answer)
+        except Refusal as refusal:
+            self.guard.revoke(session)
+            self.rejected += 1
+            return _Answer(identity, delimiter, _error(refusal.code, str(refusal)))
+        return _Answer(identity, delimiter, signed, session)
 
     def _signed(self, request: messages.Authenticated, payload: bytes) -> bytes:
-        """`payload`, wrapped in a `SignedReply` for an authenticated asker that wants one; an error
-        instead if the asker said it takes no frame that large."""
+        """`payload`, wrapped in a `SignedReply` for an authenticated asker that wants one; `Refusal` if the
+        asker said it takes no frame that large."""
         if self._secret is not None and request.signed_reply:
             mac = messages.reply_mac(self._secret, request.mac, payload)
             payload = messages.encode(messages.SignedReply(payload=payload, mac=mac))
         if 0 < request.max_reply_bytes < len(payload):
-            self.rejected += 1
-            return _error("reply_too_large", f"the reply is {len(payload)} bytes, over the asker's max_frame_bytes "
+            raise Refusal("reply_too_large", f"the reply is {len(payload)} bytes, over the asker's max_frame_bytes "
                                              f"({request.max_reply_bytes}): raise it there")  # fmt: skip
         return payload
 

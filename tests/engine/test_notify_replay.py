@@ -7,6 +7,7 @@ on the wire the way an eavesdropper would.
 
 import asyncio
 import logging
+import time
 
 import msgspec
 import pytest
@@ -86,11 +87,18 @@ def test_least_recently_used_session_is_evicted():
         NotifyGuard(max_sessions=0)
 
 
+def _answered(guard: NotifyGuard, engine_id: str = "reader") -> bytes:
+    """A session whose handshake answer reached the asker."""
+    session = guard.issue(engine_id)
+    guard.delivered(session)
+    return session
+
+
 def test_an_engine_handshaking_again_and_again_evicts_nobody_else():
     """It keeps its two newest sessions (notifications may still be under way in the previous one)."""
     guard = NotifyGuard(SECRET, max_sessions=4)
-    idle = guard.issue("idle-reader")
-    sessions = [guard.issue("busy-reader") for _ in range(10)]
+    idle = _answered(guard, "idle-reader")
+    sessions = [_answered(guard, "busy-reader") for _ in range(10)]
     assert len(guard) == 3
     assert guard.check(_note(idle, 1, engine_id="idle-reader")) is None
     assert guard.check(_note(sessions[-2], 1, engine_id="busy-reader")) is None
@@ -103,16 +111,36 @@ def test_the_session_in_use_outlives_handshakes_whose_answers_never_arrived():
     issued two more. Before, those evicted it: every later notification of that reader was refused
     (`unknown_session`) while its `notify()` reported success."""
     guard = NotifyGuard(SECRET)
-    in_use = guard.issue("reader")
+    in_use = _answered(guard)
     assert guard.check(_note(in_use, 1)) is None
-    guard.issue("reader")
-    guard.issue("reader")
+    _answered(guard)
+    _answered(guard)
     assert guard.check(_note(in_use, 2)) is None
-    adopted = guard.issue("reader")  # a refresh that did arrive: the reader sends under it from now on
+    adopted = _answered(guard)  # a refresh that did arrive: the reader sends under it from now on
     assert guard.check(_note(adopted, 1)) is None
-    newest = guard.issue("reader")  # (both used: the older goes)
+    newest = _answered(guard)  # (both used: the older goes)
     assert guard.check(_note(in_use, 3)) == "unknown_session"
     assert guard.check(_note(adopted, 2)) is None and guard.check(_note(newest, 1)) is None
+
+
+def test_an_answer_that_could_not_be_sent_evicts_nobody():
+    """The reader was just given a session it has not used yet; the server then read, late, a handshake the
+    reader had given up on. Its answer cannot be sent (the asker's socket is gone): revoked, it evicts nothing.
+    Before, issuing it evicted the reader's newest session (the first unused), and the reader's notifications
+    in that session were refused."""
+    guard = NotifyGuard(SECRET)
+    used = _answered(guard)
+    assert guard.check(_note(used, 1)) is None
+    current = _answered(guard)
+    late = guard.issue("reader")
+    assert len(guard) == 3, "nothing is evicted before the server knows whether the answer left"
+    guard.revoke(late)
+    guard.revoke(late)  # (twice, or after an eviction: nothing more happens)
+    assert len(guard) == 2
+    assert guard.check(_note(late, 2)) == "unknown_session"
+    assert guard.check(_note(current, 2)) is None and guard.check(_note(used, 3)) is None
+    guard.delivered(b"\x00" * 16)  # a session already gone: nothing happens
+    assert len(guard) == 2
 
 
 # -- a real HandshakeServer ----------------------------------------------------------------
@@ -290,4 +318,38 @@ async def test_sessions_on_the_server_stay_bounded(ctx):
             await _session(ctx, server, engine_id=f"e{i}", secret=None)
         assert len(server.guard) == 3 and server.served == 10
     finally:
+        await server.close()
+
+
+async def test_a_handshake_read_after_its_asker_gave_up_leaves_the_asker_s_session_alone(ctx):
+    """The reader's newest session is not used yet when the server reads, late, a handshake whose asker had
+    already closed its socket (as one that timed out does; the request stays readable at the server).
+    Before, the server issued that a session too and, keeping two per engine, evicted the reader's newest:
+    its next notification was refused (`unknown_session`) while the reader's `notify()` had returned."""
+    received: list[tuple[str, bytes]] = []
+    server = await _serve(ctx, None, received)
+    notifier = SideChannelNotifier(ctx, "reader", None)
+    address = (server.host, server.port)
+    gone = ctx.socket(zmq.DEALER)
+    gone.setsockopt(zmq.LINGER, 0)
+    try:
+        first = await _session(ctx, server, secret=None)
+        notifier.send(address, first, b"free:req-1")
+        await _until(lambda: received)
+        current = await _session(ctx, server, secret=None)  # the reader sends under this one from now on
+        gone.connect(f"tcp://{server.host}:{server.port}")
+        request = messages.MetadataRequest(tcp_segment_bytes=TCP_SEGMENT_BYTES, engine_id="reader")
+        await gone.send(messages.encode(request))
+        time.sleep(0.3)  # (the loop held: the server cannot read it yet; ZMQ's I/O threads deliver it)
+        gone.close(0)
+        time.sleep(0.3)  # (and see the asker's socket go)
+        await asyncio.sleep(0.2)  # the late request read, its answer not sent
+        notifier.send(address, current, b"free:req-2")
+        await _until(lambda: len(received) == 2 or server.notifications_refused)
+        assert received == [("reader", b"free:req-1"), ("reader", b"free:req-2")]
+        assert not server.notifications_refused
+        assert server.served == 2, "an answer that could not be sent is not counted as served"
+    finally:
+        gone.close(0)
+        notifier.close()
         await server.close()
