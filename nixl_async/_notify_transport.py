@@ -54,9 +54,10 @@ class NotificationTransport:
         wakeup: Callable[[], None],
     ) -> None:
         self._via_nixl = config.notify_via == "nixl"
-        # The peer's server refuses frames over its max_request_bytes (ours, by default): leave room for the
-        # envelope (engine id, session, number, MAC).
-        self._max_side_message = config.max_request_bytes - len(config.engine_id.encode()) - _ENVELOPE_BYTES
+        # A peer's server drops requests over its max_request_bytes (said in its handshake reply; ours for
+        # one that does not say): leave room for the envelope (engine id, session, number, MAC).
+        self._max_request_bytes = config.max_request_bytes
+        self._envelope = len(config.engine_id.encode()) + _ENVELOPE_BYTES
         self._engine_id = config.engine_id
         self._secret = config.auth_secret
         self._stats = stats
@@ -82,16 +83,20 @@ class NotificationTransport:
         """Open side-channel sockets (one per peer address notified)."""
         return len(self._side) if self._side is not None else 0
 
-    def check(self, message: object, op: str) -> None:
-        """Refuse a message the transport cannot carry, before anything is posted (`TypeError`, `ValueError`).
+    def check(self, message: object, op: str, peer: Peer) -> None:
+        """Refuse a message the transport cannot carry to `peer`, before anything is posted (`TypeError`,
+        `ValueError`).
 
         `op`: "READ" or "NOTIFY" go as configured; a WRITE's notification always rides on NIXL.
         """
         if not isinstance(message, bytes):
             raise TypeError(f"a notification must be bytes, not {type(message).__name__}")
-        if op != "WRITE" and not self._via_nixl and len(message) > self._max_side_message:
-            raise ValueError(f"a notification of {len(message)} bytes exceeds the side channel's "
-                             f"{self._max_side_message} (peers refuse larger requests: max_request_bytes)")  # fmt: skip
+        if op == "WRITE" or self._via_nixl:
+            return
+        room = (peer.max_request_bytes or self._max_request_bytes) - self._envelope
+        if len(message) > room:
+            raise ValueError(f"a notification of {len(message)} bytes exceeds the {room} that {peer.engine_id!r}'s "
+                             "side channel takes (its max_request_bytes)")  # fmt: skip
 
     @staticmethod
     def check_rides(message: bytes | None, op: str) -> None:

@@ -105,6 +105,7 @@ class Peer:
         "last_used",
         "layouts",
         "link",
+        "max_request_bytes",
         "metadata_digest",
         "notify_session",
         "stale",
@@ -119,6 +120,7 @@ class Peer:
         self.layouts = {lay.name: lay for lay in reply.layouts}
         self.extra = dict(reply.extra)
         self.notify_session = reply.notify_session  # for side-channel notifications to it
+        self.max_request_bytes = reply.max_request_bytes  # what its side channel takes (0: not said)
         self.metadata_digest = metadata_digest(reply.agent_metadata)
         self.address = address
         self.connected = True
@@ -148,6 +150,7 @@ class Peer:
         self.layouts = {lay.name: lay for lay in reply.layouts}
         self.extra = dict(reply.extra)
         self.notify_session = reply.notify_session  # a new session per handshake
+        self.max_request_bytes = reply.max_request_bytes
         self.clock_offset_s = clock_offset_s
         self.stale = False
         self.unpublished = False

@@ -433,6 +433,7 @@ class TransferEngine:
                 layouts=list(self._memory.layouts.values()),
                 extra=dict(self.extra),
                 tcp_segment_bytes=self._dialer.announced_segment,
+                max_request_bytes=min(self.config.max_request_bytes, self.config.max_frame_bytes),
             )
         return self._reply_cache
 
@@ -476,17 +477,19 @@ class TransferEngine:
         the handshake timeout). Raises `HandshakeTimeout`, `HandshakeRejected`, `ProtocolError`,
         or `EngineIdMismatch` when another engine now answers at the peer's address (refused there
         before its handler runs); `CallTooLarge` (a `ValueError`) at once, unsent, for a payload over
-        what a peer takes by default (`EngineConfig.max_request_bytes`).
+        what the peer takes (its `EngineConfig.max_request_bytes`, said in its handshake; ours for a peer that
+        does not say).
         """
         self._require_agent()
         assert self._zmq is not None
         host, port = peer.address
         if not host:
             raise HandshakeRejected(f"peer {peer.engine_id!r} (found in etcd) serves no side channel to call")
-        room = self.config.max_request_bytes - len(topic.encode()) - len(self.engine_id.encode()) - _CALL_ENVELOPE
-        if len(payload) > room:  # (ZMQ would drop it unanswered: the call would wait out its whole timeout)
-            raise CallTooLarge(f"call payload of {len(payload)} bytes is over the {room} a peer takes by default "
-                               "(EngineConfig.max_request_bytes)")  # fmt: skip
+        limit = peer.max_request_bytes or self.config.max_request_bytes
+        room = limit - len(topic.encode()) - len(self.engine_id.encode()) - _CALL_ENVELOPE
+        if len(payload) > room:  # (refused there: the call would fail only after the round trip, or time out)
+            raise CallTooLarge(f"call payload of {len(payload)} bytes is over the {room} {peer.engine_id!r} takes "
+                               "(its EngineConfig.max_request_bytes)")  # fmt: skip
         try:
             reply = await call_peer(
                 self._zmq,
@@ -849,7 +852,7 @@ class TransferEngine:
     ) -> Transfer:
         local_view, remote_view = self._submit_views(peer, local, remote)
         if notify is not None:
-            self._notify.check(notify, op)
+            self._notify.check(notify, op, peer)
         lidx: DescIds
         ridx: DescIds
         short = pair_short_ids(local_view, local_blocks, remote_view, remote_blocks, op=op)
@@ -860,7 +863,7 @@ class TransferEngine:
             rids = as_block_ids(remote_blocks, remote_view.layout.num_blocks, what="remote", unique=op == "WRITE")
             if len(lids) == 0 and len(rids) == 0:
                 if notify is not None:  # (travels as configured, even a WRITE's)
-                    self._notify.check(notify, "NOTIFY")
+                    self._notify.check(notify, "NOTIFY", peer)
                 self._may_only_notify(peer, timeout, lease_expires_at)
                 return self._driver.notify_only(op, peer, notify)
             lidx, ridx = pair_descriptor_ids(local_view, lids, remote_view, rids)
@@ -898,12 +901,12 @@ class TransferEngine:
         if notify is not None:
             for message in notes:
                 if message is not None:
-                    self._notify.check(message, op)
+                    self._notify.check(message, op, peer)
         lidx, ridx = pair_descriptor_id_rows(local_view, lrows, remote_view, rrows)
         if notify is not None and not (isinstance(lidx, np.ndarray) and lidx.shape[1]):  # some rows may be empty
             for row, message in zip(lidx, notes, strict=True):
                 if message is not None and not len(row):  # it only notifies, as configured (even a WRITE)
-                    self._notify.check(message, "NOTIFY")
+                    self._notify.check(message, "NOTIFY", peer)
         if op == "WRITE" and notify is not None:
             for row, message in zip(lidx, notes, strict=True):
                 if len(row):
@@ -1012,7 +1015,7 @@ class TransferEngine:
     async def notify(self, peer: Peer, message: bytes) -> None:
         """Send a notification to a peer (not tied to any transfer, nor to any layout)."""
         self._require_peer(peer)
-        self._notify.check(message, "NOTIFY")
+        self._notify.check(message, "NOTIFY", peer)
         self._driver.notify_only("WRITE", peer, message).result()
 
     async def wait_notifications(self, message: bytes, count: int = 1, *, timeout: float | None = None) -> list[str]:

@@ -95,6 +95,9 @@ class MetadataReply(msgspec.Struct, tag="metadata", frozen=True, kw_only=True):
     notify_session: bytes = b""
     # The largest UCX/TCP segment the server sends a reader (absent: an older engine, UCX's default).
     tcp_segment_bytes: int = UCX_TCP_DEFAULT_SEGMENT
+    # The largest request (side-channel notification, call) the server takes; a larger one is dropped
+    # there unanswered, so senders refuse it first (0: an older engine that does not say).
+    max_request_bytes: int = 0
 
 
 class ErrorReply(msgspec.Struct, tag="error", frozen=True, kw_only=True):

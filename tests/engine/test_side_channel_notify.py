@@ -130,6 +130,34 @@ async def test_a_notification_too_large_for_the_side_channel_is_refused_before_a
         await producer.close()
 
 
+async def test_the_receiver_s_own_request_limit_bounds_what_is_sent_to_it():
+    """The producer takes smaller requests than the reader (`max_request_bytes`, said in its handshake reply).
+    Before, the reader checked against its own limit: a notification between the two was reported sent and
+    dropped at the producer, and a call that large came back refused after the round trip."""
+    from nixl_async import CallTooLarge
+
+    producer, reader, peer = await _pair(EngineConfig(engine_id="reader", notify_via="side_channel"),
+                                         EngineConfig(engine_id="producer", max_request_bytes=8192))  # fmt: skip
+    producer.handle_calls("echo", lambda sender, payload: payload)
+    try:
+        fits = b"f" * (8192 - len(b"reader") - 256)
+        await reader.notify(peer, fits)
+        assert await producer.wait_notifications(fits, timeout=5) == ["reader"]
+        over = b"o" * 12_000  # under the reader's own 64 KiB
+        with pytest.raises(ValueError, match=r"'producer'.*max_request_bytes"):
+            await reader.notify(peer, over)
+        with pytest.raises(ValueError, match="max_request_bytes"):
+            await reader.start_reads(peer, [[0], [1]], [[0], [1]], notify=[None, over])
+        assert reader.live_handles().get("xfers", 0) == 0
+        with pytest.raises(CallTooLarge, match="'producer'"):
+            await reader.call(peer, "echo", over)
+        assert await reader.call(peer, "echo", b"c" * 4096) == b"c" * 4096
+        assert producer._server.rejected == 0, "nothing too large reached the producer"
+    finally:
+        await reader.close()
+        await producer.close()
+
+
 async def test_a_close_sends_what_is_queued_to_a_live_peer_and_never_stalls_on_a_gone_one():
     """Notifications queued for a live peer just before the close still arrive. Ones queued for a peer
     that is gone are dropped at the close, also for one forgotten a moment before: before, the close
