@@ -88,7 +88,7 @@ class AdaptivePacer:
             self._slept_at = now if delay else None
             return delay
         self._slept_at = None
-        if now - self._last_activity < cfg.linger_s:
+        if cfg.spin and now - self._last_activity < cfg.linger_s:
             return 0.0
         delay = self._backoff
         self._backoff = min(self._backoff * 2, cfg.idle_interval_s)

@@ -112,6 +112,11 @@ def _copied_ids(ids: BlockIds, what: str) -> BlockIds:
         return ids.copy()
     if isinstance(ids, range | tuple):
         return ids
+    if hasattr(ids, "__array__") and not isinstance(ids, list):  # (a torch tensor: list() keeps views of its storage)
+        try:
+            return np.asarray(ids).copy()
+        except (TypeError, ValueError, RuntimeError) as exc:  # (a CUDA tensor, say)
+            raise TypeError(f"{what} must be block ids numpy can read, got {type(ids).__name__}: {exc}") from None
     try:
         return list(cast(Iterable[int], ids))
     except TypeError:

@@ -29,6 +29,16 @@ def test_without_spin_a_transfer_about_to_end_is_checked_every_busy_interval():
     assert AdaptivePacer(PollConfig(busy_interval_s=0.001)).delay(1.0, busy=True, waiting=False, hot_in=0.0) == 0.0
 
 
+def test_without_spin_nothing_lingers_hot_after_activity():
+    """`spin=False` never spins: before, the `linger_s` after each completion was spun all the same."""
+    pacer = AdaptivePacer(PollConfig(linger_s=0.002, backoff_start_s=0.001, spin=False))
+    pacer.activity(5.0)
+    assert pacer.delay(5.0005, busy=False, waiting=False) == 0.001
+    lingering = AdaptivePacer(PollConfig(linger_s=0.002, backoff_start_s=0.001))
+    lingering.activity(5.0)
+    assert lingering.delay(5.0005, busy=False, waiting=False) == 0.0
+
+
 def test_in_flight_it_checks_every_busy_interval_until_a_transfer_may_end():
     pacer = AdaptivePacer(PollConfig(busy_interval_s=0.001, linger_s=0.002))
     pacer.activity(10.0)

@@ -494,6 +494,20 @@ def test_a_transfer_is_checked_and_copied_on_the_submitting_thread(sync_engine, 
     assert verify_blocks(regions, BLOCK, [0, 1], [62, 63], seed=1) == []
     assert not any(r[5 * BLOCK : 7 * BLOCK].any() for r in regions)
 
+    # Torch tensors of ids (a block table): before, list() of one kept views of its storage, so a refill moved
+    # the blocks written after submit returned.
+    import torch
+
+    local_t, remote_t = torch.tensor([2, 3]), torch.tensor([60, 61])
+    unblock = threading.Event()
+    sync_engine.call_soon(unblock.wait, 5)
+    sync_engine.submit_read("b", host, port, local_t, remote_t)
+    local_t[:], remote_t[:] = torch.tensor([7, 8]), torch.tensor([12, 13])
+    unblock.set()
+    assert _wait_finished(sync_engine, 1) == ({"b"}, {})
+    assert verify_blocks(regions, BLOCK, [2, 3], [60, 61], seed=1) == []
+    assert not any(r[7 * BLOCK : 9 * BLOCK].any() for r in regions)
+
 
 def test_one_id_reports_one_outcome_per_drain(sync_engine):
     """An id submitted again after it ended, both runs ending before one `get_finished`: before, the
