@@ -160,6 +160,7 @@ class _Entry:
     blocks: tuple[list[int], ...] | None  # None while prefill still computes the request (progressive push)
     running: int = 0  # pushes started and not yet ended
     closing: bool = False  # to be freed: matches no more registrations
+    stop: bool = False  # ... and its pushes are to be stopped (its lease ran out, or it was aborted)
 
 
 class Expired(NamedTuple):
@@ -325,8 +326,10 @@ class PushBook:
                 if entry.closing and entry.running <= 0:
                     self._forget(request_id)
 
-    def release(self, request_id: str, now: float) -> bool:
-        """May `request_id`'s blocks be freed? Not while a push reads them (it then matches nothing more).
+    def release(self, request_id: str, now: float, *, stop: bool = True) -> bool:
+        """May `request_id`'s blocks be freed? Not while a push reads them (it then matches nothing more,
+        and with `stop`, its lease run out or the request aborted, its pushes are to be stopped; without,
+        every reader it expected served, a retry's push under way runs to its end).
 
         Freed (finished or aborted), its id is gone: registrations waiting for it are doubted.
         """
@@ -336,6 +339,7 @@ class PushBook:
             self._doubt(base, now)  # (those that came after a progressive push claimed it, too)
             if entry is not None and entry.running > 0:
                 entry.closing = True
+                entry.stop |= stop
                 return False
             if entry is not None:
                 self._forget(request_id)
@@ -359,6 +363,11 @@ class PushBook:
         """Requests to be freed once their running pushes end."""
         with self._lock:
             return [r for r, entry in self._entries.items() if entry.closing]
+
+    def stopping(self) -> list[str]:
+        """The closing requests whose running pushes are to be stopped (`release(stop=True)`)."""
+        with self._lock:
+            return [r for r, entry in self._entries.items() if entry.closing and entry.stop]
 
     def expire(self, wall_now: float) -> Expired:
         """Drop (and return) waiting registrations past their `write_by`, or doubted past their grace."""

@@ -226,6 +226,9 @@ class PushConnectorWorker(ConnectorWorker):
         """
         if metadata is not self._jobs_metadata:
             self._jobs_metadata = metadata
+            # (before `start_load_kv` tracks them: a registration claimed now may be served at once, counted
+            # only for a request the send book knows, else its blocks would wait out the lease)
+            self._sends.in_batch(set(getattr(metadata, "reqs_in_batch", None) or ()))
             self._layer_jobs = self._step_jobs(getattr(metadata, "push_steps", None) or {})
         jobs = self._layer_jobs
         if not jobs:
@@ -426,15 +429,15 @@ class PushConnectorWorker(ConnectorWorker):
             self._served(request_id, readers)
         return finished
 
-    def _release(self, request_id: str) -> bool:
-        released = self._book.release(request_id, time.time())
+    def _release(self, request_id: str, expired: bool = True) -> bool:
+        released = self._book.release(request_id, time.time(), stop=expired)
         if self._book.next_doubt() is not None:
             self.sync.call_soon(self._arm_doubt_check)
         return released
 
     def _finished_sending(self) -> set[str]:
         closing = self._book.closing()
-        for request_id in closing:  # lease ran out while a push reads the blocks: stop it
+        for request_id in self._book.stopping():  # lease ran out while a push reads the blocks: stop it
             with self._push_lock:
                 running = [p for p, (r, _, _) in self._push_ids.items() if r == request_id and p not in self._cancelled]
                 self._cancelled.update(running)

@@ -105,10 +105,10 @@ class SendBook:
             self._needed[request_id] = readers
         return True
 
-    def collect(self, now: float, release: Callable[[str], bool] | None = None) -> tuple[set[str], set[str]]:
+    def collect(self, now: float, release: Callable[[str, bool], bool] | None = None) -> tuple[set[str], set[str]]:
         """(read by all readers, lease expired): both may be freed now; they are forgotten.
 
-        `release(request_id)` may hold a request back (False: asked again at the next collect),
+        `release(request_id, expired)` may hold a request back (False: asked again at the next collect),
         e.g. while a push still reads its blocks.
         """
         read, expired = set(), set()
@@ -120,8 +120,8 @@ class SendBook:
                 elif now >= deadline:
                     expired.add(request_id)
             if release is not None:
-                read = {r for r in read if release(r)}
-                expired = {r for r in expired if release(r)}
+                read = {r for r in read if release(r, False)}
+                expired = {r for r in expired if release(r, True)}
             for request_id in read | expired:
                 self._forget(request_id)
         return read, expired

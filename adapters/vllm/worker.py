@@ -574,8 +574,9 @@ class ConnectorWorker:
         """The requests this worker receives (a subclass takes out work of its own)."""
         return finished
 
-    def _release(self, request_id: str) -> bool:
-        """Whether a read or expired request's blocks may go back to vLLM now (a subclass may hold them)."""
+    def _release(self, request_id: str, expired: bool) -> bool:
+        """Whether a read (or, `expired`, lease-expired) request's blocks may go back to vLLM now (a subclass may
+        hold them)."""
         return True
 
     def _finished_sending(self) -> set[str]:

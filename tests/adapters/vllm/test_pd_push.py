@@ -184,16 +184,20 @@ async def test_a_request_queued_on_decode_past_the_lease_keeps_prefill_s_blocks(
     assert counter(servers["prefill"], "vllm:nixl_num_kv_expired_reqs_total") == expired
 
 
-async def test_a_request_decode_gives_up_on_frees_its_blocks_at_once_and_prefill_writes_nothing(cluster):
+@pytest.mark.parametrize("which", ["prefill", "layered"])
+async def test_a_request_decode_gives_up_on_frees_its_blocks_at_once_and_prefill_writes_nothing(cluster, which):
     """Decode's client left while decode waited for the push, before prefill had the request. Before,
     prefill heard only of vLLM's stub registration (which reads nothing) and told decode the push had
-    failed: decode gave the blocks back after the 2 s margin, counting a failed transfer."""
+    failed: decode gave the blocks back after the 2 s margin, counting a failed transfer. The progressive
+    prefill claims the withdrawn registration in the request's first step, before vLLM's `start_load_kv`
+    of that step: before session 40 that "served" went uncounted, and prefill held the blocks a whole lease."""
     root, servers = cluster
-    prefill, decode = servers["prefill"], servers["decode"]
-    request_id = "given-up"
-    prompt = make_prompt("given up on", 200)
-    params = {"do_remote_prefill": True, "remote_engine_id": "push-prefill", "remote_host": "127.0.0.1",
-              "remote_port": PREFILL_SIDE_PORT, "tp_size": 1, "remote_request_id": f"cmpl-{request_id}-0",
+    prefill, decode = servers[which], servers["decode"]
+    engine_id, side_port = PREFILLS[which]
+    request_id = f"given-up-{which}"
+    prompt = make_prompt(f"given up on by {which}", 200)
+    params = {"do_remote_prefill": True, "remote_engine_id": engine_id, "remote_host": "127.0.0.1",
+              "remote_port": side_port, "tp_size": 1, "remote_request_id": f"cmpl-{request_id}-0",
               "remote_block_ids": []}  # fmt: skip
     writes = counter(prefill, "vllm:nixl_xfer_time_seconds_count")
     expired = counter(prefill, "vllm:nixl_num_kv_expired_reqs_total")

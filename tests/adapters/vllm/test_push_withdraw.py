@@ -126,9 +126,10 @@ async def test_a_registration_prefill_refuses_fails_the_request_once_nothing_can
 
 
 async def test_a_registration_too_large_to_send_fails_the_request_at_once():
-    """(A decode whose calls take 2 KiB.) Before session 37 the call refused it unsent, yet decode held the
-    blocks until its deadline; the adapter's engines now take calls of 1 MiB (`MAX_CALL_BYTES`)."""
-    async with _prefill(SMALL) as prefill, _decode(SMALL, "push-too-large", max_request_bytes=2048) as (
+    """(A prefill whose side channel takes 2 KiB, said in its handshake reply.) Before session 37 the call refused
+    it unsent, yet decode held the blocks until its deadline; the adapter's engines now take calls of 1 MiB
+    (`MAX_CALL_BYTES`)."""
+    async with _prefill(SMALL, max_request_bytes=2048) as prefill, _decode(SMALL, "push-too-large") as (
         decode, address, _caches
     ):  # fmt: skip
         engine = prefill.engines[0]
@@ -406,3 +407,39 @@ def test_a_registration_whose_write_by_is_not_a_finite_time_is_refused():
         payload = msgspec.msgpack.encode(fields)
         with pytest.raises(ValueError, match="write_by"):
             decode_registration(payload)
+
+
+def test_a_retry_s_push_runs_on_when_the_first_attempt_s_push_ends():
+    """Two decode requests of one decode rank registered for one prefill request (a retry reusing the
+    X-Request-Id). The first push ends: every reader the request expected is served, but the retry's push still
+    reads the blocks. Before session 40 the request closing made the next step cancel that push (decode told it
+    failed); now it runs to its end and the blocks go back after it. A lease that runs out still stops it."""
+    prefill = _Prefill()
+    worker = prefill.worker
+    worker.sync.poke = worker.sync.call_soon = worker.sync.spawn = lambda *args: None
+    worker._notifications, worker._record, worker._withdrawals = queue.SimpleQueue(), lambda *args: None, {}
+    worker._book.finished(REQUEST, ([1],))
+    for attempt in ("cmpl-d-0-11111111", "cmpl-d-0-22222222"):
+        worker._start_push(*worker._book.register(_registration(attempt), time.time()))
+    (first, _), (retry, _) = prefill.submitted
+    assert worker._begin(first) and worker._begin(retry)
+    assert not worker._own_finished(FinishedRequests(done={first}, failed={}, fenced={}))
+    for _ in range(2):
+        assert REQUEST not in worker._finished_sending(), "freed while the retry's push reads the blocks"
+    assert prefill.cancelled == [], "the retry's push was stopped"
+    worker._own_finished(FinishedRequests(done={retry}, failed={}, fenced={}))
+    assert REQUEST in worker._finished_sending()
+
+    prefill = _Prefill()  # the same two pushes, the request's lease run out: the one left is stopped
+    worker = prefill.worker
+    worker.sync.poke = worker.sync.call_soon = worker.sync.spawn = lambda *args: None
+    worker._notifications, worker._record, worker._withdrawals = queue.SimpleQueue(), lambda *args: None, {}
+    worker._book.finished(REQUEST, ([1],))
+    for attempt in ("cmpl-d-0-11111111", "cmpl-d-0-22222222"):
+        worker._start_push(*worker._book.register(_registration(attempt), time.time()))
+    (first, _), (retry, _) = prefill.submitted
+    assert worker._begin(first) and worker._begin(retry)
+    worker._sends.hold(REQUEST, time.perf_counter() - 1)
+    worker._finished_sending()
+    worker._finished_sending()
+    assert sorted(prefill.cancelled) == sorted([first, retry])
