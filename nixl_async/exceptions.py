@@ -222,7 +222,12 @@ class LeaseExpired(TransferError):
 
 
 class NotificationTimeout(NixlAsyncError, TimeoutError):
-    """Fewer notifications than expected arrived before the deadline."""
+    """Fewer notifications than expected arrived before the deadline (`message`: the one awaited; the text
+    shows only its start)."""
+
+    def __init__(self, text: str, *, message: bytes = b"") -> None:
+        super().__init__(text)
+        self.message = message
 
 
 class NotificationsLost(NixlAsyncError):

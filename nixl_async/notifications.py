@@ -31,6 +31,7 @@ __all__ = ["Lease", "Notification", "NotificationBox"]
 
 log = logging.getLogger("nixl_async.engine")
 _DROPS_LOG_INTERVAL_S = 10.0
+_SHOWN_BYTES = 64  # of a message, in an error's text (a KB-long one would flood logs)
 
 
 class Notification(msgspec.Struct, frozen=True):
@@ -182,9 +183,11 @@ class NotificationBox:
             returned = True
             return senders
         except TimeoutError:
-            raise NotificationTimeout(
-                f"{len(waiter.senders)} of {count} notifications {message!r} arrived in {timeout}s"
-            ) from None
+            shown = (
+                repr(message) if len(message) <= _SHOWN_BYTES else f"{message[:_SHOWN_BYTES]!r}... ({len(message)} B)"
+            )
+            raise NotificationTimeout(f"{len(waiter.senders)} of {count} notifications {shown} arrived in {timeout}s",
+                                      message=message) from None  # fmt: skip
         finally:
             if not returned:  # timed out or cancelled, even after its count was met: give them back
                 waiter.future.cancel()

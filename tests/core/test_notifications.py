@@ -36,6 +36,11 @@ async def test_timeout_puts_collected_notifications_back():
     assert not box.has_waiters
     box.deliver("b", b"m")
     assert await box.wait(b"m", count=2, timeout=0.1) == ["a", "b"]
+    long = b"push:" + b"r" * 3000
+    with pytest.raises(NotificationTimeout) as timed_out:  # (before: all 3 KB of it in the text, and every log line)
+        await box.wait(long, timeout=0.01)
+    assert len(str(timed_out.value)) < 200 and "3005 B" in str(timed_out.value)
+    assert timed_out.value.message == long
 
 
 async def test_cancelled_waiter_loses_nothing():
