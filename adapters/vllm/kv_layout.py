@@ -15,6 +15,7 @@ CPU_ATTN                   LBHNC, each head ``[K (N*D), V (N*D)]`` with K stored
 ROCM_ATTN, B12X, ...       two planes ``[K|V, tokens, heads*D]`` (and ROCm's     refused          refused
                            paged kernels re-tile each plane)
 MLA backends               ``[1, tokens, latent]``: token-major                  (replicated)     whole block
+any other packing          (a new backend, FlashInfer's nvfp4 K-then-V heads)    refused          refused
 =========================  ====================================================  ===============  ==============
 
 A *head window* is a TP rank's share of a block (heterogeneous TP reads it as one byte range);
@@ -22,7 +23,7 @@ it is one range only when heads are outermost inside the block. A *block-size cu
 local block from ``ratio`` smaller remote blocks: remote block k's tokens must land at token
 offset ``k * remote_block_size`` in every *run* (a head's slab, tokens outermost inside it), so
 it is only possible where tokens are outermost within a run. Anything else is refused by name
-rather than read into the wrong place.
+rather than read into the wrong place; whole blocks between two ranks of one packing are always right.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ __all__ = ["SHUFFLED_AITER_FA", "CacheLayout", "describe_cache", "no_head_window
 # Backends whose C is one head's K then V (or a quantized slot) for one token.
 _PER_TOKEN_SLOT = frozenset({
     "FLASH_ATTN", "FLASH_ATTN_DIFFKV", "TRITON_ATTN", "TRITON_ATTN_DIFFKV", "TRITON_FLASH_ATTN", "FLASHINFER",
-    "TRITON_FLASHINFER", "FLEX_ATTENTION", "HPC_ATTN", "TURBOQUANT", "ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN",
+    "TRITON_FLASHINFER", "FLEX_ATTENTION", "HPC_ATTN", "TURBOQUANT", "ULTRAQUANT", "ROCM_AITER_FA",
+    "ROCM_AITER_UNIFIED_ATTN",
 })  # fmt: skip
 # ROCm AITER FA calls itself FLASH_ATTN; with the shuffled KV cache its blocks hold two planes.
 SHUFFLED_AITER_FA = "ROCM_AITER_FA_SHUFFLED"
@@ -104,9 +106,7 @@ def describe_cache(
         if heads != 1:
             raise LayoutError(f"{where}: an MLA cache has one latent slot per token, got {heads} head slots")
         return CacheLayout(backend, layout, None, block_len, True, None, None)
-    if backend in _PER_TOKEN_SLOT:
-        if heads != num_kv_heads:
-            raise LayoutError(f"{where}: {heads} head slots for {num_kv_heads} KV heads (a packing not known here)")
+    if backend in _PER_TOKEN_SLOT and heads == num_kv_heads:
         run = tokens * content * element_size if head_major else None
         return CacheLayout(backend, layout, None, block_len, head_major, run, None)
     if backend == _CPU:
@@ -118,7 +118,11 @@ def describe_cache(
     if backend in _TWO_PLANES:
         why = f"{backend} keeps K and V as two planes of all heads, re-tiled by its kernels"
         return CacheLayout(backend, layout, None, block_len, False, None, why)
-    raise LayoutError(f"{where}: this backend's cache packing is not known to the nixl_async adapter")
+    # A packing not known here (a new backend; FlashInfer's nvfp4 keeps all K heads, then all V: 2x the head
+    # slots): a whole block is still the same bytes on both sides of one backend (the compatibility check), so
+    # whole blocks are read; a TP rank's heads or a smaller block's tokens cannot be placed.
+    slots = f"{heads} head slots for {num_kv_heads} KV heads" if backend in _PER_TOKEN_SLOT else "packing not known"
+    return CacheLayout(backend, layout, None, block_len, False, None, f"{backend} ({slots}): only whole blocks")
 
 
 def no_head_window(remote_tp: int, local_tp: int) -> LayoutError:

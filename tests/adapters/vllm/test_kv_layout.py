@@ -116,13 +116,25 @@ def test_mla_backends_are_token_major(backend):
     assert cache.run_len is None and cache.ratio_refusal is None and cache.block_len == BLOCK_SIZE * 576 * 2
 
 
-def test_packed_layouts_and_unknown_backends_are_refused_by_name():
+def test_packed_layouts_are_refused_and_unknown_packings_read_whole_blocks_only():
+    """Before session 40 an unknown backend, FlashInfer with nvfp4 (2 x heads slots: all K heads, then all V) and
+    ULTRAQUANT were refused at registration (vLLM failed to start) though whole blocks of one packing are exact,
+    as NixlConnector reads them; now only heterogeneous TP and a block-size ratio are refused, by name."""
     name, view = _views("FLASH_ATTN", "BLHNC")
     with pytest.raises(LayoutError, match="BLHNC"):
         _describe(name, view, "BLHNC")
     name, view = _views("FLASH_ATTN", "LBHNC")
-    with pytest.raises(LayoutError, match="SOME_NEW_BACKEND"):
-        _describe("SOME_NEW_BACKEND", view, "LBHNC")
+    unknown = _describe("SOME_NEW_BACKEND", view, "LBHNC")
+    assert not unknown.head_window and unknown.run_len is None and "SOME_NEW_BACKEND" in unknown.ratio_refusal
+    assert unknown.block_len == view[0].numel() * view.element_size()
+    nvfp4 = torch.zeros(BLOCKS, 2 * HEADS, BLOCK_SIZE, 36, dtype=torch.uint8)  # (K heads, then V heads) x tokens
+    cache = describe_cache("FLASHINFER", "LBHNC", tuple(nvfp4.shape), tuple(nvfp4.stride()), 1, num_kv_heads=HEADS,
+                           mla=False)  # fmt: skip
+    assert not cache.head_window and "8 head slots for 4 KV heads" in cache.ratio_refusal
+    ultra = torch.zeros(BLOCKS, BLOCK_SIZE, HEADS, 144, dtype=torch.uint8).permute(0, 2, 1, 3)  # LBNHC: tokens outer
+    cache = describe_cache("ULTRAQUANT", "LBNHC", tuple(ultra.shape), tuple(ultra.stride()), 1, num_kv_heads=HEADS,
+                           mla=False)  # fmt: skip
+    assert cache.ratio_refusal is None and cache.run_len is None and not cache.head_window
 
 
 @pytest.mark.parametrize("layout", ["BLHNC", "BHLNC"])
