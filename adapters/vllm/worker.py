@@ -278,7 +278,8 @@ class ConnectorWorker:
                             if name not in self.state_layers]  # fmt: skip
         self.attention = AttentionChoice.of(vllm_config, attention_layers or None)
         compat = _compat(vllm_config, self.attention, self.TRANSFER_MODE, has_state="state" in self.group_kinds)
-        self._bytes_meaning = tuple((key, compat[key]) for key in BYTES_MEANING_KEYS if key in compat)
+        self._bytes_meaning = (*((key, compat[key]) for key in BYTES_MEANING_KEYS if key in compat),
+                               *_packing_meaning(vllm_config, self.attention))  # fmt: skip
         self.sync = SyncEngine(self.settings.engine_config(rank_engine_id(engine_id, self.tp_rank), compat))
         self._notifications: queue.SimpleQueue[Notification] = self.sync.feed_notifications()
         self.geometry: KVGeometry | None = None
@@ -730,6 +731,17 @@ class RequestPlan:
 # What a block's bytes mean beyond vLLM's hash (see `_compat`): compared even with the hash's opt-out.
 # (The state dtypes stay in the hash alone: published as configured, "auto" and the dtype it stands for differ.)
 BYTES_MEANING_KEYS = ("kv_cache_layout", "cpu_attn_isa", "ssm_conv_state_layout")
+# Published since session 40 (outside the compatibility hash, which they would change for older peers): compared
+# when the peer publishes them. A FlashAttention block and a two-plane one can be the same size in the same layout,
+# as can fp8 e4m3 and e5m2, or bf16 and fp16 blocks.
+LATER_MEANING_KEYS = ("attention_packing", "kv_cache_dtype")
+
+
+def _packing_meaning(vllm_config: Any, attention: AttentionChoice) -> tuple[tuple[str, str], ...]:
+    """The attention packing and the KV cache's element type ("auto": the model's dtype), as `LATER_MEANING_KEYS`."""
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    dtype = str(vllm_config.model_config.dtype) if cache_dtype == "auto" else cache_dtype
+    return ("attention_packing", attention.backend), ("kv_cache_dtype", dtype)
 
 
 def _on_rocm() -> bool:
@@ -749,7 +761,8 @@ def _port_taken_hint(base: int, tp_size: int, rank: int) -> str:
 
 def check_bytes_meaning(geometry: KVGeometry, first: Peer) -> None:
     """`LayoutError` unless peer rank `first`'s blocks mean here what they mean there: cache layout (not
-    with MLA, whose one latent "head" makes LBHNC and LBNHC the same bytes), CPU ISA, state layout.
+    with MLA, whose one latent "head" makes LBHNC and LBNHC the same bytes), CPU ISA, state layout, attention
+    packing and KV element type.
     ``enforce_handshake_compat: false`` skips vLLM's hash; vLLM still compares the layout after it, and
     so do we, these too: an LBHNC block read into an LBNHC cache holds tokens and heads transposed."""
     if geometry.compat_enforced and not any(key in first.extra for key, _ in geometry.bytes_meaning):
@@ -758,6 +771,8 @@ def check_bytes_meaning(geometry: KVGeometry, first: Peer) -> None:
         if key == "kv_cache_layout" and geometry.mla:
             continue
         theirs = first.extra.get(key)
+        if theirs is None and key in LATER_MEANING_KEYS:
+            continue  # (an adapter from before they were published)
         if theirs != ours:
             said = "is not published" if theirs is None else f"is {theirs!r}"
             raise LayoutError(f"engine {first.engine_id!r}'s {key} {said}, ours is {ours!r}: its blocks cannot be "

@@ -120,6 +120,26 @@ async def test_both_servers_export_nixl_connector_metrics_under_vllm_names(clust
     assert counter(prefill, "vllm:nixl_xfer_time_seconds_count") == 0, "the producer moves nothing itself"
 
 
+async def test_prefill_publishes_what_its_blocks_mean(cluster):
+    """Checked by readers even under ``enforce_handshake_compat: false`` (`check_bytes_meaning`): since session 40
+    the attention packing and the KV element type too ("auto" resolved to the model's dtype)."""
+    import zmq.asyncio
+
+    from nixl_async import messages
+    from nixl_async.handshake import fetch_metadata
+
+    context = zmq.asyncio.Context()
+    try:  # (its handshake reply alone: an engine of another compatibility hash would refuse to connect)
+        request = messages.MetadataRequest(engine_id="inspector", tcp_segment_bytes=1 << 30)
+        reply = await fetch_metadata(context, "127.0.0.1", 15600, request, timeout=10, max_frame_bytes=16 << 20,
+                                     secret=SECRET.encode())  # fmt: skip
+    finally:
+        context.destroy(0)
+    assert reply.extra["kv_cache_layout"] in ("LBHNC", "LBNHC") and reply.extra["cpu_attn_isa"]
+    assert reply.extra["attention_packing"] == "CPU_ATTN"
+    assert reply.extra["kv_cache_dtype"].startswith("torch.") and "auto" not in reply.extra["kv_cache_dtype"]
+
+
 async def test_a_request_waiting_longer_than_the_lease_keeps_its_kv(cluster):
     """Decode busy for over 3 leases: its heartbeats keep prefill's blocks, and the read succeeds."""
     root, servers, proxy, _extra = cluster

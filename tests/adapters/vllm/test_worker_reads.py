@@ -400,6 +400,32 @@ async def test_a_producer_whose_blocks_mean_something_else_is_refused(nixl_peer_
         await _assert_told_once(prefill, 1)  # connected before the refusal: it frees the blocks at once
 
 
+@pytest.mark.parametrize(
+    "published, refused",
+    [
+        ({"attention_packing": "ROCM_ATTN", "kv_cache_dtype": "torch.bfloat16"}, "'ROCM_ATTN', ours is 'FLASH_ATTN'"),
+        ({"attention_packing": "FLASH_ATTN", "kv_cache_dtype": "fp8_e5m2"}, "'fp8_e5m2', ours is 'fp8_e4m3'"),
+        ({}, None),  # an adapter from before session 40: the layout alone is compared
+    ],
+    ids=["two_planes", "other_fp8", "older_producer"],
+)
+async def test_under_the_opt_out_another_packing_or_element_type_is_refused(nixl_peer_factory, published, refused):
+    """A two-plane block (ROCM_ATTN) is as large as a FlashAttention one in the same layout, an fp8 e5m2 one as an
+    e4m3 one: before session 40, with ``enforce_handshake_compat: false``, such blocks were read and decoded as
+    garbage, nothing said."""
+    port, prefill = _spawn_prefill(nixl_peer_factory, 1, False, 1, extra={"kv_cache_layout": "LBNHC", **published})
+    local = LOCAL_CANDIDATES[: len(REMOTE_BLOCKS) - LOCAL_HIT]
+    meaning = (("kv_cache_layout", "LBNHC"), ("attention_packing", "FLASH_ATTN"), ("kv_cache_dtype", "fp8_e4m3"))
+    if refused is None:
+        _caches, results = await _decode_rank(0, 1, 1, False, 1, port, local, bytes_meaning=meaning,
+                                              compat_enforced=False)  # fmt: skip
+        assert results
+    else:
+        with pytest.raises(LayoutError, match=refused):
+            await _decode_rank(0, 1, 1, False, 1, port, local, bytes_meaning=meaning, compat_enforced=False)
+        await _assert_told_once(prefill, 1)
+
+
 async def test_mla_blocks_are_read_whatever_layout_the_producer_names(nixl_peer_factory):
     """With MLA one latent "head" makes LBHNC and LBNHC the same bytes: vLLM skips its layout check there, and so
     does the adapter (it refused such a producer under the opt-out before this was found by a review)."""
