@@ -611,7 +611,7 @@ class TransferDriver:
         if transfer.lease_deadline is not None and self.loop.time() >= transfer.lease_deadline:
             # The data arrived, but maybe after the producer reused the blocks: not to be trusted.
             expired = LeaseExpired(f"the lease from {transfer.peer} ran out during the {transfer.op}",
-                                   peer=transfer.peer)  # fmt: skip
+                                   peer=transfer.peer, transfer_id=transfer.id)  # fmt: skip
             return core.end(expired, self.loop.time())
         transfer.done_seen_at = time.perf_counter()
         if transfer.op == "READ" and transfer.notify is not None:

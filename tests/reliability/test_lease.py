@@ -192,3 +192,18 @@ async def test_a_lease_running_out_while_waiting_for_room_is_reported_as_such(mo
         finally:
             proc.resume()
         await holding
+
+
+async def test_a_read_seen_done_only_after_its_lease_names_its_transfer(tcp_reader):
+    """The read's bytes arrived while the loop was held past its lease, so the check that saw it done refused it
+    (`LeaseExpired`): before, that error alone carried no `transfer_id` (every other one does)."""
+    engine, _regions, peer, proc = tcp_reader
+    await engine.read(peer, [0], [0])  # (wired up)
+    proc.pause()
+    transfer = await engine.start_read(peer, [1], [1], lease_expires_at=time.time() + 0.2)
+    await asyncio.sleep(0.05)
+    proc.resume()
+    time.sleep(0.4)  # (the loop held: the peer answers, nothing is checked until the lease has passed)
+    with pytest.raises(LeaseExpired, match="during the READ") as expired:
+        await transfer
+    assert expired.value.transfer_id == transfer.id
