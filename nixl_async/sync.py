@@ -182,7 +182,7 @@ class SyncEngine:
         except BaseException:
             portal_cm.__exit__(None, None, None)
             raise
-        self._stopper = _LoopStopper(portal_cm, self._portal, self.engine, self)
+        self._stopper = _LoopStopper(portal_cm, self._portal, self.engine, self, self._loop)
         self._forked = False  # set in a forked child, which has no loop thread
         self._finished: queue.SimpleQueue[tuple[str, str, BaseException | None]] = queue.SimpleQueue()
         self._held_back: collections.deque[tuple[str, str, BaseException | None]] = collections.deque()  # get_finished
@@ -198,7 +198,15 @@ class SyncEngine:
         self._activity = threading.Event()  # set when a request ends or a fed notification arrives
         _ENGINES.add(self)
 
+    def _gone(self) -> bool:
+        """Closed, or its loop ended without `close()`: a `SystemExit` raised in a task of the loop's own ends
+        asyncio's loop (the engine's poller then closes the engine). Every call then raises `EngineClosedError`."""
+        return self._closed or self._loop.is_closed()
+
     def _closed_error(self) -> EngineClosedError:
+        if not self._closed and self._loop.is_closed():
+            return EngineClosedError("the sync engine's loop thread ended without close() (logged there: a "
+                                     "SystemExit raised in a task?); its engine closed")  # fmt: skip
         if self._forked:
             return EngineClosedError(
                 "this sync engine belongs to the process that created it: its loop thread and "
@@ -228,7 +236,7 @@ class SyncEngine:
         If this thread is interrupted meanwhile (Ctrl-C), the work on the loop is cancelled too:
         left running, a `wait_notifications` would take the notification the next caller waits for.
         """
-        if self._closed:
+        if self._gone():
             raise self._closed_error()
         self._off_the_loop("call()")
         try:
@@ -323,7 +331,7 @@ class SyncEngine:
 
     # -- non-blocking submissions ----------------------------------------------------------
     def _submit(self, request_id: str, coro: Coroutine[Any, Any, Any]) -> None:
-        if self._closed:
+        if self._gone():
             coro.close()
             raise self._closed_error()
         run = object()  # this submission (`cancel` must not reach a later one under the same id)
@@ -427,7 +435,7 @@ class SyncEngine:
         housekeeping): nothing is reported by `get_finished`, an exception is only logged,
         and `close()` cancels what is still running.
         """
-        if self._closed:
+        if self._gone():
             raise self._closed_error()
 
         async def run() -> None:
@@ -443,7 +451,10 @@ class SyncEngine:
                 self._background.add(task := asyncio.get_running_loop().create_task(run()))
                 task.add_done_callback(self._background.discard)
 
-        self._loop.call_soon_threadsafe(start)
+        try:
+            self._loop.call_soon_threadsafe(start)
+        except RuntimeError:  # (the loop ended since)
+            raise self._closed_error() from None
 
     def call_soon(self, func: Callable[..., object], *args: Any) -> None:
         """Run the plain callable ``func(*args)`` on the loop thread soon; returns at once.
@@ -451,9 +462,12 @@ class SyncEngine:
         For handing small facts to coroutines already running there (e.g. put on their queue)
         from a thread that must not wait: no task, no future, one wake-up of the loop.
         """
-        if self._closed:
+        if self._gone():
             raise self._closed_error()
-        self._loop.call_soon_threadsafe(_logged_if_raising, func, args)
+        try:
+            self._loop.call_soon_threadsafe(_logged_if_raising, func, args)
+        except RuntimeError:  # (the loop ended since)
+            raise self._closed_error() from None
 
     def poke(self) -> None:
         """Have the loop progress NIXL and drain notifications soon (`TransferEngine.poll_soon`).
@@ -465,7 +479,10 @@ class SyncEngine:
         if self._closed or self._poke_pending:
             return
         self._poke_pending = True
-        self._loop.call_soon_threadsafe(self._poked)
+        try:
+            self._loop.call_soon_threadsafe(self._poked)
+        except RuntimeError:  # the loop ended without close()
+            raise self._closed_error() from None
 
     def _poked(self) -> None:
         self._poke_pending = False
@@ -571,7 +588,10 @@ class SyncEngine:
             run = self._inflight.get(request_id)
         if run is None:
             return False
-        self._loop.call_soon_threadsafe(self._cancel_on_loop, request_id, run)
+        try:
+            self._loop.call_soon_threadsafe(self._cancel_on_loop, request_id, run)
+        except RuntimeError:  # the loop ended: nothing runs there any more
+            return False
         return True
 
     def _cancel_on_loop(self, request_id: str, run: Any) -> None:
@@ -595,7 +615,7 @@ class SyncEngine:
         `poke_every`: meanwhile have the loop progress NIXL that often (`poke`), e.g. so a peer's
         TCP operation on our memory keeps moving. True if something happened.
         """
-        if self._closed:  # (first: once closed, a new thread may have the dead loop thread's ident)
+        if self._gone():  # (first: once closed, a new thread may have the dead loop thread's ident)
             raise self._closed_error()
         self._off_the_loop("wait_activity()")
         if not timeout >= 0:  # (NaN too: it would never pass)
@@ -609,8 +629,8 @@ class SyncEngine:
             if remaining <= 0:
                 break
             happened = self._activity.wait(remaining if poke_every is None else min(poke_every, remaining))
-            if self._closed:  # close() wakes us: nothing more will happen
-                raise EngineClosedError("the sync engine closed")
+            if self._gone():  # close() wakes us: nothing more will happen
+                raise self._closed_error()
             if not happened and poke_every is not None:
                 self.poke()
         self._activity.clear()
@@ -653,7 +673,7 @@ class SyncEngine:
     def close(self) -> None:
         """Cancel outstanding work (`call`s still running too), close the engine (releasing every
         handle), stop the thread. A close while another thread closes returns once that one is done."""
-        if not self._closed:
+        if not self._gone():
             self._off_the_loop("close()")
         with self._lock:  # one close runs; the others wait for it
             first, self._closed = not self._closed, True
@@ -665,10 +685,13 @@ class SyncEngine:
         try:
             with self._lock:
                 pending = list(self._inflight.items())
-            for request_id, run in pending:
-                self._loop.call_soon_threadsafe(self._cancel_on_loop, request_id, run)
             try:
+                for request_id, run in pending:
+                    self._loop.call_soon_threadsafe(self._cancel_on_loop, request_id, run)
                 self._portal.call(self._stop_background)
+            except RuntimeError:
+                if not self._loop.is_closed():
+                    raise  # (else its loop ended without close(): nothing runs there to cancel)
             finally:
                 self._stopper.stop()
         finally:
@@ -693,8 +716,10 @@ class _LoopStopper:
     waits for ever on the loop's thread. Hooks registered with `threading._register_atexit` run
     before the interpreter joins threads; a forked child inherits them and skips ours."""
 
-    def __init__(self, portal_cm: Any, portal: BlockingPortal, engine: TransferEngine, owner: SyncEngine) -> None:
+    def __init__(self, portal_cm: Any, portal: BlockingPortal, engine: TransferEngine, owner: SyncEngine,
+                 loop: asyncio.AbstractEventLoop) -> None:  # fmt: skip
         self._parts: tuple[Any, BlockingPortal, TransferEngine] | None = (portal_cm, portal, engine)
+        self._loop = loop
         self._owner = weakref.ref(owner)  # (weak: the hook must not keep a dropped engine's facade alive)
         self._lock = threading.Lock()
         self._pid = os.getpid()
@@ -713,6 +738,9 @@ class _LoopStopper:
         portal_cm, portal, engine = parts
         try:
             portal.call(engine.close)
+        except RuntimeError:
+            if not self._loop.is_closed():
+                raise  # (else the loop ended without close(): its poller closed the engine as the loop went)
         finally:
             with contextlib.suppress(Exception):
                 portal.call(portal.stop, True)  # `call`s still running (a caller's coroutine) are cancelled

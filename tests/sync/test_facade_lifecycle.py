@@ -1,5 +1,6 @@
 """The sync facade at the edges of a process's life: its exit, a fork, Ctrl-C, and base exceptions."""
 
+import asyncio
 import subprocess
 import sys
 import threading
@@ -172,6 +173,34 @@ def test_a_base_exception_on_the_loop_fails_its_request_and_keeps_the_loop(raise
         assert engine.call(lambda: 7) == 7 and engine.in_flight == 0
     finally:
         engine.close()
+    assert engine.engine.live_handles() == {}
+
+
+def test_a_loop_ended_by_a_child_task_s_system_exit_makes_the_facade_closed(caplog):
+    """A task a submitted coroutine started raises `SystemExit`: asyncio lets it end the loop, and the engine's
+    poller closes the engine as it goes. Before session 40 the facade never noticed: `poke`, `call_soon` and
+    `spawn` raised `RuntimeError`, `close()` raised "portal is not running", `wait_activity` only timed out."""
+
+    async def child() -> None:
+        raise SystemExit(3)
+
+    async def starts_a_child(engine) -> None:
+        asyncio.get_running_loop().create_task(child())
+        await asyncio.sleep(5)
+
+    engine = SyncEngine(EngineConfig(engine_id="loop-ended"))
+    engine.submit("r", starts_a_child)
+    deadline = time.monotonic() + 10
+    while not engine._loop.is_closed() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    calls = [engine.poke, lambda: engine.call_soon(print), lambda: engine.spawn(starts_a_child), engine.stats,
+             lambda: engine.submit("s", starts_a_child), lambda: engine.wait_activity(0.1)]  # fmt: skip
+    for call in calls:
+        with pytest.raises(EngineClosedError, match="ended without close"):
+            call()
+    assert engine.get_finished().failed.keys() == {"r"}, "the request under way is reported"
+    engine.close()
+    engine.close()
     assert engine.engine.live_handles() == {}
 
 
