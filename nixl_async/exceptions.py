@@ -117,7 +117,14 @@ class HandshakeTimeout(HandshakeError, TimeoutError):
 
 
 class HandshakeRejected(HandshakeError):
-    """The peer answered with an error reply (bad request, authentication, ...)."""
+    """The peer answered with an error reply (bad request, authentication, ...), or its answer is refused here.
+
+    `code`: the peer's error code ("auth_failed", "unknown_topic", "refused", "too_large", ...) for a
+    program to act on; None when the refusal is ours."""
+
+    def __init__(self, message: str, *, address: str | None = None, code: str | None = None) -> None:
+        super().__init__(message, address=address)
+        self.code = code
 
 
 class IncompatiblePeerError(HandshakeError):

@@ -463,7 +463,7 @@ async def _ask(
         raise EngineIdMismatch(f"{address}: {reply.message}", address=address)
     if isinstance(reply, messages.ErrorReply):
         raise HandshakeRejected(f"{address} refused the {_kind(request)} ({reply.code}): {reply.message}",
-                                address=address)  # fmt: skip
+                                address=address, code=reply.code)  # fmt: skip
     if not isinstance(reply, expect):
         raise ProtocolError(f"{address} answered a {_kind(request)} with a {type(reply).__name__}", address=address)
     return reply

@@ -66,12 +66,14 @@ async def test_unknown_topics_and_refusing_handlers_answer_a_typed_error():
         server.handle_calls("picky", picky)
         server.handle_calls("broken", broken)
         peer = await client.connect(*server.address)
-        with pytest.raises(HandshakeRejected, match="unknown_topic"):
+        with pytest.raises(HandshakeRejected, match="unknown_topic") as unknown:
             await client.call(peer, "nope", b"")
-        with pytest.raises(HandshakeRejected, match=r"refused\): will not take b'bad'"):
+        with pytest.raises(HandshakeRejected, match=r"refused\): will not take b'bad'") as refused:
             await client.call(peer, "picky", b"bad")
-        with pytest.raises(HandshakeRejected, match=r"internal\): RuntimeError"):
+        with pytest.raises(HandshakeRejected, match=r"internal\): RuntimeError") as internal:
             await client.call(peer, "broken", b"")
+        # the peer's code, for a program to act on (before session 40: only in the text)
+        assert (unknown.value.code, refused.value.code, internal.value.code) == ("unknown_topic", "refused", "internal")
         assert await client.call(peer, "picky", b"ok") == b"fine"  # the server carries on
         assert client.stats.counters["call_failures"] == 3
     finally:
