@@ -160,22 +160,22 @@ class TransferDriver:
         agent, loop, config = self.agent, self.loop, self._config
         assert agent is not None and loop is not None
         now = loop.time()
-        copy_rate = self.copy_rates.of(route)
-        per_slice = descriptors_per_slice(piece_len, slice_bytes(config, copy_rate, peer.link),
-                                          config.max_post_descriptors)  # fmt: skip
-        first = earliest(deadline, lease_deadline)
-        self._expect(peer, now, first)
         started: list[Transfer] = []
         posting, notify_only = False, 0
         hot_from = _NEVER  # of the transfers posted here (-_NEVER: one still wants a post)
         collected = COLLECTOR.get()
-        # Small transfers are posted here, for as long as one sweep's budget lasts; the poller posts
-        # the rest of a large batch, yielding as it goes, so a batch never stalls the loop for long.
-        clock = time.perf_counter()
-        inline_until = clock + _SWEEP_BUDGET_S
         rows = iter(rows)
         unheld: DescIds | None = None  # a row's admitted room not yet held by its transfer
         try:
+            copy_rate = self.copy_rates.of(route)
+            per_slice = descriptors_per_slice(piece_len, slice_bytes(config, copy_rate, peer.link),
+                                              config.max_post_descriptors)  # fmt: skip
+            first = earliest(deadline, lease_deadline)
+            self._expect(peer, now, first)
+            # Small transfers are posted here, for as long as one sweep's budget lasts; the poller posts
+            # the rest of a large batch, yielding as it goes, so a batch never stalls the loop for long.
+            clock = time.perf_counter()
+            inline_until = clock + _SWEEP_BUDGET_S
             for lidx, ridx, notify in rows:
                 if not len(lidx):  # no blocks: only the notification (a full prefix-cache hit); holds no room
                     started.append(self.notify_only(op, peer, notify))
@@ -257,29 +257,33 @@ class TransferDriver:
         agent, loop, config = self.agent, self.loop, self._config
         assert agent is not None and loop is not None
         now = loop.time()
-        first = earliest(deadline, lease_deadline)
-        self._expect(peer, now, first)
-        transfer_id = next(self._ids)
-        batch = TransferBatch(
-            rows_local=rows[0],
-            rows_remote=rows[1],
-            descriptors=descriptors,
-            transfer_id=transfer_id,
-            op=op,
-            peer=peer.engine_id,
-            remote_agent=peer.agent_name,
-            local_dlist=local_dlist,
-            remote_dlist=remote_dlist,
-            notify=None,
-            nbytes=nbytes,
-            deadline=first,
-            submitted_at=now,
-            future=TransferFuture(loop=loop, transfer_id=transfer_id, on_cancel=self._awaiter_cancelled_cb),
-            cancel_cb=self._end_cb,
-            link=peer.link,
-            copy_rate=self.copy_rates.of(route),
-            release_grace_s=config.release_grace_s,
-        )
+        try:  # (until the batch is active, the room admitted for it is given back here)
+            first = earliest(deadline, lease_deadline)
+            self._expect(peer, now, first)
+            transfer_id = next(self._ids)
+            batch = TransferBatch(
+                rows_local=rows[0],
+                rows_remote=rows[1],
+                descriptors=descriptors,
+                transfer_id=transfer_id,
+                op=op,
+                peer=peer.engine_id,
+                remote_agent=peer.agent_name,
+                local_dlist=local_dlist,
+                remote_dlist=remote_dlist,
+                notify=None,
+                nbytes=nbytes,
+                deadline=first,
+                submitted_at=now,
+                future=TransferFuture(loop=loop, transfer_id=transfer_id, on_cancel=self._awaiter_cancelled_cb),
+                cancel_cb=self._end_cb,
+                link=peer.link,
+                copy_rate=self.copy_rates.of(route),
+                release_grace_s=config.release_grace_s,
+            )
+        except BaseException:
+            self._admission.release(nbytes, count=len(rows[0]))
+            raise
         batch.lease_deadline, batch.timeout_deadline = lease_deadline, deadline
         self.active[transfer_id] = batch  # from here on `_retire` gives the admitted room back
         if (collected := COLLECTOR.get()) is not None:

@@ -242,3 +242,22 @@ async def test_an_unexpected_error_while_posting_inline_ends_the_transfer_once_q
     monkeypatch.setattr(agent, "make_xfer", make_xfer)
     assert (await nixl_engine.read(peer, [0], [0])).nbytes == block_len
     assert _room_given_back(nixl_engine) and await transfers_settled(nixl_engine) == 0
+
+
+async def test_an_error_before_a_transfer_exists_gives_its_room_back(nixl_engine, nixl_peer, monkeypatch):
+    """Something raising between admission and the transfer (or batch) becoming active (a busy hint's send, say):
+    before session 40 its room stayed taken for good, and with the room full every later submit waited."""
+    nixl_engine.register("kv", _regions(), block_len=BLOCK)
+    peer = await nixl_engine.connect(*nixl_peer.address)
+
+    def broken(*_args):
+        raise RuntimeError("a bug before the transfer exists")
+
+    monkeypatch.setattr(nixl_engine._driver, "_expect", broken)
+    with pytest.raises(RuntimeError, match="a bug"):
+        await nixl_engine.start_read(peer, [0], [0])
+    with pytest.raises(RuntimeError, match="a bug"):
+        await nixl_engine.start_read_batch(peer, [[1], [2]], [[1], [2]])
+    assert _room_given_back(nixl_engine)
+    monkeypatch.undo()
+    await asyncio.wait_for(nixl_engine.read(peer, [0], [0]), 10)
