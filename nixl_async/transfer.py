@@ -68,6 +68,10 @@ class TransferFuture(asyncio.Future[TransferResult]):
     engine to end the transfer, and the task (which asyncio marks to be cancelled) resumes with
     `CancelledError` only when the future resolves -- once the memory is quiet or reported fenced,
     bounded by `EngineConfig.release_grace_s`. The normal path costs nothing extra.
+
+    Python 3.11's ``asyncio.wait_for(transfer.future, t)`` cancels the future, then returns what it
+    resolves to: `TransferCancelled` (or the result), not `TimeoutError`. Bound a wait with
+    ``transfer.wait(timeout)``, ``asyncio.timeout`` or `wait_all` instead.
     """
 
     # Set by the engine: on_cancel(transfer_id). No reference to the Transfer itself, so no cycle
