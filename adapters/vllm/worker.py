@@ -21,6 +21,7 @@ import collections
 import contextlib
 import errno
 import logging
+import math
 import queue
 import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
@@ -74,6 +75,7 @@ __all__ = [
     "idle_step_wait",
     "plan_request",
     "receive",
+    "tokens_per_block",
     "transfer_groups",
 ]
 
@@ -195,6 +197,18 @@ def host_mirror(caches: dict[str, Any]) -> dict[str, Any]:
     return mirror
 
 
+def tokens_per_block(kv_cache_config: Any, configured: int) -> int:
+    """Tokens of one logical block, from the KV cache groups that transfer (their least common multiple, as
+    vLLM's worker reads it; state groups aside), else `configured`. (vLLM 0.32 updates
+    ``cache_config.block_size`` in the engine core's process only: a TP worker's copy may keep the value asked
+    for, while its groups hold the one chosen, e.g. a hybrid model's enlarged attention blocks.)"""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    sizes = [g.kv_cache_spec.block_size for g in kv_cache_config.transfer_groups
+             if not isinstance(g.kv_cache_spec, MambaSpec)]  # fmt: skip
+    return math.lcm(*sizes) if sizes else configured
+
+
 def transfer_groups(kv_cache_config: Any) -> tuple[tuple[str, ...], frozenset[str]]:
     """(kind of each KV cache group that transfers, in vLLM's order; names of its state layers).
 
@@ -270,7 +284,7 @@ class ConnectorWorker:
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.tp_rank = get_tensor_model_parallel_rank()
         self.use_mla = bool(vllm_config.model_config.use_mla)
-        self.block_size = vllm_config.cache_config.block_size
+        self.block_size = tokens_per_block(kv_cache_config, vllm_config.cache_config.block_size)
         self.buffer_device = vllm_config.kv_transfer_config.kv_buffer_device
         self.vllm_config = vllm_config
         self.group_kinds, self.state_layers = transfer_groups(kv_cache_config)

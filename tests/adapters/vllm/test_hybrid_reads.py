@@ -327,3 +327,22 @@ def test_with_mamba_layers_the_conv_state_layout_must_agree(monkeypatch):
     with_state = [_compat(config, attention, "pull", has_state=True) for config in dtypes]
     assert with_state[0] != with_state[1]
     assert _compat(dtypes[0], attention, "pull") == _compat(dtypes[1], attention, "pull")
+
+
+def test_tokens_per_block_come_from_the_transferring_groups_not_the_configured_size():
+    """vLLM 0.32 updates ``cache_config.block_size`` in the engine core's process only: a TP worker's copy can
+    keep the size asked for while its groups hold the one chosen. Before session 40 the worker published that
+    stale size (readers then refused its blocks as "differing in bytes"); now it reads the groups, as vLLM does."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+
+    from nixl_async_vllm.worker import tokens_per_block
+
+    def config(*specs):
+        groups = [KVCacheGroupSpec([f"l{i}"], spec) for i, spec in enumerate(specs)]
+        return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
+
+    full = FullAttentionSpec(block_size=64, num_kv_heads=1, head_size=8, dtype=torch.float16)
+    window = SlidingWindowSpec(block_size=32, num_kv_heads=1, head_size=8, dtype=torch.float16, sliding_window=128)
+    assert tokens_per_block(config(full), 16) == 64
+    assert tokens_per_block(config(full, window), 16) == 64  # their least common multiple, as vLLM's worker
+    assert tokens_per_block(config(), 16) == 16
