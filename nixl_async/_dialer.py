@@ -15,7 +15,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq.asyncio
 
@@ -37,6 +37,7 @@ from .handshake import fetch_metadata
 from .stats import EngineStats
 
 log = logging.getLogger("nixl_async.engine")
+_T = TypeVar("_T")
 
 
 def segment_mismatch(reader_receives: int, server_sends: int) -> str:
@@ -54,6 +55,21 @@ def handshake_limit(config: EngineConfig, timeout: float | None, where: str) -> 
     if not timeout > 0:  # (NaN too)
         raise HandshakeTimeout(f"no time left to reach {where} (timeout {timeout})", address=where)
     return timeout
+
+
+async def _adopting(adopt: Coroutine[Any, Any, _T], deadline: float, timeout: float, where: str) -> _T:
+    """`adopt`, given up at the connect's `deadline` (loop time) as `HandshakeTimeout`: it may wait, up to the
+    release grace, for a previous connection's transfers to let go of the peer's agent, and then wait in turn
+    behind another adoption of that engine; neither may stretch the caller's timeout."""
+    limit = asyncio.timeout_at(deadline)
+    try:
+        async with limit:
+            return await adopt
+    except TimeoutError:
+        if not limit.expired():
+            raise  # (one of its own)
+        raise HandshakeTimeout(f"{where} answered, but its previous connection's transfers still held its agent "
+                               f"past the {timeout}s timeout", address=where) from None  # fmt: skip
 
 
 class Dialer:
@@ -228,7 +244,8 @@ class Dialer:
                 raise EngineIdMismatch(f"{host}:{port} is engine {reply.engine_id!r}, expected {expected_engine_id!r}",
                                        address=f"{host}:{port}")  # fmt: skip
             self.check_peer(reply, f"{host}:{port}")
-            peer = await self._peers.adopt(reply, (host, port), offset, self._loop.time())
+            peer = await _adopting(self._peers.adopt(reply, (host, port), offset, self._loop.time()),
+                                   started + timeout, timeout, f"{host}:{port}")  # fmt: skip
             self._stale_if_changed(peer, changes_seen)
         except BaseException:
             self.stats.counters["handshake_failures"] += 1
@@ -344,7 +361,8 @@ class Dialer:
                                            address=where)  # fmt: skip
                 return peer
             try:
-                adopted = await self._adopt_published(record, revision, behind)
+                adopted = await _adopting(self._adopt_published(record, revision, behind), started + timeout, timeout,
+                                          f"etcd record of {engine_id!r}")  # fmt: skip
             except BaseException:
                 self.stats.counters["handshake_failures"] += 1
                 raise

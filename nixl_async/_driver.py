@@ -318,6 +318,7 @@ class TransferDriver:
         """A transfer with no blocks (a full prefix-cache hit): only the notification goes out."""
         assert self.loop is not None
         now = self.loop.time()
+        self._table.touch(peer, now)  # (a use: a peer only notified is not evicted as idle)
         transfer = Transfer(
             transfer_id=next(self._ids),
             op=op,

@@ -66,6 +66,9 @@ class NotificationTransport:
         self._wakeup = wakeup
         self._agent: OwnedAgent | None = None
         self._side: SideChannelNotifier | None = None
+        # Each peer's addresses its side-channel sockets were opened for (another name or port of its server,
+        # followed since): all closed when it is forgotten. By agent name, as an engine restarted is another peer.
+        self._addresses: dict[str, set[tuple[str, int]]] = {}
         self.last_sent_at = float("-inf")
 
     def open(self, agent: OwnedAgent, context: zmq.asyncio.Context) -> None:
@@ -113,20 +116,23 @@ class NotificationTransport:
         else:
             assert self._side is not None
             self._side.send(peer.address, peer.notify_session, message)
+            self._addresses.setdefault(peer.agent_name, set()).add(peer.address)
 
     def hint_busy(self, peer: Peer, seconds: float) -> None:
         """Ask `peer` to progress its worker briskly for `seconds`: transfers with it are in flight.
 
         Best effort (a full queue or a closed socket only costs throughput), hence no error. A
-        peer adopted from etcd without a handshake has issued us no session: it gets none.
+        peer adopted from etcd without a handshake has issued us no session: it gets none; nor
+        does a stale one (a transfer with it failed: restarted, it would refuse the session).
         """
         assert self._side is not None
-        if not peer.notify_session:
+        if not peer.notify_session or peer.stale:  # (stale: maybe restarted, its server no longer knows the session)
             return
         try:
             self._side.send(peer.address, peer.notify_session, b"", busy_ms=max(1, round(seconds * 1000)))
         except zmq.ZMQError:
             return
+        self._addresses.setdefault(peer.agent_name, set()).add(peer.address)
         self._stats.counters["busy_hints_sent"] += 1
 
     def sent(self, now: float) -> None:
@@ -144,7 +150,8 @@ class NotificationTransport:
 
     def forget(self, peer: Peer) -> None:
         if self._side is not None:
-            self._side.forget(peer.address)
+            for address in self._addresses.pop(peer.agent_name, set()) | {peer.address}:
+                self._side.forget(address)
 
     def drain(self, agent: OwnedAgent, table: PeerTable) -> None:
         """Move what NIXL received into the box, naming senders by engine id."""

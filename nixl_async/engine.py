@@ -512,6 +512,7 @@ class TransferEngine:
             raise EngineIdMismatch(f"{host}:{port} is now engine {reply.engine_id!r}, not {peer.engine_id!r}",
                                    address=f"{host}:{port}")  # fmt: skip
         self.stats.counters["calls"] += 1
+        self._peers.table.touch(peer, asyncio.get_running_loop().time())  # (a use: not evicted as idle)
         return reply.payload
 
     def set_extra(self, **extra: str) -> None:

@@ -538,3 +538,58 @@ async def test_a_refresh_waiting_on_an_older_handshake_starts_none_after_close()
         assert engine._dialer._connecting == {}
         assert engine.snapshot().counters["handshake_failures"] == 1, "the cancelled one alone: none started after"
     assert_no_live_handles(engine)
+
+
+async def _pair_for_dialing(**reader_config):
+    reader = await TransferEngine(EngineConfig(engine_id="dialer", notify_via="side_channel", **reader_config)).start()
+    server = await TransferEngine(EngineConfig(engine_id="dialed", notify_via="side_channel")).start()
+    reader.register("kv", [np.zeros(4 * 4096, np.uint8)], block_len=4096)
+    server.register("kv", [np.ones(4 * 4096, np.uint8)], block_len=4096)
+    await server.serve("127.0.0.1", 0)
+    return reader, server
+
+
+async def test_a_connect_waiting_for_the_previous_connection_s_transfers_keeps_its_timeout(monkeypatch):
+    """Its previous connection was forgotten while NIXL still held one of its transfers (as a fenced READ does:
+    faked here), so adopting the new answer waits for that agent to be let go. Before session 40 that wait (up to
+    the release grace + 0.5 s) came on top of the caller's timeout: 1.5 s for a 0.2 s connect."""
+    reader, server = await _pair_for_dialing()
+    try:
+        peer = await reader.connect(*server.address)
+        real = reader._driver.busy_agents
+        monkeypatch.setattr(reader._driver, "busy_agents", lambda: {*real(), server.agent_name})
+        reader.disconnect(peer)
+        started = time.monotonic()
+        with pytest.raises(HandshakeTimeout, match="still held its agent"):
+            await reader.connect(*server.address, timeout=0.3)
+        assert time.monotonic() - started < 0.6
+        monkeypatch.undo()
+        assert (await reader.connect(*server.address)).engine_id == "dialed"
+    finally:
+        await reader.close()
+        await server.close()
+
+
+async def test_a_peer_only_notified_or_called_is_not_evicted_and_its_other_names_sockets_close_with_it():
+    """Before session 40 notifications and calls did not count as use: a peer notified every 0.1 s was evicted
+    after `peer_ttl_s` (the next notify: `PeerUnknownError`). And side-channel sockets opened for another name
+    of a peer's server stayed open after the peer was forgotten, ZMQ reconnecting to a dead peer until close."""
+    reader, server = await _pair_for_dialing(peer_ttl_s=0.5)
+    server.handle_calls("echo", lambda _sender, payload: payload)
+    try:
+        port = server.address[1]
+        peer = await reader.connect("localhost", port)
+        for i in range(8):  # 1.6 s: over three TTLs
+            await reader.notify(peer, b"n%d" % i)
+            await reader.call(peer, "echo", b"c")
+            await asyncio.sleep(0.2)
+        assert await server.wait_notifications(b"n7", timeout=5) == ["dialer"]
+        again = await reader.connect("127.0.0.1", port)  # another name for the same server: the same peer
+        assert again is peer and peer.address == ("127.0.0.1", port)
+        await reader.notify(peer, b"via another name")
+        assert reader._notify.side_sockets == 2
+        reader.disconnect(peer)
+        assert reader._notify.side_sockets == 0
+    finally:
+        await reader.close()
+        await server.close()
