@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from nixl_async import HandshakeError, Transfer, TransferEngine, messages
+from nixl_async import CallTooLarge, HandshakeError, Transfer, TransferEngine, messages
 
 from .send_book import SendBook
 from .settings import connect_rank
@@ -176,7 +176,7 @@ async def heartbeat(
     try:
         async with asyncio.TaskGroup() as group:  # one failing rank cancels the others' calls
             tasks = [group.create_task(renew(*address)) for address in addresses]
-    except* (HandshakeError, msgspec.DecodeError) as failures:
+    except* (HandshakeError, CallTooLarge, msgspec.DecodeError) as failures:
         error: BaseException = failures.exceptions[0]
         log.debug("lease renewal with %s failed: %s", engine_id, error)
         if on_failure is not None:

@@ -78,7 +78,10 @@ class _MarksIdleSteps:
 
 
 def _no_blocks(block_ids: Any) -> bool:
-    """No block to read: none named, or (vLLM's per-group form) only empty groups."""
+    """No block to read: none named, or (vLLM's per-group form) only empty groups. (Anything else that is not a
+    list is "some", and mistyped: `_mistyped` says so.)"""
+    if not isinstance(block_ids, list | tuple):
+        return not block_ids
     return not block_ids or all(isinstance(group, list | tuple) and not group for group in block_ids)
 
 
@@ -87,6 +90,7 @@ def _count(value: Any, low: int, high: int | None = None) -> bool:
 
 
 MAX_REMOTE_TP = 1024  # a producer's TP size beyond any deployment (the workers make one entry per rank)
+MAX_ID_CHARS = 1024  # an engine or request id: lease renewals carry 512 request ids per call (1 MiB at most)
 
 
 def _mistyped(params: dict[str, Any], groups: int) -> list[str]:
@@ -94,6 +98,8 @@ def _mistyped(params: dict[str, Any], groups: int) -> list[str]:
     a flat block list or a string TP size would stop the decode worker's step)."""
     bad = [f"{key} (not a string)" for key in ("remote_engine_id", "remote_request_id", "remote_host")
            if params.get(key) is not None and not isinstance(params[key], str)]  # fmt: skip
+    bad += [f"{key} (over {MAX_ID_CHARS} characters)" for key in ("remote_engine_id", "remote_request_id")
+            if isinstance(params.get(key), str) and len(params[key]) > MAX_ID_CHARS]  # fmt: skip
     if params.get("tp_size") is not None and not _count(params["tp_size"], 1, MAX_REMOTE_TP):
         bad.append(f"tp_size (not an integer from 1 to {MAX_REMOTE_TP})")
     if params.get("remote_num_tokens") is not None and not _count(params["remote_num_tokens"], 0):
@@ -200,7 +206,7 @@ class AdapterScheduler(
         # vLLM 0.32 would park it waiting for KV no job ever loads (or stop its engine on an assert,
         # for empty block lists): compute it here instead.
         self._prefill_here_if_unserved(request, blocks=True)
-        if params.get("do_remote_decode") and params.get("remote_block_ids"):
+        if params.get("do_remote_decode") and not params.get("do_remote_prefill") and params.get("remote_block_ids"):
             # A turn-2 readback (a NixlConnector decode with bidirectional_kv_xfer names the blocks it
             # kept): vLLM 0.32 would promise the load and never start it, so the request would wait
             # forever. Reading KV back from decode is not implemented: compute the prompt here.
@@ -237,9 +243,12 @@ class AdapterScheduler(
         if delay and params is not None and deadline is not None and params.get("do_remote_prefill"):
             params["remote_blocks_expiry_time"] = time.time() + (deadline - time.perf_counter())
         if delay and params is not None and params.get("do_remote_prefill"):
-            computed = self._computed_blocks(min(request.num_computed_tokens, request.num_prompt_tokens), block_ids)
+            tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
+            computed = self._computed_blocks(tokens, block_ids)
             if computed is not None:
                 params["remote_block_ids"] = computed
+                if "remote_num_tokens" in params:  # (the prompt's, as the blocks offered: its pages pair by it)
+                    params["remote_num_tokens"] = tokens
         return delay, params
 
     def _computed_blocks(self, tokens: int, block_ids: Any) -> Any:

@@ -128,6 +128,23 @@ async def test_a_long_queue_is_renewed_in_several_calls(cluster):
     assert all(leases.expiry("prefill", request_id, None) > time.time() + 1 for request_id in ids)
 
 
+async def test_a_renewal_call_too_large_for_the_producer_is_a_failed_round_not_an_escape(cluster):
+    """The producer's side channel takes less than one call of ids (its max_request_bytes): `CallTooLarge`,
+    unsent. Before session 40 it escaped the round (logged as a failed background task, `on_failure` never told)."""
+    books, _producers, reader, _addresses = cluster
+    small = await TransferEngine(EngineConfig(engine_id="prefill/tp2", max_request_bytes=2048)).start()
+    small.handle_calls(LEASE_TOPIC, lambda _sender, payload: answer_renewal(books[0], payload, EXTENSION_S))
+    await small.serve("127.0.0.1", 0)
+    try:
+        ids = [f"cmpl-{i:08x}-0-{i:08x}" for i in range(200)]  # ~6 KiB in one call
+        failures: list[BaseException] = []
+        await heartbeat(reader, LearnedLeases(), "prefill", [(*small.address, small.engine_id)], ids,
+                        on_failure=failures.append)  # fmt: skip
+        assert len(failures) == 1 and "max_request_bytes" in str(failures[0])
+    finally:
+        await small.close()
+
+
 BLOCK = 1 << 20
 BLOCKS = 32
 

@@ -185,6 +185,25 @@ def test_a_prefill_pushes_the_blocks_of_its_computed_tokens_not_its_lookahead_sl
     assert params["remote_block_ids"] == ([1, 2, 3, 4, 5, 6, 7], [15, 16, 17])
 
 
+def test_a_prefill_that_computed_past_its_prompt_offers_the_prompt_s_token_count():
+    """Prefill generated more than one token: its blocks are cut to the prompt, and since session 40 so is the
+    `remote_num_tokens` it offers with them (decode pairs sliding-window pages by it; before: one page off)."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request, RequestStatus
+
+    config = _vllm_config("NixlAsyncConnector", "kv_producer", {})
+    full = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float16)
+    kv_cache = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], full)])
+    sched = AdapterScheduler(config, "prefill", kv_cache)
+    sampling = SamplingParams(max_tokens=3, extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+    request = Request(request_id="r", prompt_token_ids=list(range(100)), pooling_params=None, sampling_params=sampling)
+    request.num_computed_tokens = 102  # two tokens generated past the prompt's 100
+    request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    delay, params = sched.request_finished(request, ([1, 2, 3, 4, 5, 6, 7, 8],))
+    assert delay and params is not None
+    assert params["remote_block_ids"] == ([1, 2, 3, 4, 5, 6, 7],) and params["remote_num_tokens"] == 100
+
+
 def _vllm_config(connector: str, role: str, extra: dict[str, Any], *, hybrid: bool = False) -> Any:
     """The parts of vLLM's config a scheduler's constructor reads (a whole VllmConfig needs a model)."""
     from vllm.config import KVTransferConfig
@@ -258,6 +277,11 @@ def test_producers_found_through_etcd_get_their_leases_renewed():
         ({"remote_blocks_expiry_time": float("nan")}, "remote_blocks_expiry_time (not a number"),
         ({"remote_port": "http"}, "remote_port (not a port number)"),
         ({"remote_request_id": 7}, "remote_request_id (not a string)"),
+        # session 40: a number of blocks raised TypeError in on_new_request (vLLM's engine core stopped); an id of
+        # 2 MB made every lease renewal call to that producer too large, for all its requests
+        ({"remote_block_ids": 5}, "remote_block_ids (not 1 list(s)"),
+        ({"remote_block_ids": True}, "remote_block_ids (not 1 list(s)"),
+        ({"remote_request_id": "r" * 2_000_000}, "remote_request_id (over 1024 characters)"),
     ],
 )
 def test_a_request_to_pull_that_cannot_be_read_is_prefilled_here(changes, lacking, caplog):
@@ -293,6 +317,28 @@ def test_a_request_to_read_kv_back_from_decode_is_prefilled_here(caplog, blocks)
     allocated = SimpleNamespace(blocks=([],), get_unhashed_block_ids_all_groups=lambda: ([7, 8, 9],))
     sched.update_state_after_alloc(request, allocated, 0)
     assert not sched._reqs_need_recv and request.request_id in sched._reqs_in_batch  # a prefill for decode
+
+
+def test_a_request_to_pull_that_also_asks_to_be_kept_for_a_further_decode_is_read():
+    """Both `do_remote_prefill` and `do_remote_decode` (a proxy merging the first leg's params into prefill's
+    answer): read, as vLLM reads it. Before session 40 the readback branch took its block ids away and left it
+    to be pulled: vLLM's `update_state_after_alloc` then asserted (its engine core stopped)."""
+    sched = _configured({})
+    request = _pull_request("r", "10.0.0.2", 5600, do_remote_decode=True)
+    sched.on_new_request(request)
+    assert sched.get_num_new_matched_tokens(request, 0) == (48, True)
+    allocated = SimpleNamespace(blocks=([],), get_unhashed_block_ids_all_groups=lambda: ([7, 8, 9],))
+    sched.update_state_after_alloc(request, allocated, 48)
+    assert request.request_id in sched._reqs_need_recv
+
+
+def test_a_block_count_as_remote_block_ids_on_the_producer_is_prefilled_without_error():
+    """(The producer side of the same mistype: before session 40, TypeError in `on_new_request`.)"""
+    sched = _configured({})
+    request = _pull_request("r", "10.0.0.2", 5600, do_remote_prefill=False, do_remote_decode=True,
+                            remote_block_ids=5)  # fmt: skip
+    sched.on_new_request(request)
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
 
 
 @pytest.mark.parametrize("extra", [{"kv_lease_duration": "30"}, {"kv_recompute_threshold": "abc"}])
