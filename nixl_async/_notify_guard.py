@@ -12,7 +12,7 @@ Why strictly increasing rather than "next expected": ZMQ keeps order on one DEAL
 connection but drops what was queued when it breaks, so numbers may skip, never go back.
 A sender that reconnects for good handshakes again and gets a new session.
 
-Sessions live until evicted (least recently used first) once `max_sessions` are live; an
+Sessions live until evicted (least recently used first) past `max_sessions`; an
 accepted notification counts as a use, so a flood of handshakes evicts idle sessions before
 busy ones. An engine keeps its `_PER_ENGINE` newest sessions (one that handshakes again may
 still have notifications under way in the previous one), so engines that handshake again and
@@ -71,10 +71,9 @@ class NotifyGuard:
         return len(self._sessions)
 
     def issue(self, engine_id: str) -> bytes:
-        """A fresh session for `engine_id`'s notifications to us (the least recently used of all goes when
-        `max_sessions` are live); the server then says whether its answer was `delivered` or `revoke`s it."""
-        while len(self._sessions) >= self._max_sessions:
-            self._drop(next(iter(self._sessions)))
+        """A fresh session for `engine_id`'s notifications to us, evicting nothing yet: the server then says
+        whether its answer was `delivered` (and the limits apply) or `revoke`s it. (Until then the table may
+        hold one session over `max_sessions`: the server does nothing else in between.)"""
         session = secrets.token_bytes(SESSION_BYTES)
         self._sessions[session] = _Session(engine_id)
         self._by_engine.setdefault(engine_id, []).append(session)
@@ -88,9 +87,11 @@ class NotifyGuard:
         if state is None:
             return
         mine = self._by_engine[state.engine_id]
-        while len(mine) > _PER_ENGINE:
+        while len(mine) > _PER_ENGINE:  # first the engine's own surplus ...
             others = [s for s in mine if s != session]
             self._drop(next((s for s in others if self._sessions[s].last_seq == 0), others[0]))
+        while len(self._sessions) > self._max_sessions:  # ... then, the table still full, the least recently used
+            self._drop(next(s for s in self._sessions if s != session))
 
     def revoke(self, session: bytes) -> None:
         """The answer carrying `session` could not be sent (its asker had gone): forget it, evicting nobody."""

@@ -135,6 +135,7 @@ class HandshakeServer:
         self.host = ""
         self.port = 0
         self.served = 0
+        self.undelivered = 0  # answers not sent: the asker had gone (gave up waiting), or does not read them
         self.rejected = 0
         self.restarts = 0  # times the serving loop died and was restarted on the same address
         self.failed: BaseException | None = None  # set when it could not be restarted: nobody answers
@@ -229,9 +230,10 @@ class HandshakeServer:
                 await sock.send_multipart([identity, *delimiter, payload], flags=zmq.NOBLOCK)
             except zmq.ZMQError as exc:  # the asker went away (gave up waiting) or does not read its answers
                 log.debug("handshake reply not sent: %s", exc)
+                self.undelivered += 1
                 if session:
                     self.guard.revoke(session)
-            else:
+            else:  # (queued for the asker: one that closes its socket this very moment is not seen here)
                 if session:
                     self.guard.delivered(session)
                     self.served += 1

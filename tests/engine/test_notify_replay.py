@@ -76,9 +76,9 @@ def test_without_a_secret_replays_are_still_refused():
 
 def test_least_recently_used_session_is_evicted():
     guard = NotifyGuard(SECRET, max_sessions=2)
-    first, second = guard.issue("a"), guard.issue("b")
+    first, second = _answered(guard, "a"), _answered(guard, "b")
     assert guard.check(_note(first, 1, engine_id="a")) is None  # a use: now `second` is the oldest
-    third = guard.issue("c")
+    third = _answered(guard, "c")
     assert len(guard) == 2
     assert guard.check(_note(second, 1, engine_id="b")) == "unknown_session"
     assert guard.check(_note(first, 2, engine_id="a")) is None
@@ -104,6 +104,20 @@ def test_an_engine_handshaking_again_and_again_evicts_nobody_else():
     assert guard.check(_note(sessions[-2], 1, engine_id="busy-reader")) is None
     assert guard.check(_note(sessions[-1], 1, engine_id="busy-reader")) is None
     assert guard.check(_note(sessions[-3], 1, engine_id="busy-reader")) == "unknown_session"
+
+
+def test_at_capacity_an_engine_handshaking_again_evicts_its_own_and_a_revoked_answer_nobody():
+    """(A review of session 40's first version: the table full, the least recently used session of another
+    engine went at `issue`, before the engine's own surplus, and a revoked answer had evicted it already.)"""
+    guard = NotifyGuard(SECRET, max_sessions=4)
+    idle_a, idle_b = _answered(guard, "idle-a"), _answered(guard, "idle-b")
+    for _ in range(5):
+        _answered(guard, "busy")
+    assert len(guard) == 4
+    guard.revoke(guard.issue("latecomer"))
+    assert len(guard) == 4
+    assert guard.check(_note(idle_a, 1, engine_id="idle-a")) is None
+    assert guard.check(_note(idle_b, 1, engine_id="idle-b")) is None
 
 
 def test_the_session_in_use_outlives_handshakes_whose_answers_never_arrived():
@@ -349,6 +363,7 @@ async def test_a_handshake_read_after_its_asker_gave_up_leaves_the_asker_s_sessi
         assert received == [("reader", b"free:req-1"), ("reader", b"free:req-2")]
         assert not server.notifications_refused
         assert server.served == 2, "an answer that could not be sent is not counted as served"
+        assert server.undelivered == 1, "the late request was read (else this test checked nothing)"
     finally:
         gone.close(0)
         notifier.close()
