@@ -33,13 +33,19 @@ from math import prod
 
 from nixl_async.exceptions import LayoutError
 
-__all__ = ["SHUFFLED_AITER_FA", "CacheLayout", "describe_cache", "no_head_window", "packing_name"]
+__all__ = ["SHUFFLED_AITER_FA", "CacheLayout", "describe_cache", "no_head_window", "packing_class", "packing_name"]
 
 # Backends whose C is one head's K then V (or a quantized slot) for one token.
 _PER_TOKEN_SLOT = frozenset({
     "FLASH_ATTN", "FLASH_ATTN_DIFFKV", "TRITON_ATTN", "TRITON_ATTN_DIFFKV", "TRITON_FLASH_ATTN", "FLASHINFER",
     "TRITON_FLASHINFER", "FLEX_ATTENTION", "HPC_ATTN", "TURBOQUANT", "ULTRAQUANT", "ROCM_AITER_FA",
     "ROCM_AITER_UNIFIED_ATTN",
+})  # fmt: skip
+# Of those, the ones that store K and V as they are (no inline scales): one (head, token) slot is the same bytes in
+# each, so a block of one reads right into another's cache (as vLLM's connector allows with its compat check off).
+_PLAIN_SLOT = frozenset({
+    "FLASH_ATTN", "TRITON_ATTN", "TRITON_FLASH_ATTN", "FLASHINFER", "TRITON_FLASHINFER", "FLEX_ATTENTION", "HPC_ATTN",
+    "ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN",
 })  # fmt: skip
 # ROCm AITER FA calls itself FLASH_ATTN; with the shuffled KV cache its blocks hold two planes.
 SHUFFLED_AITER_FA = "ROCM_AITER_FA_SHUFFLED"
@@ -71,6 +77,16 @@ def packing_name(backend: type) -> str:
         if rocm_aiter_ops.is_shuffle_kv_cache_enabled():  # K and V re-tiled as two planes, not per token
             return SHUFFLED_AITER_FA
     return name
+
+
+def packing_class(backend: str, mla: bool) -> str:
+    """What a block's bytes mean, as far as the backend decides it: backends that store them alike share a class
+    (the element type, layout and ISA are published beside it); any other packing goes by its own name."""
+    if mla:
+        return "mla"  # one latent slot per token (a quantized latent shows in the cache's element type)
+    if backend in _PLAIN_SLOT:
+        return "kv_per_token_slot"
+    return backend
 
 
 def describe_cache(

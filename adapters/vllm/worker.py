@@ -57,7 +57,7 @@ from .block_pairs import (
     pair_blocks,
     window_pages_of_prompt,
 )
-from .kv_layout import CacheLayout, describe_cache, no_head_window, packing_name
+from .kv_layout import CacheLayout, describe_cache, no_head_window, packing_class, packing_name
 from .leases import LEASE_TOPIC, LearnedLeases, RequestLease, answer_renewal, heartbeat
 from .push_book import PUSH_FAILED_PREFIX, PUSH_PREFIX
 from .send_book import SendBook
@@ -747,15 +747,21 @@ class RequestPlan:
 BYTES_MEANING_KEYS = ("kv_cache_layout", "cpu_attn_isa", "ssm_conv_state_layout")
 # Published since session 40 (outside the compatibility hash, which they would change for older peers): compared
 # when the peer publishes them. A FlashAttention block and a two-plane one can be the same size in the same layout,
-# as can fp8 e4m3 and e5m2, or bf16 and fp16 blocks.
+# as can fp8 e4m3 and e5m2, or bf16 and fp16 blocks. (FlashAttention and Triton blocks are the same bytes: one class.)
 LATER_MEANING_KEYS = ("attention_packing", "kv_cache_dtype")
 
 
 def _packing_meaning(vllm_config: Any, attention: AttentionChoice) -> tuple[tuple[str, str], ...]:
-    """The attention packing and the KV cache's element type ("auto": the model's dtype), as `LATER_MEANING_KEYS`."""
+    """The attention packing's class and the KV cache's element type, as `LATER_MEANING_KEYS`: spelled one way
+    for one meaning ("auto" is the model's dtype, "torch.bfloat16" and "bfloat16" one type, "fp8" vLLM's e4m3)."""
+    model = vllm_config.model_config
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
-    dtype = str(vllm_config.model_config.dtype) if cache_dtype == "auto" else cache_dtype
-    return ("attention_packing", attention.backend), ("kv_cache_dtype", dtype)
+    dtype = str(model.dtype) if cache_dtype == "auto" else cache_dtype
+    dtype = _DTYPE_SPELLINGS.get(dtype.removeprefix("torch."), dtype.removeprefix("torch."))
+    return ("attention_packing", packing_class(attention.backend, bool(model.use_mla))), ("kv_cache_dtype", dtype)
+
+
+_DTYPE_SPELLINGS = {"fp8": "fp8_e4m3", "half": "float16", "float": "float32"}
 
 
 def _on_rocm() -> bool:

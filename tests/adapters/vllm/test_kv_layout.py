@@ -137,6 +137,32 @@ def test_packed_layouts_are_refused_and_unknown_packings_read_whole_blocks_only(
     assert cache.ratio_refusal is None and cache.run_len is None and not cache.head_window
 
 
+def test_backends_storing_a_slot_alike_share_a_packing_class_and_dtypes_have_one_spelling():
+    """What readers compare under ``enforce_handshake_compat: false``: a FlashAttention block reads right into a
+    Triton cache (the same bytes, as vLLM allows), a two-plane one or a quantizing one's does not; "auto", "bfloat16"
+    and "torch.bfloat16" are one element type, "fp8" vLLM's e4m3 (a review of session 40's first version, which
+    compared backend names and dtype strings as given)."""
+    from types import SimpleNamespace
+
+    from nixl_async_vllm.kv_layout import packing_class
+    from nixl_async_vllm.worker import AttentionChoice, _packing_meaning
+
+    assert packing_class("FLASH_ATTN", False) == packing_class("TRITON_ATTN", False) == "kv_per_token_slot"
+    assert packing_class("ROCM_ATTN", False) == "ROCM_ATTN" and packing_class("TURBOQUANT", False) == "TURBOQUANT"
+    assert packing_class("TRITON_MLA", True) == packing_class("FLASHMLA", True) == "mla"
+
+    def meaning(cache_dtype: str, backend: str = "FLASH_ATTN") -> dict[str, str]:
+        config = SimpleNamespace(cache_config=SimpleNamespace(cache_dtype=cache_dtype),
+                                 model_config=SimpleNamespace(dtype=torch.bfloat16, use_mla=False))  # fmt: skip
+        return dict(_packing_meaning(config, AttentionChoice(backend, "LBHNC", None)))
+
+    assert meaning("auto") == meaning("bfloat16") == {"attention_packing": "kv_per_token_slot",
+                                                      "kv_cache_dtype": "bfloat16"}  # fmt: skip
+    assert meaning("fp8")["kv_cache_dtype"] == meaning("fp8_e4m3")["kv_cache_dtype"] == "fp8_e4m3"
+    assert meaning("fp8_e5m2")["kv_cache_dtype"] == "fp8_e5m2"
+    assert meaning("auto", "TRITON_ATTN") == meaning("auto", "FLASH_ATTN") != meaning("auto", "ROCM_ATTN")
+
+
 @pytest.mark.parametrize("layout", ["BLHNC", "BHLNC"])
 def test_registering_a_block_outermost_layout_names_the_layout(layout):
     """The worker names the layout it refuses; before, its check of dense equal blocks ran first and blamed

@@ -403,8 +403,8 @@ async def test_a_producer_whose_blocks_mean_something_else_is_refused(nixl_peer_
 @pytest.mark.parametrize(
     "published, refused",
     [
-        ({"attention_packing": "ROCM_ATTN", "kv_cache_dtype": "torch.bfloat16"}, "'ROCM_ATTN', ours is 'FLASH_ATTN'"),
-        ({"attention_packing": "FLASH_ATTN", "kv_cache_dtype": "fp8_e5m2"}, "'fp8_e5m2', ours is 'fp8_e4m3'"),
+        ({"attention_packing": "ROCM_ATTN", "kv_cache_dtype": "fp8_e4m3"}, "'ROCM_ATTN', ours is 'kv_per_token_slot'"),
+        ({"attention_packing": "kv_per_token_slot", "kv_cache_dtype": "fp8_e5m2"}, "'fp8_e5m2', ours is 'fp8_e4m3'"),
         ({}, None),  # an adapter from before session 40: the layout alone is compared
     ],
     ids=["two_planes", "other_fp8", "older_producer"],
@@ -415,7 +415,7 @@ async def test_under_the_opt_out_another_packing_or_element_type_is_refused(nixl
     garbage, nothing said."""
     port, prefill = _spawn_prefill(nixl_peer_factory, 1, False, 1, extra={"kv_cache_layout": "LBNHC", **published})
     local = LOCAL_CANDIDATES[: len(REMOTE_BLOCKS) - LOCAL_HIT]
-    meaning = (("kv_cache_layout", "LBNHC"), ("attention_packing", "FLASH_ATTN"), ("kv_cache_dtype", "fp8_e4m3"))
+    meaning = (("kv_cache_layout", "LBNHC"), ("attention_packing", "kv_per_token_slot"), ("kv_cache_dtype", "fp8_e4m3"))
     if refused is None:
         _caches, results = await _decode_rank(0, 1, 1, False, 1, port, local, bytes_meaning=meaning,
                                               compat_enforced=False)  # fmt: skip
