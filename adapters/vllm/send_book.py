@@ -120,7 +120,7 @@ class SendBook:
                 elif now >= deadline:
                     expired.add(request_id)
             if release is not None:
-                read = {r for r in read if release(r, False)}
+                read = {r for r in read if release(r, now >= self._deadlines[r])}  # (served, and past its lease)
                 expired = {r for r in expired if release(r, True)}
             for request_id in read | expired:
                 self._forget(request_id)

@@ -413,7 +413,8 @@ def test_a_retry_s_push_runs_on_when_the_first_attempt_s_push_ends():
     """Two decode requests of one decode rank registered for one prefill request (a retry reusing the
     X-Request-Id). The first push ends: every reader the request expected is served, but the retry's push still
     reads the blocks. Before session 40 the request closing made the next step cancel that push (decode told it
-    failed); now it runs to its end and the blocks go back after it. A lease that runs out still stops it."""
+    failed); now it runs to its end and the blocks go back after it, unless the lease runs out first (that
+    stops it, as it stops pushes of a request no reader was served for)."""
     prefill = _Prefill()
     worker = prefill.worker
     worker.sync.poke = worker.sync.call_soon = worker.sync.spawn = lambda *args: None
@@ -427,6 +428,10 @@ def test_a_retry_s_push_runs_on_when_the_first_attempt_s_push_ends():
     for _ in range(2):
         assert REQUEST not in worker._finished_sending(), "freed while the retry's push reads the blocks"
     assert prefill.cancelled == [], "the retry's push was stopped"
+    worker._sends.hold(REQUEST, time.perf_counter() - 1)  # ... until its lease runs out: then it is stopped
+    worker._finished_sending()
+    worker._finished_sending()
+    assert prefill.cancelled == [retry], "the retry's push outlived the lease"
     worker._own_finished(FinishedRequests(done={retry}, failed={}, fenced={}))
     assert REQUEST in worker._finished_sending()
 
