@@ -182,7 +182,7 @@ class Connections:
             lambda t: TransferCancelled("peer disconnected", transfer_id=t.id, peer=peer.engine_id),
             agent_name=peer.agent_name,
         )
-        self._notify.forget(peer)
+        self._notify.forget(peer, lambda address: (held := self.table.at(address)) is not None and held is not peer)
         peer.connected = False
         self.table.remove(peer)
         self.retiring[peer.agent_name] = peer

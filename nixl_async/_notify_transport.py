@@ -122,11 +122,10 @@ class NotificationTransport:
         """Ask `peer` to progress its worker briskly for `seconds`: transfers with it are in flight.
 
         Best effort (a full queue or a closed socket only costs throughput), hence no error. A
-        peer adopted from etcd without a handshake has issued us no session: it gets none; nor
-        does a stale one (a transfer with it failed: restarted, it would refuse the session).
+        peer adopted from etcd without a handshake has issued us no session: it gets none.
         """
         assert self._side is not None
-        if not peer.notify_session or peer.stale:  # (stale: maybe restarted, its server no longer knows the session)
+        if not peer.notify_session:
             return
         try:
             self._side.send(peer.address, peer.notify_session, b"", busy_ms=max(1, round(seconds * 1000)))
@@ -148,10 +147,13 @@ class NotificationTransport:
             self._pacer.stay_brisk(now + WIREUP_BRISK_S)
             self._wakeup()
 
-    def forget(self, peer: Peer) -> None:
+    def forget(self, peer: Peer, taken: Callable[[tuple[str, int]], bool] = lambda _address: False) -> None:
+        """Close `peer`'s side-channel sockets, but those at an address another peer now answers at (`taken`:
+        its notifications queued there must leave in order)."""
         if self._side is not None:
             for address in self._addresses.pop(peer.agent_name, set()) | {peer.address}:
-                self._side.forget(address)
+                if not taken(address):
+                    self._side.forget(address)
 
     def drain(self, agent: OwnedAgent, table: PeerTable) -> None:
         """Move what NIXL received into the box, naming senders by engine id."""

@@ -552,8 +552,8 @@ async def _pair_for_dialing(**reader_config):
 async def test_a_connect_waiting_for_the_previous_connection_s_transfers_keeps_its_timeout(monkeypatch):
     """Its previous connection was forgotten while NIXL still held one of its transfers (as a fenced READ does:
     faked here), so adopting the new answer waits for that agent to be let go. Before session 40 that wait (up to
-    the release grace + 0.5 s) came on top of the caller's timeout: 1.5 s for a 0.2 s connect."""
-    reader, server = await _pair_for_dialing()
+    the release grace + 0.5 s) came on top of the caller's timeout: 3.5 s for a 1 s connect."""
+    reader, server = await _pair_for_dialing(release_grace_s=3.0)
     try:
         peer = await reader.connect(*server.address)
         real = reader._driver.busy_agents
@@ -561,8 +561,8 @@ async def test_a_connect_waiting_for_the_previous_connection_s_transfers_keeps_i
         reader.disconnect(peer)
         started = time.monotonic()
         with pytest.raises(HandshakeTimeout, match="still held its agent"):
-            await reader.connect(*server.address, timeout=0.3)
-        assert time.monotonic() - started < 0.6
+            await reader.connect(*server.address, timeout=1.0)
+        assert time.monotonic() - started < 2.0  # (the wait it is cut from: 3.5 s)
         monkeypatch.undo()
         assert (await reader.connect(*server.address)).engine_id == "dialed"
     finally:
