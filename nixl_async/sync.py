@@ -392,7 +392,9 @@ class SyncEngine:
         if not pending:
             return True
         engine = self.engine
-        settled: bool | None = None
+        # Each already told it is fenced (its grace spent): said at once, not after another grace of settling.
+        told = all(t.done() and isinstance(t.exception(), TransferFenced) for t in pending)
+        settled: bool | None = False if told else None
         while settled is None:
             with contextlib.suppress(asyncio.CancelledError):  # cancelled again meanwhile: changes nothing here
                 settled = await engine.settle(pending, timeout=engine.config.release_grace_s + 0.5)
@@ -481,7 +483,10 @@ class SyncEngine:
         self._poke_pending = True
         try:
             self._loop.call_soon_threadsafe(self._poked)
-        except RuntimeError:  # the loop ended without close()
+        except RuntimeError:  # the loop ended: closed meanwhile (as documented, nothing said), or without close()
+            self._poke_pending = False
+            if self._closed:
+                return
             raise self._closed_error() from None
 
     def _poked(self) -> None:
@@ -690,7 +695,7 @@ class SyncEngine:
                     self._loop.call_soon_threadsafe(self._cancel_on_loop, request_id, run)
                 self._portal.call(self._stop_background)
             except RuntimeError:
-                if not self._loop.is_closed():
+                if not _closes(self._loop):
                     raise  # (else its loop ended without close(): nothing runs there to cancel)
             finally:
                 self._stopper.stop()
@@ -739,7 +744,7 @@ class _LoopStopper:
         try:
             portal.call(engine.close)
         except RuntimeError:
-            if not self._loop.is_closed():
+            if not _closes(self._loop):
                 raise  # (else the loop ended without close(): its poller closed the engine as the loop went)
         finally:
             with contextlib.suppress(Exception):
@@ -799,6 +804,17 @@ def _logged_if_raising(func: Callable[..., object], args: tuple[Any, ...]) -> No
         func(*args)
     except BaseException:
         log.exception("a call_soon callable %s raised", getattr(func, "__name__", func))
+
+
+def _closes(loop: asyncio.AbstractEventLoop, within: float = 5.0) -> bool:
+    """Whether `loop`, whose portal refused a call, is ending: closed now or within `within` s (asyncio's runner
+    cancels what is left first, during which the portal is already stopped and the loop not yet closed)."""
+    deadline = time.monotonic() + within
+    while not loop.is_closed():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 async def _outcome_of(func: Callable[..., Any], args: tuple[Any, ...]) -> tuple[bool, Any]:

@@ -119,6 +119,35 @@ def test_a_close_with_a_request_still_fenced_returns(monkeypatch, nixl_peer_fact
         proc.resume()
 
 
+def test_a_request_whose_read_was_told_fenced_is_reported_fenced_without_another_grace(monkeypatch, nixl_peer_factory):
+    """The peer stopped with the read in flight, the request cancelled: its read is told `TransferFenced` once the
+    grace (1 s) is spent. Before session 40 the facade then settled for another grace + 0.5 s before reporting it
+    fenced (2.5 s in all); now at once, and still never done or failed while NIXL holds the read."""
+    monkeypatch.setenv("UCX_TLS", TCP_TLS)
+    proc = nixl_peer_factory(num_regions=2, num_blocks=BLOCKS, block_len=BLOCK, seed=3, tcp=True)
+    engine = SyncEngine(EngineConfig(engine_id="sync-fenced-soon", release_grace_s=1.0))
+    regions = [np.full(BLOCKS * BLOCK, 0xAA, np.uint8) for _ in range(2)]
+    engine.register("kv", regions, block_len=BLOCK)
+    engine.connect(*proc.address)
+    ids = list(range(BLOCKS))
+    engine.submit_read("req", *proc.address, ids, ids)
+    _wait_in_flight(engine, "req")
+    proc.pause()
+    try:
+        cancelled = time.monotonic()
+        assert engine.cancel("req")
+        while "req" not in (got := engine.get_finished()).fenced:
+            assert "req" not in got.done and "req" not in got.failed, "reported free while NIXL holds its read"
+            assert time.monotonic() - cancelled < 10, "the cancelled request was never reported fenced"
+            time.sleep(0.005)
+        assert time.monotonic() - cancelled < 2.0, "reported fenced a whole grace after its read was told"
+    finally:
+        proc.resume()
+    got = _collect(engine, "req")  # the peer resumed: NIXL lets go, and the request is reported failed
+    assert "req" in got.failed
+    engine.close()
+
+
 def test_a_task_that_outlives_its_request_cannot_submit_into_it(tcp_sync_engine, nixl_peer_factory):
     """A request's coroutine starts a task and returns: the request is reported at once. When that task
     reads later, the read is refused (`CollectionClosedError`, nothing posted); before, it was posted
