@@ -244,11 +244,11 @@ class AdapterScheduler(
             params["remote_blocks_expiry_time"] = time.time() + (deadline - time.perf_counter())
         if delay and params is not None and params.get("do_remote_prefill"):
             tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
+            if isinstance(params.get("remote_num_tokens"), int):  # (the prompt's, as the blocks: decode pairs by it)
+                params["remote_num_tokens"] = min(params["remote_num_tokens"], tokens)
             computed = self._computed_blocks(tokens, block_ids)
             if computed is not None:
                 params["remote_block_ids"] = computed
-                if "remote_num_tokens" in params:  # (the prompt's, as the blocks offered: its pages pair by it)
-                    params["remote_num_tokens"] = tokens
         return delay, params
 
     def _computed_blocks(self, tokens: int, block_ids: Any) -> Any:

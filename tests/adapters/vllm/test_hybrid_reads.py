@@ -341,8 +341,12 @@ def test_tokens_per_block_come_from_the_transferring_groups_not_the_configured_s
         groups = [KVCacheGroupSpec([f"l{i}"], spec) for i, spec in enumerate(specs)]
         return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
 
+    from vllm.v1.kv_cache_interface import MambaSpec
+
     full = FullAttentionSpec(block_size=64, num_kv_heads=1, head_size=8, dtype=torch.float16)
-    window = SlidingWindowSpec(block_size=32, num_kv_heads=1, head_size=8, dtype=torch.float16, sliding_window=128)
+    window = SlidingWindowSpec(block_size=48, num_kv_heads=1, head_size=8, dtype=torch.float16, sliding_window=128)
+    state = MambaSpec(block_size=1000, shapes=((4, 8),), dtypes=(torch.float16,))
     assert tokens_per_block(config(full), 16) == 64
-    assert tokens_per_block(config(full, window), 16) == 64  # their least common multiple, as vLLM's worker
+    assert tokens_per_block(config(full, window, state), 16) == 192  # their lcm, as vLLM's worker; state aside
+    assert tokens_per_block(config(state), 16) == 16
     assert tokens_per_block(config(), 16) == 16
