@@ -1320,22 +1320,24 @@ def _vllm_config(tp: int, block_size: int, buffer_device: str) -> Any:
         kv_transfer_config=ns(kv_connector_extra_config={"kv_lease_duration": 30}, kv_buffer_device=buffer_device),
         model_config=ns(
             use_mla=False,
+            dtype=torch.bfloat16,
             get_total_num_kv_heads=lambda: HEADS,
             get_num_kv_heads=lambda parallel: HEADS // parallel.tensor_parallel_size,
         ),
-        cache_config=ns(block_size=block_size, get_resolved_kv_cache_layout=lambda: ns(name="LBHNC")),
+        cache_config=ns(
+            block_size=block_size, cache_dtype="auto", get_resolved_kv_cache_layout=lambda: ns(name="LBHNC")
+        ),
     )
 
 
-def _kv_cache_config(num_blocks: int) -> Any:
+def _kv_cache_config(num_blocks: int, block_size: int) -> Any:
     """One full-attention KV cache group holding every layer, as vLLM builds it for a plain model."""
     from vllm.v1 import kv_cache_interface  # the stand-in's spec classes take no arguments
 
     ns = types.SimpleNamespace
-    group = ns(
-        kv_cache_spec=kv_cache_interface.FullAttentionSpec.__new__(kv_cache_interface.FullAttentionSpec),
-        layer_names=[f"layer{i}" for i in range(LAYERS)],
-    )
+    spec = kv_cache_interface.FullAttentionSpec.__new__(kv_cache_interface.FullAttentionSpec)
+    object.__setattr__(spec, "block_size", block_size)  # (tokens per block: the worker reads the groups)
+    group = ns(kv_cache_spec=spec, layer_names=[f"layer{i}" for i in range(LAYERS)])
     return ns(num_blocks=num_blocks, transfer_groups=[group], transfer_group_ids=[0])
 
 
@@ -1382,7 +1384,9 @@ def connector_worker_check(
         try:
             stand_ins.port, stand_ins.rank = free_port_base(2), 0
             prefill_port = stand_ins.port
-            producer = ConnectorWorker(_vllm_config(1, PEER_BS, buffer_device), "prefill", _kv_cache_config(BLOCKS))
+            producer = ConnectorWorker(
+                _vllm_config(1, PEER_BS, buffer_device), "prefill", _kv_cache_config(BLOCKS, PEER_BS)
+            )
             workers.append(producer)
             pmem = Memory(prod, device)
             pmem.fill(prod.seed, device)  # "the forward pass computed these blocks"
@@ -1398,7 +1402,7 @@ def connector_worker_check(
             for rank in (0, 1):
                 stand_ins.rank = rank
                 worker = ConnectorWorker(
-                    _vllm_config(2, DECODE_BS, buffer_device), "decode", _kv_cache_config(BLOCKS // 2)
+                    _vllm_config(2, DECODE_BS, buffer_device), "decode", _kv_cache_config(BLOCKS // 2, DECODE_BS)
                 )
                 workers.append(worker)
                 mem = Memory(dec, device)
