@@ -89,13 +89,12 @@ def test_a_request_that_leaves_its_read_unawaited_is_reported_failed_not_done(tc
     _assert_quiet(regions, got.failed["req"])
 
 
-def test_a_close_with_a_request_still_fenced_returns(monkeypatch, nixl_peer_factory):
-    """The peer is stopped (SIGSTOP) with a read in flight: the cancelled request is reported fenced,
-    and `close()` keeps its memory alive and returns; before, it waited forever for a quiet that
-    nothing would check any more (and so did the interpreter's exit)."""
+def _read_held_by_a_stopped_peer(monkeypatch, nixl_peer_factory, engine_id: str, grace: float):
+    """(a sync engine, its peer's process): request "req" reads every block over UCX/TCP, and the peer is stopped
+    (SIGSTOP) with the read in flight. The caller resumes the peer."""
     monkeypatch.setenv("UCX_TLS", TCP_TLS)
     proc = nixl_peer_factory(num_regions=2, num_blocks=BLOCKS, block_len=BLOCK, seed=3, tcp=True)
-    engine = SyncEngine(EngineConfig(engine_id="sync-close-fenced", release_grace_s=0.1))
+    engine = SyncEngine(EngineConfig(engine_id=engine_id, release_grace_s=grace))
     regions = [np.full(BLOCKS * BLOCK, 0xAA, np.uint8) for _ in range(2)]
     engine.register("kv", regions, block_len=BLOCK)
     engine.connect(*proc.address)
@@ -103,6 +102,14 @@ def test_a_close_with_a_request_still_fenced_returns(monkeypatch, nixl_peer_fact
     engine.submit_read("req", *proc.address, ids, ids)
     _wait_in_flight(engine, "req")
     proc.pause()
+    return engine, proc
+
+
+def test_a_close_with_a_request_still_fenced_returns(monkeypatch, nixl_peer_factory):
+    """The peer is stopped (SIGSTOP) with a read in flight: the cancelled request is reported fenced,
+    and `close()` keeps its memory alive and returns; before, it waited forever for a quiet that
+    nothing would check any more (and so did the interpreter's exit)."""
+    engine, proc = _read_held_by_a_stopped_peer(monkeypatch, nixl_peer_factory, "sync-close-fenced", 0.1)
     try:
         assert engine.cancel("req")
         deadline = time.monotonic() + 10
@@ -123,16 +130,7 @@ def test_a_request_whose_read_was_told_fenced_is_reported_fenced_without_another
     """The peer stopped with the read in flight, the request cancelled: its read is told `TransferFenced` once the
     grace (1 s) is spent. Before session 40 the facade then settled for another grace + 0.5 s before reporting it
     fenced (2.5 s in all); now at once, and still never done or failed while NIXL holds the read."""
-    monkeypatch.setenv("UCX_TLS", TCP_TLS)
-    proc = nixl_peer_factory(num_regions=2, num_blocks=BLOCKS, block_len=BLOCK, seed=3, tcp=True)
-    engine = SyncEngine(EngineConfig(engine_id="sync-fenced-soon", release_grace_s=1.0))
-    regions = [np.full(BLOCKS * BLOCK, 0xAA, np.uint8) for _ in range(2)]
-    engine.register("kv", regions, block_len=BLOCK)
-    engine.connect(*proc.address)
-    ids = list(range(BLOCKS))
-    engine.submit_read("req", *proc.address, ids, ids)
-    _wait_in_flight(engine, "req")
-    proc.pause()
+    engine, proc = _read_held_by_a_stopped_peer(monkeypatch, nixl_peer_factory, "sync-fenced-soon", 1.0)
     try:
         cancelled = time.monotonic()
         assert engine.cancel("req")

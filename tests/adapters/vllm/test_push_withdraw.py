@@ -409,12 +409,9 @@ def test_a_registration_whose_write_by_is_not_a_finite_time_is_refused():
             decode_registration(payload)
 
 
-def test_a_retry_s_push_runs_on_when_the_first_attempt_s_push_ends():
-    """Two decode requests of one decode rank registered for one prefill request (a retry reusing the
-    X-Request-Id). The first push ends: every reader the request expected is served, but the retry's push still
-    reads the blocks. Before session 40 the request closing made the next step cancel that push (decode told it
-    failed); now it runs to its end and the blocks go back after it, unless the lease runs out first (that
-    stops it, as it stops pushes of a request no reader was served for)."""
+def _two_attempts_pushing() -> tuple[_Prefill, str, str]:
+    """(prefill, the first attempt's push, the retry's): two decode requests of one decode rank registered for one
+    prefill request (a retry reusing the X-Request-Id), both pushes begun."""
     prefill = _Prefill()
     worker = prefill.worker
     worker.sync.poke = worker.sync.call_soon = worker.sync.spawn = lambda *args: None
@@ -424,6 +421,16 @@ def test_a_retry_s_push_runs_on_when_the_first_attempt_s_push_ends():
         worker._start_push(*worker._book.register(_registration(attempt), time.time()))
     (first, _), (retry, _) = prefill.submitted
     assert worker._begin(first) and worker._begin(retry)
+    return prefill, first, retry
+
+
+def test_a_retry_s_push_runs_on_when_the_first_attempt_s_push_ends():
+    """The first push ends: every reader the request expected is served, but the retry's push still reads the
+    blocks. Before session 40 the request closing made the next step cancel that push (decode told it failed);
+    now it runs to its end and the blocks go back after it, unless the lease runs out first (that stops it, as it
+    stops pushes of a request no reader was served for)."""
+    prefill, first, retry = _two_attempts_pushing()
+    worker = prefill.worker
     assert not worker._own_finished(FinishedRequests(done={first}, failed={}, fenced={}))
     for _ in range(2):
         assert REQUEST not in worker._finished_sending(), "freed while the retry's push reads the blocks"
@@ -435,16 +442,10 @@ def test_a_retry_s_push_runs_on_when_the_first_attempt_s_push_ends():
     worker._own_finished(FinishedRequests(done={retry}, failed={}, fenced={}))
     assert REQUEST in worker._finished_sending()
 
-    prefill = _Prefill()  # the same two pushes, the request's lease run out: the one left is stopped
-    worker = prefill.worker
-    worker.sync.poke = worker.sync.call_soon = worker.sync.spawn = lambda *args: None
-    worker._notifications, worker._record, worker._withdrawals = queue.SimpleQueue(), lambda *args: None, {}
-    worker._book.finished(REQUEST, ([1],))
-    for attempt in ("cmpl-d-0-11111111", "cmpl-d-0-22222222"):
-        worker._start_push(*worker._book.register(_registration(attempt), time.time()))
-    (first, _), (retry, _) = prefill.submitted
-    assert worker._begin(first) and worker._begin(retry)
-    worker._sends.hold(REQUEST, time.perf_counter() - 1)
-    worker._finished_sending()
-    worker._finished_sending()
+
+def test_a_lease_run_out_stops_both_attempts_pushes():
+    prefill, first, retry = _two_attempts_pushing()
+    prefill.worker._sends.hold(REQUEST, time.perf_counter() - 1)
+    prefill.worker._finished_sending()
+    prefill.worker._finished_sending()
     assert sorted(prefill.cancelled) == sorted([first, retry])
