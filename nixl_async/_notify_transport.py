@@ -147,13 +147,15 @@ class NotificationTransport:
             self._pacer.stay_brisk(now + WIREUP_BRISK_S)
             self._wakeup()
 
-    def forget(self, peer: Peer, taken: Callable[[tuple[str, int]], bool] = lambda _address: False) -> None:
-        """Close `peer`'s side-channel sockets, but those at an address another peer now answers at (`taken`:
-        its notifications queued there must leave in order)."""
+    def forget(self, peer: Peer, holder: Callable[[tuple[str, int]], str | None] = lambda _address: None) -> None:
+        """Close `peer`'s side-channel sockets, but those at an address another peer now answers at (`holder`: its
+        agent name; its notifications queued there must leave in order): that peer's, from now on."""
         if self._side is not None:
             for address in self._addresses.pop(peer.agent_name, set()) | {peer.address}:
-                if not taken(address):
+                if (other := holder(address)) is None:
                     self._side.forget(address)
+                else:
+                    self._addresses.setdefault(other, set()).add(address)
 
     def drain(self, agent: OwnedAgent, table: PeerTable) -> None:
         """Move what NIXL received into the box, naming senders by engine id."""

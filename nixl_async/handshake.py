@@ -45,7 +45,7 @@ import zmq
 import zmq.asyncio
 
 from . import messages
-from ._notify_guard import NotifyGuard
+from ._notify_guard import UNKNOWN_SESSION, NotifyGuard
 from ._poller import ErrorThrottle
 from ._zmq_tcp import bare_host, endpoint, for_host
 from .exceptions import EngineIdMismatch, HandshakeRejected, HandshakeTimeout, IncompatiblePeerError, ProtocolError
@@ -321,6 +321,11 @@ class HandshakeServer:
             self.rejected += 1
             return
         reason = self.guard.check(note)
+        if reason == UNKNOWN_SESSION and note.busy_ms > 0:
+            # A busy hint in a session this server never issued or no longer holds: a peer that restarted (or
+            # whose session went) hinting until it handshakes again. It carries nothing: counted, not alarmed.
+            self.notifications_refused[reason] += 1
+            return
         if reason is not None:
             # Session, number and MAC are a notification's credentials: a refusal is an auth failure.
             self.rejected += 1

@@ -742,10 +742,14 @@ class _LoopStopper:
             return
         portal_cm, portal, engine = parts
         try:
-            portal.call(engine.close)
-        except RuntimeError:
-            if not _closes(self._loop):
-                raise  # (else the loop ended without close(): its poller closed the engine as the loop went)
+            try:  # (the close's own errors come back as values: a RuntimeError here is the portal's refusal)
+                failed, error = portal.call(_outcome_of, engine.close, ())
+            except RuntimeError:
+                if not _closes(self._loop):
+                    raise  # (else the loop ended without close(): its poller closed the engine as the loop went)
+            else:
+                if failed:
+                    raise error
         finally:
             with contextlib.suppress(Exception):
                 portal.call(portal.stop, True)  # `call`s still running (a caller's coroutine) are cancelled
@@ -808,7 +812,8 @@ def _logged_if_raising(func: Callable[..., object], args: tuple[Any, ...]) -> No
 
 def _closes(loop: asyncio.AbstractEventLoop, within: float = 5.0) -> bool:
     """Whether `loop`, whose portal refused a call, is ending: closed now or within `within` s (asyncio's runner
-    cancels what is left first, during which the portal is already stopped and the loop not yet closed)."""
+    cancels what is left first, during which the portal is already stopped and the loop not yet closed). Only for a
+    `RuntimeError` from the portal or the loop themselves, never one the called code raised."""
     deadline = time.monotonic() + within
     while not loop.is_closed():
         if time.monotonic() >= deadline:

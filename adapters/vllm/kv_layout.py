@@ -41,8 +41,9 @@ _PER_TOKEN_SLOT = frozenset({
     "TRITON_FLASHINFER", "FLEX_ATTENTION", "HPC_ATTN", "TURBOQUANT", "ULTRAQUANT", "ROCM_AITER_FA",
     "ROCM_AITER_UNIFIED_ATTN",
 })  # fmt: skip
-# Of those, the ones that store K and V as they are (no inline scales): one (head, token) slot is the same bytes in
-# each, so a block of one reads right into another's cache (as vLLM's connector allows with its compat check off).
+# Of those, the ones whose (head, token) slot is ``[K|V]`` alike: for one element type and layout a block of one reads
+# right into another's cache (as vLLM's connector allows with its compat check off). (Triton's per-token-head
+# quantized types pad scales into the slot: only Triton has them, and their dtype names them apart.)
 _PLAIN_SLOT = frozenset({
     "FLASH_ATTN", "TRITON_ATTN", "TRITON_FLASH_ATTN", "FLASHINFER", "TRITON_FLASHINFER", "FLEX_ATTENTION", "HPC_ATTN",
     "ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN",

@@ -306,6 +306,27 @@ async def test_without_a_secret_replays_are_refused_too(ctx):
         await server.close()
 
 
+async def test_a_busy_hint_in_an_unknown_session_is_counted_but_not_an_auth_failure(ctx, caplog):
+    """A reader still holding a session of this server's previous incarnation hints it busy until it handshakes
+    again: before session 40 each hint counted as an authentication failure and logged a warning."""
+    received: list[tuple[str, bytes]] = []
+    server = await _serve(ctx, None, received)
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(f"tcp://127.0.0.1:{server.port}")
+    caplog.set_level(logging.WARNING, logger="nixl_async.handshake")
+    try:
+        hint = messages.NotifyMessage(engine_id="reader", message=b"", session=b"\x01" * 16, seq=1, busy_ms=5)
+        await raw.send(messages.encode(hint))
+        await raw.send(messages.encode(_note(b"\x01" * 16, 2, secret=None)))  # a notification still is one
+        await _until(lambda: server.notifications_refused["unknown_session"] == 2)
+        assert server.auth_failures == 1 and received == []
+        assert len([r for r in caplog.records if "dropped a notification" in r.getMessage()]) == 1
+    finally:
+        raw.close(0)
+        await server.close()
+
+
 async def test_a_session_is_bound_to_the_engine_that_asked(ctx):
     received: list[tuple[str, bytes]] = []
     server = await _serve(ctx, SECRET, received)
