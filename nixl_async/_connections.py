@@ -174,15 +174,6 @@ class Connections:
             self._poke()
             await asyncio.sleep(0.005)
 
-    def _holder_besides(self, peer: Peer) -> Callable[[Address], str | None]:
-        """The agent name of the peer other than `peer` that answers at an address, if any."""
-
-        def holder(address: Address) -> str | None:
-            held = self.table.at(address)
-            return held.agent_name if held is not None and held is not peer else None
-
-        return holder
-
     def forget(self, peer: Peer) -> None:
         """Stop using a peer now; its remote agent and descriptor lists go once its transfers are quiet."""
         if not peer.connected:
@@ -191,7 +182,7 @@ class Connections:
             lambda t: TransferCancelled("peer disconnected", transfer_id=t.id, peer=peer.engine_id),
             agent_name=peer.agent_name,
         )
-        self._notify.forget(peer, self._holder_besides(peer))
+        self._notify.forget(peer, self.table)
         peer.connected = False
         self.table.remove(peer)
         self.retiring[peer.agent_name] = peer

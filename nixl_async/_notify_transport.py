@@ -114,9 +114,12 @@ class NotificationTransport:
             assert self._agent is not None
             self._agent.send_notification(peer.agent_name, message)
         else:
-            assert self._side is not None
-            self._side.send(peer.address, peer.notify_session, message)
-            self._addresses.setdefault(peer.agent_name, set()).add(peer.address)
+            self._side_send(peer, message)
+
+    def _side_send(self, peer: Peer, message: bytes, busy_ms: int = 0) -> None:
+        assert self._side is not None
+        self._side.send(peer.address, peer.notify_session, message, busy_ms)
+        self._addresses.setdefault(peer.agent_name, set()).add(peer.address)
 
     def hint_busy(self, peer: Peer, seconds: float) -> None:
         """Ask `peer` to progress its worker briskly for `seconds`: transfers with it are in flight.
@@ -124,14 +127,12 @@ class NotificationTransport:
         Best effort (a full queue or a closed socket only costs throughput), hence no error. A
         peer adopted from etcd without a handshake has issued us no session: it gets none.
         """
-        assert self._side is not None
         if not peer.notify_session:
             return
         try:
-            self._side.send(peer.address, peer.notify_session, b"", busy_ms=max(1, round(seconds * 1000)))
+            self._side_send(peer, b"", busy_ms=max(1, round(seconds * 1000)))
         except zmq.ZMQError:
             return
-        self._addresses.setdefault(peer.agent_name, set()).add(peer.address)
         self._stats.counters["busy_hints_sent"] += 1
 
     def sent(self, now: float) -> None:
@@ -147,15 +148,16 @@ class NotificationTransport:
             self._pacer.stay_brisk(now + WIREUP_BRISK_S)
             self._wakeup()
 
-    def forget(self, peer: Peer, holder: Callable[[tuple[str, int]], str | None] = lambda _address: None) -> None:
-        """Close `peer`'s side-channel sockets, but those at an address another peer now answers at (`holder`: its
-        agent name; its notifications queued there must leave in order): that peer's, from now on."""
+    def forget(self, peer: Peer, table: PeerTable) -> None:
+        """Close `peer`'s side-channel sockets, but those at an address another peer of `table` now answers at (its
+        notifications queued there must leave in order): that peer's, from now on."""
         if self._side is not None:
             for address in self._addresses.pop(peer.agent_name, set()) | {peer.address}:
-                if (other := holder(address)) is None:
+                other = table.at(address)
+                if other is None or other is peer:
                     self._side.forget(address)
                 else:
-                    self._addresses.setdefault(other, set()).add(address)
+                    self._addresses.setdefault(other.agent_name, set()).add(address)
 
     def drain(self, agent: OwnedAgent, table: PeerTable) -> None:
         """Move what NIXL received into the box, naming senders by engine id."""
