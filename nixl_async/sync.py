@@ -203,6 +203,13 @@ class SyncEngine:
         asyncio's loop (the engine's poller then closes the engine). Every call then raises `EngineClosedError`."""
         return self._closed or self._loop.is_closed()
 
+    def _on_loop(self, callback: Callable[..., object], *args: Any) -> None:
+        """`callback(*args)` on the loop thread soon; `EngineClosedError` if its loop has ended meanwhile."""
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # (the loop ended since it was checked)
+            raise self._closed_error() from None
+
     def _closed_error(self) -> EngineClosedError:
         if not self._closed and self._loop.is_closed():
             return EngineClosedError("the sync engine's loop thread ended without close() (logged there: a "
@@ -453,10 +460,7 @@ class SyncEngine:
                 self._background.add(task := asyncio.get_running_loop().create_task(run()))
                 task.add_done_callback(self._background.discard)
 
-        try:
-            self._loop.call_soon_threadsafe(start)
-        except RuntimeError:  # (the loop ended since)
-            raise self._closed_error() from None
+        self._on_loop(start)
 
     def call_soon(self, func: Callable[..., object], *args: Any) -> None:
         """Run the plain callable ``func(*args)`` on the loop thread soon; returns at once.
@@ -466,10 +470,7 @@ class SyncEngine:
         """
         if self._gone():
             raise self._closed_error()
-        try:
-            self._loop.call_soon_threadsafe(_logged_if_raising, func, args)
-        except RuntimeError:  # (the loop ended since)
-            raise self._closed_error() from None
+        self._on_loop(_logged_if_raising, func, args)
 
     def poke(self) -> None:
         """Have the loop progress NIXL and drain notifications soon (`TransferEngine.poll_soon`).
@@ -482,12 +483,11 @@ class SyncEngine:
             return
         self._poke_pending = True
         try:
-            self._loop.call_soon_threadsafe(self._poked)
-        except RuntimeError:  # the loop ended: closed meanwhile (as documented, nothing said), or without close()
+            self._on_loop(self._poked)
+        except EngineClosedError:  # closed meanwhile (as documented, nothing said), or its loop ended without close()
             self._poke_pending = False
-            if self._closed:
-                return
-            raise self._closed_error() from None
+            if not self._closed:
+                raise
 
     def _poked(self) -> None:
         self._poke_pending = False
@@ -594,8 +594,8 @@ class SyncEngine:
         if run is None:
             return False
         try:
-            self._loop.call_soon_threadsafe(self._cancel_on_loop, request_id, run)
-        except RuntimeError:  # the loop ended: nothing runs there any more
+            self._on_loop(self._cancel_on_loop, request_id, run)
+        except EngineClosedError:  # nothing runs there any more
             return False
         return True
 
