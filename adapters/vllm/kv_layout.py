@@ -35,19 +35,15 @@ from nixl_async.exceptions import LayoutError
 
 __all__ = ["SHUFFLED_AITER_FA", "CacheLayout", "describe_cache", "no_head_window", "packing_class", "packing_name"]
 
-# Backends whose C is one head's K then V (or a quantized slot) for one token.
-_PER_TOKEN_SLOT = frozenset({
-    "FLASH_ATTN", "FLASH_ATTN_DIFFKV", "TRITON_ATTN", "TRITON_ATTN_DIFFKV", "TRITON_FLASH_ATTN", "FLASHINFER",
-    "TRITON_FLASHINFER", "FLEX_ATTENTION", "HPC_ATTN", "TURBOQUANT", "ULTRAQUANT", "ROCM_AITER_FA",
-    "ROCM_AITER_UNIFIED_ATTN",
-})  # fmt: skip
-# Of those, the ones whose (head, token) slot is ``[K|V]`` alike: for one element type and layout a block of one reads
-# right into another's cache (as vLLM's connector allows with its compat check off). (Triton's per-token-head
-# quantized types pad scales into the slot: only Triton has them, and their dtype names them apart.)
+# Backends whose (head, token) slot is ``[K|V]`` alike: for one element type and layout a block of one reads right
+# into another's cache (as vLLM's connector allows with its compat check off). (Triton's per-token-head quantized
+# types pad scales into the slot: only Triton has them, and their dtype names them apart.)
 _PLAIN_SLOT = frozenset({
     "FLASH_ATTN", "TRITON_ATTN", "TRITON_FLASH_ATTN", "FLASHINFER", "TRITON_FLASHINFER", "FLEX_ATTENTION", "HPC_ATTN",
     "ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN",
 })  # fmt: skip
+# Backends whose C is one head's K then V (or a quantized slot) for one token: those, and some of their own.
+_PER_TOKEN_SLOT = _PLAIN_SLOT | {"FLASH_ATTN_DIFFKV", "TRITON_ATTN_DIFFKV", "TURBOQUANT", "ULTRAQUANT"}
 # ROCm AITER FA calls itself FLASH_ATTN; with the shuffled KV cache its blocks hold two planes.
 SHUFFLED_AITER_FA = "ROCM_AITER_FA_SHUFFLED"
 # Backends that keep K and V as two planes of all heads.

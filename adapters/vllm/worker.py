@@ -749,6 +749,7 @@ BYTES_MEANING_KEYS = ("kv_cache_layout", "cpu_attn_isa", "ssm_conv_state_layout"
 # when the peer publishes them. A FlashAttention block and a two-plane one can be the same size in the same layout,
 # as can fp8 e4m3 and e5m2, or bf16 and fp16 blocks. (FlashAttention and Triton blocks are the same bytes: one class.)
 LATER_MEANING_KEYS = ("attention_packing", "kv_cache_dtype")
+_DTYPE_SPELLINGS = {"fp8": "fp8_e4m3", "half": "float16", "float": "float32"}  # (vLLM's aliases, one name each)
 
 
 def _packing_meaning(vllm_config: Any, attention: AttentionChoice) -> tuple[tuple[str, str], ...]:
@@ -756,12 +757,9 @@ def _packing_meaning(vllm_config: Any, attention: AttentionChoice) -> tuple[tupl
     for one meaning ("auto" is the model's dtype, "torch.bfloat16" and "bfloat16" one type, "fp8" vLLM's e4m3)."""
     model = vllm_config.model_config
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
-    dtype = str(model.dtype) if cache_dtype == "auto" else cache_dtype
-    dtype = _DTYPE_SPELLINGS.get(dtype.removeprefix("torch."), dtype.removeprefix("torch."))
+    dtype = (str(model.dtype) if cache_dtype == "auto" else cache_dtype).removeprefix("torch.")
+    dtype = _DTYPE_SPELLINGS.get(dtype, dtype)
     return ("attention_packing", packing_class(attention.backend, bool(model.use_mla))), ("kv_cache_dtype", dtype)
-
-
-_DTYPE_SPELLINGS = {"fp8": "fp8_e4m3", "half": "float16", "float": "float32"}
 
 
 def _on_rocm() -> bool:
