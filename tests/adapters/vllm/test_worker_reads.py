@@ -371,59 +371,45 @@ async def test_a_block_size_ratio_into_the_cpu_backend_is_refused_before_reading
     await _assert_told_once(prefill, 1)  # connected before the refusal: it frees the blocks at once
 
 
+_LAYOUT = (("kv_cache_layout", "LBNHC"),)
+# (since session 40 also the packing's class and the element type: a two-plane block (ROCM_ATTN) is as large as a
+# FlashAttention one in the same layout, an fp8 e5m2 one as an e4m3 one; under the opt-out they were read as garbage)
+_PACKED = (*_LAYOUT, ("attention_packing", "kv_per_token_slot"), ("kv_cache_dtype", "fp8_e4m3"))
+
+
 @pytest.mark.parametrize(
-    "published, enforced, refused",
+    "published, enforced, ours, refused",
     [
-        ({"kv_cache_layout": "LBHNC"}, False, "'LBHNC', ours is 'LBNHC'"),  # the hash's opt-out: still compared
-        ({"kv_cache_layout": "LBHNC"}, True, "'LBHNC', ours is 'LBNHC'"),
-        ({}, False, "kv_cache_layout is not published"),  # nothing to compare, and no hash compared it
-        ({}, True, None),  # an adapter from before these were published: the enforced hash compared them
-        ({"kv_cache_layout": "LBNHC"}, False, None),
+        ({"kv_cache_layout": "LBHNC"}, False, _LAYOUT, "'LBHNC', ours is 'LBNHC'"),  # the opt-out: still compared
+        ({"kv_cache_layout": "LBHNC"}, True, _LAYOUT, "'LBHNC', ours is 'LBNHC'"),
+        ({}, False, _LAYOUT, "kv_cache_layout is not published"),  # nothing to compare, and no hash compared it
+        ({}, True, _LAYOUT, None),  # an adapter from before these were published: the enforced hash compared them
+        ({"kv_cache_layout": "LBNHC"}, False, _LAYOUT, None),
+        ({"kv_cache_layout": "LBNHC", "attention_packing": "ROCM_ATTN", "kv_cache_dtype": "fp8_e4m3"}, False,
+         _PACKED, "'ROCM_ATTN', ours is 'kv_per_token_slot'"),
+        ({"kv_cache_layout": "LBNHC", "attention_packing": "kv_per_token_slot", "kv_cache_dtype": "fp8_e5m2"}, False,
+         _PACKED, "'fp8_e5m2', ours is 'fp8_e4m3'"),
+        ({"kv_cache_layout": "LBNHC"}, False, _PACKED, None),  # an adapter from before session 40: the layout alone
     ],
-    ids=["other_layout_opted_out", "other_layout", "unpublished_opted_out", "unpublished_hash_enforced", "same"],
-)
-async def test_a_producer_whose_blocks_mean_something_else_is_refused(nixl_peer_factory, published, enforced,
+    ids=["other_layout_opted_out", "other_layout", "unpublished_opted_out", "unpublished_hash_enforced", "same",
+         "two_planes_opted_out", "other_fp8_opted_out", "older_producer_opted_out"],
+)  # fmt: skip
+async def test_a_producer_whose_blocks_mean_something_else_is_refused(nixl_peer_factory, published, enforced, ours,
                                                                        refused):  # fmt: skip
-    """What a block's bytes mean (cache layout, CPU ISA, state layout and dtypes) is compared before reading, even
-    with ``enforce_handshake_compat: false``, which skips vLLM's hash only (as in vLLM). Before, the opt-out made a
-    layout mismatch a warning: LBHNC blocks read into an LBNHC cache, tokens and heads transposed, no error."""
+    """What a block's bytes mean (cache layout, CPU ISA, state layout and dtypes, packing class, element type) is
+    compared before reading, even with ``enforce_handshake_compat: false``, which skips vLLM's hash only (as in
+    vLLM). Before, the opt-out made a layout mismatch a warning: LBHNC blocks read into an LBNHC cache, tokens and
+    heads transposed, no error."""
     port, prefill = _spawn_prefill(nixl_peer_factory, 1, False, 1, extra=published)
     local = LOCAL_CANDIDATES[: len(REMOTE_BLOCKS) - LOCAL_HIT]
-    meaning = (("kv_cache_layout", "LBNHC"),)
     if refused is None:
-        _caches, results = await _decode_rank(0, 1, 1, False, 1, port, local, bytes_meaning=meaning,
+        _caches, results = await _decode_rank(0, 1, 1, False, 1, port, local, bytes_meaning=ours,
                                               compat_enforced=enforced)  # fmt: skip
         assert results
     else:
         with pytest.raises(LayoutError, match=refused):
-            await _decode_rank(0, 1, 1, False, 1, port, local, bytes_meaning=meaning, compat_enforced=enforced)
+            await _decode_rank(0, 1, 1, False, 1, port, local, bytes_meaning=ours, compat_enforced=enforced)
         await _assert_told_once(prefill, 1)  # connected before the refusal: it frees the blocks at once
-
-
-@pytest.mark.parametrize(
-    "published, refused",
-    [
-        ({"attention_packing": "ROCM_ATTN", "kv_cache_dtype": "fp8_e4m3"}, "'ROCM_ATTN', ours is 'kv_per_token_slot'"),
-        ({"attention_packing": "kv_per_token_slot", "kv_cache_dtype": "fp8_e5m2"}, "'fp8_e5m2', ours is 'fp8_e4m3'"),
-        ({}, None),  # an adapter from before session 40: the layout alone is compared
-    ],
-    ids=["two_planes", "other_fp8", "older_producer"],
-)
-async def test_under_the_opt_out_another_packing_or_element_type_is_refused(nixl_peer_factory, published, refused):
-    """A two-plane block (ROCM_ATTN) is as large as a FlashAttention one in the same layout, an fp8 e5m2 one as an
-    e4m3 one: before session 40, with ``enforce_handshake_compat: false``, such blocks were read and decoded as
-    garbage, nothing said."""
-    port, prefill = _spawn_prefill(nixl_peer_factory, 1, False, 1, extra={"kv_cache_layout": "LBNHC", **published})
-    local = LOCAL_CANDIDATES[: len(REMOTE_BLOCKS) - LOCAL_HIT]
-    meaning = (("kv_cache_layout", "LBNHC"), ("attention_packing", "kv_per_token_slot"), ("kv_cache_dtype", "fp8_e4m3"))
-    if refused is None:
-        _caches, results = await _decode_rank(0, 1, 1, False, 1, port, local, bytes_meaning=meaning,
-                                              compat_enforced=False)  # fmt: skip
-        assert results
-    else:
-        with pytest.raises(LayoutError, match=refused):
-            await _decode_rank(0, 1, 1, False, 1, port, local, bytes_meaning=meaning, compat_enforced=False)
-        await _assert_told_once(prefill, 1)
 
 
 async def test_mla_blocks_are_read_whatever_layout_the_producer_names(nixl_peer_factory):
